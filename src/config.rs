@@ -1,0 +1,571 @@
+//! Static configuration: the TOML file, parsed and value-checked once at start-up.
+//!
+//! Every size policyd uses comes from here. This module checks each value on its own (ranges,
+//! names, lengths) and names the key in every error; [`crate::plan`] then checks the bindings
+//! against the engine's real inputs and outputs and computes the memory budget.
+
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+use crate::dtype::ElemType;
+use crate::engine::ModelSource;
+use crate::wire::{MAX_PATH, RESERVED_KEYS};
+
+/// A configuration error. The message names the config key and what to fix.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read config file {path}: {source}")]
+    Read {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("config {path}: {message}")]
+    Parse { path: String, message: String },
+    #[error("config key `{key}`: {message}")]
+    Invalid { key: String, message: String },
+}
+
+pub(crate) fn invalid(key: impl Into<String>, message: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid {
+        key: key.into(),
+        message: message.into(),
+    }
+}
+
+/// The whole configuration file.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    #[serde(default)]
+    pub server: ServerConfig,
+    pub engine: EngineConfig,
+    /// Observation key → engine input.
+    #[serde(default)]
+    pub inputs: Vec<InputConfig>,
+    /// Engine output → reply key.
+    #[serde(default)]
+    pub outputs: Vec<OutputConfig>,
+    /// Sent verbatim (as msgpack) in the metadata frame on connect.
+    #[serde(default)]
+    pub metadata: toml::Table,
+    /// Where the model comes from (resolved from `engine.model`, or embedded).
+    #[serde(skip)]
+    pub model: Option<ModelSource>,
+}
+
+/// `[server]`: the listener and per-connection limits.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ServerConfig {
+    pub host: String,
+    pub port: u16,
+    /// WebSocket connections served at once; one more gets HTTP 503 in the handshake.
+    pub max_connections: usize,
+    /// Largest inbound message; a larger frame is rejected before it is buffered.
+    pub max_message_bytes: usize,
+    /// Server ping interval (0 = no pings).
+    pub ping_interval_s: f64,
+    /// Close a connection whose pong is this late.
+    pub ping_timeout_s: f64,
+    /// Close a connection idle this long (0 = off: openpi-client never reconnects).
+    pub idle_timeout_s: f64,
+    /// Time a client gets to complete the HTTP upgrade.
+    pub handshake_timeout_s: f64,
+    /// Sessions (`session_id`) tracked per connection; the least recently used is evicted.
+    pub max_sessions: usize,
+    /// Reply to `endpoint: reset` as a msgpack map (`msgpack`) or the text frame
+    /// `reset successful` (`text`, older vllm-omni and RoboArena clients).
+    pub reset_reply: String,
+    /// Deepest map/list nesting accepted in a request.
+    pub max_depth: usize,
+    /// Most entries accepted in any map or list of a request.
+    pub max_map_entries: usize,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        ServerConfig {
+            host: "127.0.0.1".into(),
+            port: 8000,
+            max_connections: 8,
+            max_message_bytes: 4 << 20,
+            ping_interval_s: 20.0,
+            ping_timeout_s: 20.0,
+            idle_timeout_s: 0.0,
+            handshake_timeout_s: 10.0,
+            max_sessions: 16,
+            reset_reply: "msgpack".into(),
+            max_depth: 16,
+            max_map_entries: 1024,
+        }
+    }
+}
+
+/// `[engine]`: which backend runs which model.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EngineConfig {
+    /// `cpu` (tract-onnx).
+    #[serde(default = "default_backend")]
+    pub backend: String,
+    /// Model file, relative to the config file's folder.
+    pub model: Option<PathBuf>,
+    /// Requests in flight at once (each has its own input and output buffers).
+    #[serde(default = "default_slots")]
+    pub slots: usize,
+    /// Runs before the server reports ready.
+    #[serde(default = "default_warmup")]
+    pub warmup_runs: usize,
+}
+
+fn default_backend() -> String {
+    "cpu".into()
+}
+fn default_slots() -> usize {
+    2
+}
+fn default_warmup() -> usize {
+    3
+}
+
+/// `[[inputs]]`: one observation key bound to one engine input.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct InputConfig {
+    /// Observation key; nested maps are joined with `/` (`images/cam_high`).
+    pub key: String,
+    /// Engine input name.
+    pub tensor: String,
+    /// Accepted wire dtypes (`uint8`, `float32`, `float64`, …), converted to the engine's.
+    pub dtypes: Vec<String>,
+    /// Expected wire shape.
+    pub shape: Vec<usize>,
+    /// `hwc_to_chw`, `chw_to_hwc` or `none`.
+    #[serde(default)]
+    pub layout: Option<String>,
+    /// `y = ((x·scale + offset) − mean) / (std + 1e-6)`.
+    #[serde(default = "one")]
+    pub scale: f64,
+    #[serde(default)]
+    pub offset: f64,
+    /// Per-feature (length of the wire shape's last axis), per-element, or one value.
+    #[serde(default)]
+    pub mean: Vec<f64>,
+    #[serde(default)]
+    pub std: Vec<f64>,
+    /// May be absent from a request; the engine input is then filled with `fill`.
+    #[serde(default)]
+    pub optional: bool,
+    #[serde(default)]
+    pub fill: f64,
+    /// Fixed engine shape, for models whose input has symbolic dimensions.
+    #[serde(default)]
+    pub engine_shape: Option<Vec<usize>>,
+}
+
+fn one() -> f64 {
+    1.0
+}
+
+/// `[[outputs]]`: one engine output sent under one reply key.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OutputConfig {
+    /// Engine output name.
+    pub tensor: String,
+    /// Reply key.
+    #[serde(default = "actions")]
+    pub key: String,
+    /// Wire dtype of the reply array (`float32` or `float64`).
+    #[serde(default = "f32_name")]
+    pub dtype: String,
+    /// Keep only the first N entries of the last axis (openpi's `actions[:, :14]`).
+    #[serde(default)]
+    pub columns: Option<usize>,
+    /// Un-normalisation `x·(std + 1e-6) + mean`, per action dimension (or one value).
+    #[serde(default)]
+    pub mean: Vec<f64>,
+    #[serde(default)]
+    pub std: Vec<f64>,
+}
+
+fn actions() -> String {
+    "actions".into()
+}
+fn f32_name() -> String {
+    "float32".into()
+}
+
+/// How an input's axes are rearranged on the way to the engine.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Layout {
+    None,
+    HwcToChw,
+    ChwToHwc,
+}
+
+impl Layout {
+    /// Destination axis k is source axis `perm[k]` (over the last three axes).
+    pub fn perm(self) -> Option<[usize; 3]> {
+        match self {
+            Layout::None => None,
+            Layout::HwcToChw => Some([2, 0, 1]),
+            Layout::ChwToHwc => Some([1, 2, 0]),
+        }
+    }
+}
+
+impl InputConfig {
+    pub fn layout(&self) -> Layout {
+        match self.layout.as_deref() {
+            Some("hwc_to_chw") => Layout::HwcToChw,
+            Some("chw_to_hwc") => Layout::ChwToHwc,
+            _ => Layout::None,
+        }
+    }
+    pub fn dtypes(&self) -> Vec<ElemType> {
+        self.dtypes.iter().filter_map(|d| ElemType::from_name(d)).collect()
+    }
+}
+
+impl OutputConfig {
+    pub fn dtype(&self) -> ElemType {
+        ElemType::from_name(&self.dtype).unwrap_or(ElemType::F32)
+    }
+}
+
+impl Config {
+    /// Reads and checks a config file; the model path is resolved against its folder.
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.display().to_string(),
+            source,
+        })?;
+        let base = path.parent().unwrap_or(Path::new("."));
+        Config::parse(&text, &path.display().to_string(), Some(base))
+    }
+
+    /// Parses and checks config text. `base` resolves a relative `engine.model`; without it
+    /// the model must be supplied by the caller (the embedded default).
+    pub fn parse(text: &str, origin: &str, base: Option<&Path>) -> Result<Config, ConfigError> {
+        let mut cfg: Config = toml::from_str(text).map_err(|e| ConfigError::Parse {
+            path: origin.to_string(),
+            message: e.to_string(),
+        })?;
+        if let (Some(model), Some(base)) = (&cfg.engine.model, base) {
+            cfg.model = Some(ModelSource::File(base.join(model)));
+        }
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Checks every value on its own; engine-dependent checks are in [`crate::plan`].
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let s = &self.server;
+        if s.host.trim().is_empty() {
+            return Err(invalid("server.host", "must not be empty"));
+        }
+        if s.max_connections == 0 || s.max_connections > 4096 {
+            return Err(invalid(
+                "server.max_connections",
+                format!("must be between 1 and 4096, got {}", s.max_connections),
+            ));
+        }
+        if s.max_message_bytes < 1024 || s.max_message_bytes > (1 << 30) {
+            return Err(invalid(
+                "server.max_message_bytes",
+                format!(
+                    "must be between 1024 and 1073741824, got {}",
+                    s.max_message_bytes
+                ),
+            ));
+        }
+        for (key, v, max) in [
+            ("server.ping_interval_s", s.ping_interval_s, 86400.0),
+            ("server.ping_timeout_s", s.ping_timeout_s, 86400.0),
+            ("server.idle_timeout_s", s.idle_timeout_s, 86400.0 * 365.0),
+            ("server.handshake_timeout_s", s.handshake_timeout_s, 3600.0),
+        ] {
+            if !(v.is_finite() && (0.0..=max).contains(&v)) {
+                return Err(invalid(
+                    key,
+                    format!("must be a number of seconds between 0 and {max}, got {v}"),
+                ));
+            }
+        }
+        if s.ping_interval_s > 0.0 && s.ping_timeout_s <= 0.0 {
+            return Err(invalid(
+                "server.ping_timeout_s",
+                "must be positive when server.ping_interval_s is set",
+            ));
+        }
+        if s.handshake_timeout_s <= 0.0 {
+            return Err(invalid("server.handshake_timeout_s", "must be positive"));
+        }
+        if s.max_sessions == 0 || s.max_sessions > crate::session::MAX_SESSIONS {
+            return Err(invalid(
+                "server.max_sessions",
+                format!(
+                    "must be between 1 and {}, got {}",
+                    crate::session::MAX_SESSIONS,
+                    s.max_sessions
+                ),
+            ));
+        }
+        if !matches!(s.reset_reply.as_str(), "msgpack" | "text") {
+            return Err(invalid(
+                "server.reset_reply",
+                format!("must be \"msgpack\" or \"text\", got \"{}\"", s.reset_reply),
+            ));
+        }
+        if !(2..=64).contains(&s.max_depth) {
+            return Err(invalid(
+                "server.max_depth",
+                format!("must be between 2 and 64, got {}", s.max_depth),
+            ));
+        }
+        if !(8..=1_000_000).contains(&s.max_map_entries) {
+            return Err(invalid(
+                "server.max_map_entries",
+                format!("must be between 8 and 1000000, got {}", s.max_map_entries),
+            ));
+        }
+
+        let e = &self.engine;
+        if e.backend != "cpu" {
+            return Err(invalid(
+                "engine.backend",
+                format!(
+                    "unknown backend \"{}\"; this build has: cpu",
+                    e.backend
+                ),
+            ));
+        }
+        if self.model.is_none() && e.model.is_none() {
+            return Err(invalid("engine.model", "missing: give the path of the ONNX model"));
+        }
+        if e.slots == 0 || e.slots > 64 {
+            return Err(invalid(
+                "engine.slots",
+                format!("must be between 1 and 64, got {}", e.slots),
+            ));
+        }
+        if e.warmup_runs > 1000 {
+            return Err(invalid(
+                "engine.warmup_runs",
+                format!("must be at most 1000, got {}", e.warmup_runs),
+            ));
+        }
+
+        if self.inputs.is_empty() {
+            return Err(invalid("inputs", "at least one [[inputs]] binding is needed"));
+        }
+        for (i, b) in self.inputs.iter().enumerate() {
+            let k = |f: &str| format!("inputs[{i}].{f}");
+            if b.key.is_empty() || b.key.len() > MAX_PATH {
+                return Err(invalid(k("key"), format!("must be 1 to {MAX_PATH} bytes long")));
+            }
+            if b.key.starts_with('/') || b.key.ends_with('/') || b.key.contains("//") {
+                return Err(invalid(
+                    k("key"),
+                    format!("\"{}\" has an empty path segment", b.key),
+                ));
+            }
+            if RESERVED_KEYS.contains(&b.key.as_str()) {
+                return Err(invalid(
+                    k("key"),
+                    format!("\"{}\" is reserved by the protocol and cannot be bound", b.key),
+                ));
+            }
+            if let Some(j) = self.inputs[..i].iter().position(|o| o.key == b.key) {
+                return Err(invalid(k("key"), format!("\"{}\" is already bound by inputs[{j}]", b.key)));
+            }
+            if let Some(j) = self.inputs[..i].iter().position(|o| o.tensor == b.tensor) {
+                return Err(invalid(
+                    k("tensor"),
+                    format!("engine input \"{}\" is already bound by inputs[{j}]", b.tensor),
+                ));
+            }
+            if b.dtypes.is_empty() {
+                return Err(invalid(k("dtypes"), "list at least one accepted wire dtype, e.g. [\"float32\", \"float64\"]"));
+            }
+            for d in &b.dtypes {
+                if ElemType::from_name(d).is_none() {
+                    return Err(invalid(
+                        k("dtypes"),
+                        format!("unknown dtype \"{d}\"; use a numpy name such as uint8, float32, float64"),
+                    ));
+                }
+            }
+            if b.shape.len() > crate::wire::MAX_RANK {
+                return Err(invalid(k("shape"), format!("rank {} exceeds {}", b.shape.len(), crate::wire::MAX_RANK)));
+            }
+            if b.shape.contains(&0) {
+                return Err(invalid(k("shape"), "dimensions must be positive"));
+            }
+            let layout_ok = matches!(b.layout.as_deref(), None | Some("none" | "hwc_to_chw" | "chw_to_hwc"));
+            if !layout_ok {
+                return Err(invalid(
+                    k("layout"),
+                    format!(
+                        "must be \"hwc_to_chw\", \"chw_to_hwc\" or \"none\", got \"{}\"",
+                        b.layout.as_deref().unwrap_or_default()
+                    ),
+                ));
+            }
+            if b.layout().perm().is_some() && b.shape.len() < 3 {
+                return Err(invalid(k("layout"), "needs a shape of rank 3 or more"));
+            }
+            if !b.scale.is_finite() || !b.offset.is_finite() || !b.fill.is_finite() {
+                return Err(invalid(k("scale"), "scale, offset and fill must be finite numbers"));
+            }
+            let elements: usize = b.shape.iter().product();
+            check_norm(&k("mean"), &k("std"), &b.mean, &b.std, &[1, *b.shape.last().unwrap_or(&1), elements])?;
+        }
+        if self.outputs.is_empty() {
+            return Err(invalid("outputs", "at least one [[outputs]] binding is needed"));
+        }
+        for (i, o) in self.outputs.iter().enumerate() {
+            let k = |f: &str| format!("outputs[{i}].{f}");
+            if o.key.is_empty() {
+                return Err(invalid(k("key"), "must not be empty"));
+            }
+            if let Some(j) = self.outputs[..i].iter().position(|p| p.key == o.key) {
+                return Err(invalid(k("key"), format!("\"{}\" is already used by outputs[{j}]", o.key)));
+            }
+            if !matches!(ElemType::from_name(&o.dtype), Some(ElemType::F32 | ElemType::F64)) {
+                return Err(invalid(k("dtype"), format!("must be \"float32\" or \"float64\", got \"{}\"", o.dtype)));
+            }
+            if o.columns == Some(0) {
+                return Err(invalid(k("columns"), "must be positive"));
+            }
+            // Lengths against the action dimension are checked once the engine is known.
+            check_norm(&k("mean"), &k("std"), &o.mean, &o.std, &[])?;
+        }
+        for (key, v) in &self.metadata {
+            check_metadata(&format!("metadata.{key}"), v)?;
+        }
+        Ok(())
+    }
+}
+
+/// mean/std must come together, with equal lengths from `allowed` (empty: any length),
+/// finite, std non-negative.
+fn check_norm(mk: &str, sk: &str, mean: &[f64], std: &[f64], allowed: &[usize]) -> Result<(), ConfigError> {
+    if mean.len() != std.len() {
+        return Err(invalid(
+            mk,
+            format!("has {} values but {sk} has {}; give both with equal lengths", mean.len(), std.len()),
+        ));
+    }
+    if mean.is_empty() {
+        return Ok(());
+    }
+    if !allowed.is_empty() && !allowed.contains(&mean.len()) {
+        return Err(invalid(
+            mk,
+            format!(
+                "has {} values; give 1, one per entry of the last axis ({}), or one per element ({})",
+                mean.len(),
+                allowed[1],
+                allowed[2]
+            ),
+        ));
+    }
+    if mean.iter().any(|v| !v.is_finite()) {
+        return Err(invalid(mk, "values must be finite"));
+    }
+    if std.iter().any(|v| !v.is_finite() || *v < 0.0) {
+        return Err(invalid(sk, "values must be finite and non-negative"));
+    }
+    Ok(())
+}
+
+fn check_metadata(key: &str, v: &toml::Value) -> Result<(), ConfigError> {
+    match v {
+        toml::Value::Datetime(_) => Err(invalid(key, "dates cannot be sent as metadata; use a string")),
+        toml::Value::Array(a) => a
+            .iter()
+            .enumerate()
+            .try_for_each(|(i, x)| check_metadata(&format!("{key}[{i}]"), x)),
+        toml::Value::Table(t) => t
+            .iter()
+            .try_for_each(|(k, x)| check_metadata(&format!("{key}.{k}"), x)),
+        _ => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIN: &str = r#"
+[engine]
+model = "m.onnx"
+[[inputs]]
+key = "state"
+tensor = "state"
+dtypes = ["float32", "float64"]
+shape = [8]
+[[outputs]]
+tensor = "actions"
+"#;
+
+    fn err(extra: &str) -> String {
+        let text = format!("{MIN}\n{extra}");
+        match Config::parse(&text, "test.toml", Some(Path::new("/tmp"))) {
+            Ok(_) => panic!("accepted: {extra}"),
+            Err(e) => e.to_string(),
+        }
+    }
+
+    fn replace(from: &str, to: &str) -> String {
+        match Config::parse(&MIN.replace(from, to), "test.toml", Some(Path::new("/tmp"))) {
+            Ok(_) => panic!("accepted: {to}"),
+            Err(e) => e.to_string(),
+        }
+    }
+
+    #[test]
+    fn minimal_config_has_documented_defaults() {
+        let c = Config::parse(MIN, "t", Some(Path::new("/etc/policyd"))).unwrap();
+        assert_eq!(c.server.host, "127.0.0.1");
+        assert_eq!(c.server.port, 8000);
+        assert_eq!(c.server.idle_timeout_s, 0.0);
+        assert_eq!(c.server.ping_interval_s, 20.0);
+        assert_eq!(c.outputs[0].key, "actions");
+        assert!(matches!(c.model, Some(ModelSource::File(ref p)) if p == Path::new("/etc/policyd/m.onnx")));
+    }
+
+    #[test]
+    fn errors_name_the_key() {
+        assert!(err("[server]\nmax_connections = 0").contains("server.max_connections"));
+        assert!(err("[server]\nmax_message_bytes = 10").contains("server.max_message_bytes"));
+        assert!(err("[server]\nping_timeout_s = -1.0").contains("server.ping_timeout_s"));
+        assert!(err("[server]\nreset_reply = \"json\"").contains("server.reset_reply"));
+        assert!(err("[server]\nportt = 1").contains("portt"), "unknown keys are refused");
+        assert!(replace("dtypes = [\"float32\", \"float64\"]", "dtypes = [\"float33\"]").contains("inputs[0].dtypes"));
+        assert!(replace("dtypes = [\"float32\", \"float64\"]", "dtypes = []").contains("inputs[0].dtypes"));
+        assert!(replace("shape = [8]", "shape = [8]\nlayout = \"hwc_to_chw\"").contains("inputs[0].layout"));
+        assert!(replace("shape = [8]", "shape = [8]\nmean = [0.0, 1.0]\nstd = [1.0, 1.0]").contains("inputs[0].mean"));
+        assert!(replace("shape = [8]", "shape = [8]\nmean = [0.0]").contains("inputs[0].mean"));
+        assert!(replace("key = \"state\"", "key = \"endpoint\"").contains("inputs[0].key"));
+        assert!(replace("tensor = \"actions\"", "tensor = \"actions\"\ndtype = \"int8\"").contains("outputs[0].dtype"));
+        assert!(replace("model = \"m.onnx\"", "model = \"m.onnx\"\nbackend = \"gpu\"").contains("engine.backend"));
+        assert!(err("[metadata]\nwhen = 1979-05-27").contains("metadata.when"));
+        let dup = format!("{MIN}\n[[inputs]]\nkey = \"state\"\ntensor = \"x\"\ndtypes = [\"float32\"]\nshape = [1]\n");
+        let e = Config::parse(&dup, "t", Some(Path::new("."))).unwrap_err().to_string();
+        assert!(e.contains("inputs[1].key"), "{e}");
+    }
+
+    #[test]
+    fn parse_errors_say_where() {
+        let e = Config::parse("[server\nport = 1", "bad.toml", None).unwrap_err().to_string();
+        assert!(e.contains("bad.toml"), "{e}");
+        let e = Config::parse("[server]\nport = \"x\"\n[engine]\nmodel=\"m\"", "bad.toml", None)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("port"), "{e}");
+    }
+}

@@ -1,0 +1,218 @@
+//! The CPU backend: tract-onnx, pure Rust, the embedded default.
+//!
+//! The model is parsed, typed, optimised and made runnable once at start-up; `run` then makes
+//! no decisions. Input buffers are tract tensors allocated at start-up and handed to tract by
+//! reference count, so inputs are never copied; outputs are copied into the slot's buffers
+//! (they are small: an action chunk).
+
+use std::any::Any;
+use std::sync::Arc;
+use std::time::Instant;
+
+use tract_onnx::prelude::*;
+use tract_onnx::tract_hir::infer::Factoid;
+
+use super::{Engine, EngineError, InputBuffer, IoSpec, ModelSource, RunStats, TensorSpec};
+use crate::dtype::ElemType;
+
+/// The tract backend.
+pub struct CpuEngine {
+    plan: Arc<TypedRunnableModel>,
+    io: IoSpec,
+    /// One value per input, reused for every run (no per-run TVec growth beyond tract's own).
+    datum: Vec<DatumType>,
+}
+
+/// An input tensor owned by the slot and shared with tract only while it runs.
+struct TractInput(Arc<Tensor>);
+
+impl InputBuffer for TractInput {
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        // Unique outside a run, so this does not copy; if tract ever kept a reference it
+        // would copy once rather than write into a tensor tract still reads.
+        Arc::make_mut(&mut self.0).as_bytes_mut()
+    }
+    fn as_any_mut(&mut self) -> &mut dyn Any {
+        self
+    }
+}
+
+fn elem_type(dt: DatumType) -> Option<ElemType> {
+    Some(match dt {
+        DatumType::Bool => ElemType::Bool,
+        DatumType::U8 => ElemType::U8,
+        DatumType::I8 => ElemType::I8,
+        DatumType::U16 => ElemType::U16,
+        DatumType::I16 => ElemType::I16,
+        DatumType::U32 => ElemType::U32,
+        DatumType::I32 => ElemType::I32,
+        DatumType::U64 => ElemType::U64,
+        DatumType::I64 => ElemType::I64,
+        DatumType::F16 => ElemType::F16,
+        DatumType::F32 => ElemType::F32,
+        DatumType::F64 => ElemType::F64,
+        _ => return None,
+    })
+}
+
+fn load_err(model: &ModelSource, e: impl std::fmt::Display) -> EngineError {
+    EngineError::Load {
+        model: model.describe(),
+        reason: format!("{e:#}"),
+    }
+}
+
+impl CpuEngine {
+    /// Loads and optimises a model. `shape_hints` fixes the shapes of inputs whose dims the
+    /// model leaves symbolic (from the bindings' `engine_shape`).
+    pub fn load(model: &ModelSource, shape_hints: &[(String, Vec<usize>)]) -> Result<Self, EngineError> {
+        let bytes: Vec<u8>;
+        let mut reader: &[u8] = match model {
+            ModelSource::File(p) => {
+                bytes = std::fs::read(p).map_err(|source| EngineError::ReadModel {
+                    path: p.display().to_string(),
+                    source,
+                })?;
+                &bytes
+            }
+            ModelSource::Embedded { bytes, .. } => bytes,
+        };
+        let mut inf = tract_onnx::onnx()
+            .model_for_read(&mut reader)
+            .map_err(|e| load_err(model, e))?;
+        let input_names: Vec<String> = inf
+            .input_outlets()
+            .map_err(|e| load_err(model, e))?
+            .iter()
+            .map(|o| inf.node(o.node).name.clone())
+            .collect();
+        let output_names: Vec<String> = inf
+            .output_outlets()
+            .map_err(|e| load_err(model, e))?
+            .iter()
+            .map(|o| {
+                inf.outlet_label(*o)
+                    .map(str::to_string)
+                    .unwrap_or_else(|| inf.node(o.node).name.clone())
+            })
+            .collect();
+        for (i, name) in input_names.iter().enumerate() {
+            if let Some((_, shape)) = shape_hints.iter().find(|(n, _)| n == name) {
+                let fact = inf.input_fact(i).map_err(|e| load_err(model, e))?.clone();
+                let dt = fact.datum_type.concretize().unwrap_or(DatumType::F32);
+                inf.set_input_fact(i, InferenceFact::dt_shape(dt, shape.clone()))
+                    .map_err(|e| load_err(model, e))?;
+            }
+        }
+        let typed = inf.into_typed().map_err(|e| load_err(model, e))?;
+        let mut io = IoSpec::default();
+        let mut datum = Vec::new();
+        for (i, name) in input_names.iter().enumerate() {
+            let fact = typed.input_fact(i).map_err(|e| load_err(model, e))?;
+            let shape = fact
+                .shape
+                .as_concrete()
+                .ok_or_else(|| EngineError::DynamicShape {
+                    name: name.clone(),
+                    shape: format!("{:?}", fact.shape),
+                })?
+                .to_vec();
+            let dtype = elem_type(fact.datum_type).ok_or_else(|| EngineError::UnsupportedType {
+                side: "input",
+                name: name.clone(),
+                dtype: format!("{:?}", fact.datum_type),
+            })?;
+            datum.push(fact.datum_type);
+            io.inputs.push(TensorSpec {
+                name: name.clone(),
+                dtype,
+                shape,
+            });
+        }
+        for (i, name) in output_names.iter().enumerate() {
+            let fact = typed.output_fact(i).map_err(|e| load_err(model, e))?;
+            let shape = fact
+                .shape
+                .as_concrete()
+                .ok_or_else(|| EngineError::Load {
+                    model: model.describe(),
+                    reason: format!("output '{name}' has a dynamic shape {:?}", fact.shape),
+                })?
+                .to_vec();
+            let dtype = elem_type(fact.datum_type).ok_or_else(|| EngineError::UnsupportedType {
+                side: "output",
+                name: name.clone(),
+                dtype: format!("{:?}", fact.datum_type),
+            })?;
+            io.outputs.push(TensorSpec {
+                name: name.clone(),
+                dtype,
+                shape,
+            });
+        }
+        let plan = typed
+            .into_optimized()
+            .and_then(|m| m.into_runnable())
+            .map_err(|e| load_err(model, e))?;
+        Ok(CpuEngine { plan, io, datum })
+    }
+}
+
+impl Engine for CpuEngine {
+    fn backend(&self) -> &'static str {
+        "cpu"
+    }
+
+    fn io(&self) -> &IoSpec {
+        &self.io
+    }
+
+    fn alloc_inputs(&self) -> Result<Vec<Box<dyn InputBuffer>>, EngineError> {
+        self.io
+            .inputs
+            .iter()
+            .zip(&self.datum)
+            .map(|(spec, dt)| {
+                let t = Tensor::zero_dt(*dt, &spec.shape).map_err(|e| EngineError::Load {
+                    model: spec.name.clone(),
+                    reason: format!("cannot allocate input: {e}"),
+                })?;
+                Ok(Box::new(TractInput(Arc::new(t))) as Box<dyn InputBuffer>)
+            })
+            .collect()
+    }
+
+    fn run(
+        &mut self,
+        inputs: &mut [Box<dyn InputBuffer>],
+        outputs: &mut [Vec<u8>],
+        _reset: bool,
+    ) -> Result<RunStats, EngineError> {
+        let start = Instant::now();
+        let mut values: TVec<TValue> = TVec::new();
+        for b in inputs.iter_mut() {
+            let t = b
+                .as_any_mut()
+                .downcast_mut::<TractInput>()
+                .ok_or_else(|| EngineError::Run("input buffer from another backend".into()))?;
+            values.push(TValue::from_const(t.0.clone()));
+        }
+        let result = self
+            .plan
+            .run(values)
+            .map_err(|e| EngineError::Run(format!("{e:#}")))?;
+        let compute = start.elapsed();
+        for ((spec, out), value) in self.io.outputs.iter().zip(outputs.iter_mut()).zip(result.iter()) {
+            let bytes = value.as_bytes();
+            if bytes.len() != out.len() {
+                return Err(EngineError::OutputSize {
+                    name: spec.name.clone(),
+                    got: bytes.len(),
+                    expected: out.len(),
+                });
+            }
+            out.copy_from_slice(bytes);
+        }
+        Ok(RunStats { compute })
+    }
+}

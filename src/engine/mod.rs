@@ -1,0 +1,131 @@
+//! The engine: one trait for every backend, and the specs the config is checked against.
+//!
+//! A backend loads a model once, reports its real inputs and outputs, allocates host input
+//! buffers in the memory it prefers (tract tensors for the CPU backend; page-locked memory for a
+//! GPU backend), and runs. The engine worker thread owns it; nothing async ever waits on it.
+
+pub mod cpu;
+
+use std::any::Any;
+use std::time::Duration;
+
+use crate::dtype::ElemType;
+
+/// One engine input or output, as the model declares it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TensorSpec {
+    pub name: String,
+    pub dtype: ElemType,
+    pub shape: Vec<usize>,
+}
+
+impl TensorSpec {
+    pub fn elements(&self) -> usize {
+        self.shape.iter().product()
+    }
+    pub fn bytes(&self) -> usize {
+        self.elements() * self.dtype.size()
+    }
+}
+
+/// The model's real I/O, in the order the backend takes and returns them.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct IoSpec {
+    pub inputs: Vec<TensorSpec>,
+    pub outputs: Vec<TensorSpec>,
+}
+
+/// A host buffer holding one input tensor, in memory the backend chose. The wire decoder
+/// writes into `bytes_mut()`; the backend downcasts to its own type to run.
+pub trait InputBuffer: Send {
+    fn bytes_mut(&mut self) -> &mut [u8];
+    fn as_any_mut(&mut self) -> &mut dyn Any;
+}
+
+/// What one run measured.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct RunStats {
+    /// Engine execution time (for a GPU backend, after a device sync).
+    pub compute: Duration,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error("cannot read model file {path}: {source}")]
+    ReadModel {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("cannot load model {model}: {reason}")]
+    Load { model: String, reason: String },
+    #[error(
+        "model input '{name}' has a dynamic shape {shape}; give its fixed shape in the binding's `engine_shape`"
+    )]
+    DynamicShape { name: String, shape: String },
+    #[error("model {side} '{name}' has type {dtype}, which policyd cannot bind")]
+    UnsupportedType {
+        side: &'static str,
+        name: String,
+        dtype: String,
+    },
+    #[error("backend '{backend}' is not available: {reason}")]
+    Unavailable {
+        backend: &'static str,
+        reason: String,
+    },
+    #[error("inference failed: {0}")]
+    Run(String),
+    #[error("engine output '{name}' has {got} bytes, expected {expected}")]
+    OutputSize {
+        name: String,
+        got: usize,
+        expected: usize,
+    },
+}
+
+/// A loaded, runnable model.
+pub trait Engine: Send {
+    /// The backend's config name (`cpu`).
+    fn backend(&self) -> &'static str;
+    /// The model's inputs and outputs.
+    fn io(&self) -> &IoSpec;
+    /// Allocates one set of input buffers, one per `io().inputs`, sized exactly.
+    fn alloc_inputs(&self) -> Result<Vec<Box<dyn InputBuffer>>, EngineError>;
+    /// Runs the model on `inputs`, writing each output into `outputs` (sized exactly, in
+    /// `io().outputs` order). `reset` tells a stateful policy to drop its history.
+    fn run(
+        &mut self,
+        inputs: &mut [Box<dyn InputBuffer>],
+        outputs: &mut [Vec<u8>],
+        reset: bool,
+    ) -> Result<RunStats, EngineError>;
+}
+
+/// Where a model comes from.
+#[derive(Clone, Debug)]
+pub enum ModelSource {
+    /// A file on disk (`[engine] model`).
+    File(std::path::PathBuf),
+    /// Bytes built into the binary (the embedded demo policy).
+    Embedded {
+        name: &'static str,
+        bytes: &'static [u8],
+    },
+}
+
+impl ModelSource {
+    pub fn describe(&self) -> String {
+        match self {
+            ModelSource::File(p) => p.display().to_string(),
+            ModelSource::Embedded { name, .. } => format!("<embedded {name}>"),
+        }
+    }
+
+    /// Size of the model's weights as stored, for the memory budget.
+    pub fn size(&self) -> u64 {
+        match self {
+            ModelSource::File(p) => std::fs::metadata(p).map(|m| m.len()).unwrap_or(0),
+            ModelSource::Embedded { bytes, .. } => bytes.len() as u64,
+        }
+    }
+}

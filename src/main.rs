@@ -1,0 +1,143 @@
+//! The `policyd` binary: serve (the default), or check a config.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+use policyd::config::Config;
+use policyd::server;
+
+/// A robot-policy inference server speaking the OpenPI WebSocket protocol.
+///
+/// With no arguments it serves the embedded demo policy (ALOHA profile, CPU engine) on
+/// 127.0.0.1:8000.
+#[derive(Parser, Debug)]
+#[command(version, about)]
+struct Cli {
+    /// Config file (TOML); without it the embedded demo config is served.
+    #[arg(long, global = true)]
+    config: Option<PathBuf>,
+    /// Override `server.host`.
+    #[arg(long, global = true)]
+    host: Option<String>,
+    /// Override `server.port`.
+    #[arg(long, global = true)]
+    port: Option<u16>,
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Serve the policy (the default).
+    Serve,
+    /// Validate a config against its model and print the memory budget.
+    CheckConfig {
+        /// The config file to check.
+        file: PathBuf,
+    },
+    /// Print the embedded default config (a starting point for your own).
+    PrintDefaultConfig,
+}
+
+fn main() -> ExitCode {
+    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info")).init();
+    let cli = Cli::parse();
+    match run(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("policyd: error: {e}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+fn load_config(path: Option<&PathBuf>, cli: &Cli) -> Result<Config, String> {
+    let mut cfg = match path {
+        Some(p) => Config::load(p).map_err(|e| e.to_string())?,
+        None => policyd::demo::config().map_err(|e| e.to_string())?,
+    };
+    if let Some(h) = &cli.host {
+        cfg.server.host = h.clone();
+    }
+    if let Some(p) = cli.port {
+        cfg.server.port = p;
+    }
+    cfg.validate().map_err(|e| e.to_string())?;
+    Ok(cfg)
+}
+
+fn run(cli: Cli) -> Result<(), String> {
+    match &cli.command {
+        Some(Command::PrintDefaultConfig) => {
+            print!("{}", policyd::demo::CONFIG);
+            Ok(())
+        }
+        Some(Command::CheckConfig { file }) => {
+            let cfg = load_config(Some(file), &cli)?;
+            let engine = server::open_engine(&cfg).map_err(|e| e.to_string())?;
+            let plan = policyd::plan::Plan::compile(&cfg, engine.io()).map_err(|e| e.to_string())?;
+            println!("{}: OK ({} backend, {} inputs, {} outputs)", file.display(), engine.backend(), plan.inputs.len(), plan.outputs.len());
+            for s in &engine.io().inputs {
+                println!("  input  '{}' {} {:?}", s.name, s.dtype, s.shape);
+            }
+            for s in &engine.io().outputs {
+                println!("  output '{}' {} {:?}", s.name, s.dtype, s.shape);
+            }
+            print!("{}", plan.budget.render());
+            Ok(())
+        }
+        Some(Command::Serve) | None => {
+            let cfg = load_config(cli.config.as_ref(), &cli)?;
+            serve(cfg)
+        }
+    }
+}
+
+fn serve(cfg: Config) -> Result<(), String> {
+    let origin = cfg.model.as_ref().map(|m| m.describe()).unwrap_or_default();
+    let t0 = std::time::Instant::now();
+    let loaded = server::load(&cfg).map_err(|e| e.to_string())?;
+    log::info!(
+        "engine ready: {} backend, model {origin}, loaded in {:.0} ms (warm-up {:.1} ms)",
+        loaded.backend,
+        t0.elapsed().as_secs_f64() * 1e3,
+        loaded.warmup.as_secs_f64() * 1e3
+    );
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(|e| format!("cannot start the async runtime: {e}"))?;
+    rt.block_on(async move {
+        let listener = server::bind(&cfg).await.map_err(|e| e.to_string())?;
+        let addr = listener.local_addr().map_err(|e| e.to_string())?;
+        log::info!("serving on ws://{addr} (openpi on any path, vllm-omni on {}, health on /healthz)", server::VLLM_PATH);
+        server::serve(cfg, loaded, listener, shutdown_signal())
+            .await
+            .map_err(|e| e.to_string())
+    })
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(s) => s,
+            Err(_) => {
+                let _ = ctrl_c.await;
+                return;
+            }
+        };
+        tokio::select! {
+            _ = ctrl_c => log::info!("SIGINT received"),
+            _ = term.recv() => log::info!("SIGTERM received"),
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = ctrl_c.await;
+    }
+}

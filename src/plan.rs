@@ -1,0 +1,489 @@
+//! The serving plan: the config checked against the engine's real I/O, compiled once.
+//!
+//! Like tract's typed pipeline (parse, check, optimise, run), policyd validates every binding
+//! at start-up and compiles it into transforms, so the request path makes no decisions: it
+//! looks up a key, applies a precompiled transform into a preallocated buffer, and encodes
+//! into a buffer sized here. The memory budget that `check-config` prints is computed here.
+
+use crate::config::{Config, ConfigError, invalid};
+use crate::dtype::{ElemType, WireDType};
+use crate::engine::{InputBuffer, IoSpec};
+use crate::transform::{Affine, Transform, load_f64};
+use crate::wire::{self, Encoder, Limits, Timing, Value, Visitor, WireError};
+
+/// One observation key bound to one engine input.
+#[derive(Debug)]
+pub struct InputBinding {
+    pub key: String,
+    /// Index into the engine's inputs.
+    pub index: usize,
+    /// Accepted wire dtypes, each with its compiled transform.
+    pub accepted: Vec<(ElemType, Transform)>,
+    /// Expected wire shape.
+    pub shape: Vec<usize>,
+    pub engine_type: ElemType,
+    pub affine: Affine,
+    pub optional: bool,
+    pub fill: f64,
+}
+
+/// One engine output sent under one reply key.
+#[derive(Debug)]
+pub struct OutputBinding {
+    pub key: String,
+    pub index: usize,
+    /// Shape of the reply array.
+    pub shape: Vec<usize>,
+    /// Engine output → reply dtype (openpi routes).
+    pub openpi: Transform,
+    /// Engine output → float32 (the vllm-omni route always sends float32).
+    pub vllm: Transform,
+}
+
+/// The compiled plan.
+#[derive(Debug)]
+pub struct Plan {
+    pub inputs: Vec<InputBinding>,
+    pub outputs: Vec<OutputBinding>,
+    pub io: IoSpec,
+    pub limits: Limits,
+    /// The metadata frame, encoded once.
+    pub metadata: Vec<u8>,
+    /// Largest reply, in bytes (the reply buffer's capacity).
+    pub reply_capacity: usize,
+    pub budget: Budget,
+}
+
+/// Drops leading size-1 axes while more than `min_rank` remain.
+fn squeeze_to(shape: &[usize], min_rank: usize) -> &[usize] {
+    let mut s = shape;
+    while s.len() > min_rank && s.first() == Some(&1) {
+        s = &s[1..];
+    }
+    s
+}
+
+impl Plan {
+    /// Checks `cfg`'s bindings against the engine's I/O and compiles them.
+    pub fn compile(cfg: &Config, io: &IoSpec) -> Result<Plan, ConfigError> {
+        let names = |specs: &[crate::engine::TensorSpec]| {
+            specs
+                .iter()
+                .map(|s| format!("'{}' {} {:?}", s.name, s.dtype, s.shape))
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        let mut inputs = Vec::new();
+        for (i, b) in cfg.inputs.iter().enumerate() {
+            let k = |f: &str| format!("inputs[{i}].{f}");
+            let index = io.inputs.iter().position(|s| s.name == b.tensor).ok_or_else(|| {
+                invalid(
+                    k("tensor"),
+                    format!(
+                        "the model has no input '{}'; its inputs are: {}",
+                        b.tensor,
+                        names(&io.inputs)
+                    ),
+                )
+            })?;
+            let spec = &io.inputs[index];
+            let rank = b.shape.len();
+            let mut perm: Vec<usize> = (0..rank).collect();
+            if let Some(p) = b.layout().perm() {
+                for (j, &pj) in p.iter().enumerate() {
+                    perm[rank - 3 + j] = rank - 3 + pj;
+                }
+            }
+            let seen_by_engine: Vec<usize> = perm.iter().map(|&p| b.shape[p]).collect();
+            if squeeze_to(&spec.shape, rank) != seen_by_engine.as_slice() {
+                return Err(invalid(
+                    k("shape"),
+                    format!(
+                        "wire shape {:?}{} does not match model input '{}' of shape {:?}",
+                        b.shape,
+                        if b.layout().perm().is_some() {
+                            format!(" (after layout: {seen_by_engine:?})")
+                        } else {
+                            String::new()
+                        },
+                        spec.name,
+                        spec.shape
+                    ),
+                ));
+            }
+            let affine = Affine::normalize(b.scale, b.offset, &b.mean, &b.std);
+            let accepted = b
+                .dtypes()
+                .into_iter()
+                .map(|t| {
+                    let tr = if perm.iter().enumerate().all(|(j, &p)| j == p) {
+                        Transform::elementwise(t, spec.dtype, spec.elements(), affine.clone())
+                    } else {
+                        Transform::permuted(t, spec.dtype, &b.shape, &perm, affine.clone())
+                    };
+                    (t, tr)
+                })
+                .collect();
+            inputs.push(InputBinding {
+                key: b.key.clone(),
+                index,
+                accepted,
+                shape: b.shape.clone(),
+                engine_type: spec.dtype,
+                affine,
+                optional: b.optional,
+                fill: b.fill,
+            });
+        }
+        for spec in &io.inputs {
+            if !cfg.inputs.iter().any(|b| b.tensor == spec.name) {
+                return Err(invalid(
+                    "inputs",
+                    format!(
+                        "model input '{}' {} {:?} has no [[inputs]] binding; every model input needs one",
+                        spec.name, spec.dtype, spec.shape
+                    ),
+                ));
+            }
+        }
+
+        let mut outputs = Vec::new();
+        for (i, o) in cfg.outputs.iter().enumerate() {
+            let k = |f: &str| format!("outputs[{i}].{f}");
+            let index = io.outputs.iter().position(|s| s.name == o.tensor).ok_or_else(|| {
+                invalid(
+                    k("tensor"),
+                    format!(
+                        "the model has no output '{}'; its outputs are: {}",
+                        o.tensor,
+                        names(&io.outputs)
+                    ),
+                )
+            })?;
+            let spec = &io.outputs[index];
+            let src_shape: Vec<usize> = squeeze_to(&spec.shape, 2).to_vec();
+            let last = *src_shape.last().unwrap_or(&1);
+            let cols = o.columns.unwrap_or(last);
+            if cols > last {
+                return Err(invalid(
+                    k("columns"),
+                    format!("{cols} exceeds the last axis of output '{}' {:?}", spec.name, spec.shape),
+                ));
+            }
+            let mut shape = src_shape.clone();
+            if let Some(l) = shape.last_mut() {
+                *l = cols;
+            }
+            let total: usize = shape.iter().product();
+            if !o.mean.is_empty() && ![1, cols, total].contains(&o.mean.len()) {
+                return Err(invalid(
+                    k("mean"),
+                    format!(
+                        "has {} values; give 1, one per action dimension ({cols}), or one per element ({total})",
+                        o.mean.len()
+                    ),
+                ));
+            }
+            let affine = Affine::unnormalize(&o.mean, &o.std);
+            let src_shape = if src_shape.is_empty() { vec![1] } else { src_shape };
+            let shape = if shape.is_empty() { vec![1] } else { shape };
+            outputs.push(OutputBinding {
+                key: o.key.clone(),
+                index,
+                openpi: Transform::first_columns(spec.dtype, o.dtype(), &src_shape, cols, affine.clone()),
+                vllm: Transform::first_columns(spec.dtype, ElemType::F32, &src_shape, cols, affine),
+                shape,
+            });
+        }
+        check_vllm_metadata(cfg, &outputs)?;
+
+        let mut metadata = Vec::new();
+        wire::encode_toml(
+            &mut Encoder { buf: &mut metadata },
+            &toml::Value::Table(cfg.metadata.clone()),
+        );
+        let reply_capacity = 16
+            + wire::TIMING_SIZE
+            + outputs
+                .iter()
+                .map(|o| 5 + o.key.len() + Encoder::ndarray_size(&o.shape, o.openpi.dst_bytes().max(o.vllm.dst_bytes())))
+                .sum::<usize>();
+        let budget = Budget::compute(cfg, io, reply_capacity, metadata.len());
+        Ok(Plan {
+            inputs,
+            outputs,
+            io: io.clone(),
+            limits: Limits {
+                max_depth: cfg.server.max_depth,
+                max_entries: cfg.server.max_map_entries,
+            },
+            metadata,
+            reply_capacity,
+            budget,
+        })
+    }
+
+    /// Decodes a request frame straight into one slot's input buffers. Inputs the request
+    /// leaves out are filled if optional; a missing required input is an error.
+    pub fn decode(
+        &self,
+        frame: &[u8],
+        bufs: &mut [Box<dyn InputBuffer>],
+        seen: &mut [bool],
+    ) -> Result<wire::RequestMeta, WireError> {
+        seen.iter_mut().for_each(|s| *s = false);
+        let mut w = SlotWriter {
+            plan: self,
+            bufs,
+            seen,
+        };
+        let meta = wire::decode_request(frame, &self.limits, &mut w)?;
+        if meta.endpoint != wire::Endpoint::Infer {
+            return Ok(meta);
+        }
+        for (b, seen) in self.inputs.iter().zip(w.seen.iter()) {
+            if !*seen {
+                if !b.optional {
+                    return Err(WireError::MissingKey { key: b.key.clone() });
+                }
+                crate::transform::fill_bytes(b.engine_type, b.fill, w.bufs[b.index].bytes_mut());
+            }
+        }
+        Ok(meta)
+    }
+
+    /// Fills every input with its fill value (for warm-up).
+    pub fn fill_all(&self, bufs: &mut [Box<dyn InputBuffer>]) {
+        for b in &self.inputs {
+            crate::transform::fill_bytes(b.engine_type, b.fill, bufs[b.index].bytes_mut());
+        }
+    }
+
+    /// Names the first output holding NaN or infinity, if any.
+    pub fn non_finite_output(&self, outputs: &[Vec<u8>]) -> Option<&str> {
+        self.outputs.iter().find_map(|o| {
+            let spec = &self.io.outputs[o.index];
+            if !spec.dtype.is_float() {
+                return None;
+            }
+            let buf = &outputs[o.index];
+            (0..spec.elements())
+                .any(|i| !load_f64(spec.dtype, buf, i).is_finite())
+                .then_some(spec.name.as_str())
+        })
+    }
+
+    /// Encodes an openpi reply: `{key: ndarray, …, policy_timing, server_timing}`.
+    pub fn encode_openpi(&self, outputs: &[Vec<u8>], timing: &Timing, buf: &mut Vec<u8>) {
+        buf.clear();
+        let mut e = Encoder { buf };
+        e.map(self.outputs.len() as u32 + 2);
+        for o in &self.outputs {
+            e.str(&o.key);
+            let src = &outputs[o.index];
+            e.ndarray(o.openpi.dst_type, &o.shape, o.openpi.dst_bytes(), |d| {
+                o.openpi.apply(src, crate::dtype::ByteOrder::Little, d);
+            });
+        }
+        wire::encode_timing(&mut e, timing);
+    }
+
+    /// Encodes a vllm-omni reply: a bare float32 array, or a map of them for several outputs.
+    pub fn encode_vllm(&self, outputs: &[Vec<u8>], buf: &mut Vec<u8>) {
+        buf.clear();
+        let mut e = Encoder { buf };
+        let several = self.outputs.len() > 1;
+        if several {
+            e.map(self.outputs.len() as u32);
+        }
+        for o in &self.outputs {
+            if several {
+                e.str(&o.key);
+            }
+            let src = &outputs[o.index];
+            e.ndarray(ElemType::F32, &o.shape, o.vllm.dst_bytes(), |d| {
+                o.vllm.apply(src, crate::dtype::ByteOrder::Little, d);
+            });
+        }
+    }
+}
+
+/// vllm-omni clients build their loop from `action_horizon`, `action_dim` and `action_keys`:
+/// where the metadata gives them, they must match the outputs.
+fn check_vllm_metadata(cfg: &Config, outputs: &[OutputBinding]) -> Result<(), ConfigError> {
+    let m = &cfg.metadata;
+    if let Some(h) = m.get("action_horizon") {
+        let h = h.as_integer().ok_or_else(|| invalid("metadata.action_horizon", "must be an integer"))?;
+        for o in outputs {
+            let got = o.shape.get(o.shape.len().saturating_sub(2)).copied().unwrap_or(1);
+            if o.shape.len() < 2 || got as i64 != h {
+                return Err(invalid(
+                    "metadata.action_horizon",
+                    format!("is {h} but output '{}' has shape {:?}", o.key, o.shape),
+                ));
+            }
+        }
+    }
+    if let Some(d) = m.get("action_dim") {
+        let d = d.as_integer().ok_or_else(|| invalid("metadata.action_dim", "must be an integer"))?;
+        for o in outputs {
+            if o.shape.last().copied().unwrap_or(0) as i64 != d {
+                return Err(invalid(
+                    "metadata.action_dim",
+                    format!("is {d} but output '{}' has shape {:?}", o.key, o.shape),
+                ));
+            }
+        }
+    }
+    if let Some(keys) = m.get("action_keys") {
+        let mut want: Vec<&str> = keys
+            .as_array()
+            .map(|a| a.iter().filter_map(|k| k.as_str()).collect())
+            .unwrap_or_default();
+        let mut have: Vec<&str> = outputs.iter().map(|o| o.key.as_str()).collect();
+        want.sort_unstable();
+        have.sort_unstable();
+        if want != have {
+            return Err(invalid(
+                "metadata.action_keys",
+                format!("is {want:?} but the outputs' keys are {have:?}"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Writes bound values into a slot's input buffers.
+struct SlotWriter<'a> {
+    plan: &'a Plan,
+    bufs: &'a mut [Box<dyn InputBuffer>],
+    seen: &'a mut [bool],
+}
+
+fn dtype_name(d: WireDType) -> String {
+    match d {
+        WireDType::Num(t, _) => t.name().to_string(),
+        WireDType::Unicode(n, _) => format!("str{n} (<U{n})"),
+        WireDType::Bytes(n) => format!("bytes{n} (|S{n})"),
+    }
+}
+
+impl Visitor for SlotWriter<'_> {
+    fn binding(&self, path: &[u8]) -> Option<usize> {
+        self.plan.inputs.iter().position(|b| b.key.as_bytes() == path)
+    }
+
+    fn value(&mut self, i: usize, _path: &[u8], value: Value<'_>) -> Result<(), WireError> {
+        let b = &self.plan.inputs[i];
+        if std::mem::replace(&mut self.seen[i], true) {
+            return Err(WireError::DuplicateKey { key: b.key.clone() });
+        }
+        let expected_types = || {
+            b.accepted
+                .iter()
+                .map(|(t, _)| t.name())
+                .collect::<Vec<_>>()
+                .join(" or ")
+        };
+        let a = match value {
+            Value::Array(a) => a,
+            Value::Text { dtype, .. } => {
+                return Err(WireError::WrongDType {
+                    key: b.key.clone(),
+                    expected: expected_types(),
+                    got: dtype.map(dtype_name).unwrap_or_else(|| "text".into()),
+                });
+            }
+        };
+        let declared = match a.declared {
+            WireDType::Num(t, _) => t,
+            other => {
+                return Err(WireError::WrongDType {
+                    key: b.key.clone(),
+                    expected: expected_types(),
+                    got: dtype_name(other),
+                });
+            }
+        };
+        let pos = b.accepted.iter().position(|(t, _)| *t == declared);
+        if pos.is_none() && !a.native {
+            return Err(WireError::WrongDType {
+                key: b.key.clone(),
+                expected: expected_types(),
+                got: declared.name().into(),
+            });
+        }
+        if a.shape.as_slice() != b.shape.as_slice() {
+            return Err(WireError::WrongShape {
+                key: b.key.clone(),
+                expected: b.shape.clone(),
+                got: a.shape.to_vec(),
+            });
+        }
+        let dst = self.bufs[b.index].bytes_mut();
+        let ok = match pos {
+            Some(p) if b.accepted[p].0 == a.storage => b.accepted[p].1.apply(a.data, a.order, dst),
+            // A scalar whose value travels in another type (openpi sends a float32 scalar as a
+            // msgpack float64, and plain msgpack numbers carry no dtype): convert from storage.
+            _ => Transform::elementwise(a.storage, b.engine_type, 1, b.affine.clone()).apply(a.data, a.order, dst),
+        };
+        if !ok {
+            return Err(WireError::BadArray {
+                key: b.key.clone(),
+                reason: "data does not fit the engine input".into(),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// The memory policyd allocates for a config, as a formula and a number.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Budget {
+    pub lines: Vec<(String, u64)>,
+    pub total: u64,
+}
+
+/// tungstenite's read buffer, allocated per connection.
+const WS_READ_BUFFER: u64 = 128 * 1024;
+
+impl Budget {
+    fn compute(cfg: &Config, io: &IoSpec, reply: usize, metadata: usize) -> Budget {
+        let inputs: u64 = io.inputs.iter().map(|s| s.bytes() as u64).sum();
+        let outputs: u64 = io.outputs.iter().map(|s| s.bytes() as u64).sum();
+        let reply = reply as u64;
+        let slots = cfg.engine.slots as u64;
+        let conns = cfg.server.max_connections as u64;
+        let msg = cfg.server.max_message_bytes as u64;
+        let model = cfg.model.as_ref().map(|m| m.size()).unwrap_or(0);
+        let per_conn = msg + WS_READ_BUFFER + 2 * reply + metadata as u64;
+        let lines = vec![
+            (
+                format!("slots        {slots} × (inputs {inputs} + outputs {outputs} + reply {reply})"),
+                slots * (inputs + outputs + reply),
+            ),
+            (
+                format!(
+                    "connections  {conns} × (max_message_bytes {msg} + read buffer {WS_READ_BUFFER} + 2 × reply {reply} + metadata {metadata})"
+                ),
+                conns * per_conn,
+            ),
+            ("model        weights as stored".to_string(), model),
+        ];
+        let total = lines.iter().map(|(_, v)| v).sum();
+        Budget { lines, total }
+    }
+
+    pub fn render(&self) -> String {
+        let mut s = String::from("memory budget (bytes):\n");
+        for (what, v) in &self.lines {
+            s.push_str(&format!("  {what} = {v}\n"));
+        }
+        s.push_str(&format!(
+            "  total = {} ({:.1} MiB), plus the engine's working memory\n",
+            self.total,
+            self.total as f64 / (1024.0 * 1024.0)
+        ));
+        s
+    }
+}

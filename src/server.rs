@@ -1,0 +1,314 @@
+//! The listener: HTTP handshake, health routes, connection limit, dialect by path, shutdown.
+//!
+//! policyd reads the HTTP request itself (bounded in size and time) so that `/healthz`,
+//! `/health`, the connection limit (HTTP 503) and plain GETs (426) are answered before any
+//! WebSocket machinery runs, then hands the socket to tungstenite without a second handshake.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{Semaphore, watch};
+use tokio_tungstenite::WebSocketStream;
+use tokio_tungstenite::tungstenite::Bytes;
+use tokio_tungstenite::tungstenite::handshake::derive_accept_key;
+use tokio_tungstenite::tungstenite::protocol::{Role, WebSocketConfig};
+
+use crate::config::{Config, ConfigError};
+use crate::connection::{self, Dialect};
+use crate::engine::{Engine, EngineError, cpu::CpuEngine};
+use crate::plan::Plan;
+use crate::worker::WorkerHandle;
+
+/// The path that selects the vllm-omni dialect.
+pub const VLLM_PATH: &str = "/v1/realtime/robot/openpi";
+/// Largest HTTP request head accepted.
+const MAX_HEAD: usize = 8192;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+    #[error("cannot listen on {addr}: {source} (is another server using the port? set server.port or --port)")]
+    Bind { addr: String, source: std::io::Error },
+}
+
+/// Everything a connection needs, shared by all of them.
+pub struct Shared {
+    pub cfg: Config,
+    pub plan: Plan,
+    pub worker: WorkerHandle,
+    pub metadata: Bytes,
+    pub ws_config: WebSocketConfig,
+    /// One permit per connection that may be served.
+    pub connections: Arc<Semaphore>,
+    pub shutdown: watch::Receiver<bool>,
+}
+
+/// A loaded, checked and warmed engine with its plan: what the server serves.
+pub struct Loaded {
+    pub plan: Plan,
+    pub worker: WorkerHandle,
+    pub backend: &'static str,
+    pub warmup: Duration,
+}
+
+/// Opens the engine a config names.
+pub fn open_engine(cfg: &Config) -> Result<Box<dyn Engine>, ServerError> {
+    let model = cfg
+        .model
+        .clone()
+        .ok_or_else(|| crate::config::invalid("engine.model", "missing: give the path of the ONNX model"))?;
+    let hints: Vec<(String, Vec<usize>)> = cfg
+        .inputs
+        .iter()
+        .filter_map(|b| b.engine_shape.clone().map(|s| (b.tensor.clone(), s)))
+        .collect();
+    match cfg.engine.backend.as_str() {
+        "cpu" => Ok(Box::new(CpuEngine::load(&model, &hints)?)),
+        other => Err(crate::config::invalid("engine.backend", format!("unknown backend \"{other}\"")).into()),
+    }
+}
+
+/// Loads the model, checks the config against it, allocates every buffer and warms up.
+pub fn load(cfg: &Config) -> Result<Loaded, ServerError> {
+    let engine = open_engine(cfg)?;
+    let plan = Plan::compile(cfg, engine.io())?;
+    let backend = engine.backend();
+    let (worker, warmup) = WorkerHandle::start(engine, &plan, cfg.engine.slots, cfg.engine.warmup_runs)?;
+    Ok(Loaded {
+        plan,
+        worker,
+        backend,
+        warmup,
+    })
+}
+
+/// Binds the configured address.
+pub async fn bind(cfg: &Config) -> Result<TcpListener, ServerError> {
+    let addr = format!("{}:{}", cfg.server.host, cfg.server.port);
+    TcpListener::bind(&addr)
+        .await
+        .map_err(|source| ServerError::Bind { addr, source })
+}
+
+/// Serves until `shutdown` resolves; then stops accepting, lets in-flight requests finish,
+/// closes connections with 1001 and returns.
+pub async fn serve(
+    cfg: Config,
+    loaded: Loaded,
+    listener: TcpListener,
+    shutdown: impl std::future::Future<Output = ()>,
+) -> Result<(), ServerError> {
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let s = &cfg.server;
+    let ws_config = WebSocketConfig::default()
+        .max_message_size(Some(s.max_message_bytes))
+        .max_frame_size(Some(s.max_message_bytes))
+        .write_buffer_size(0);
+    let max = s.max_connections;
+    let shared = Arc::new(Shared {
+        metadata: Bytes::from(loaded.plan.metadata.clone()),
+        plan: loaded.plan,
+        worker: loaded.worker,
+        ws_config,
+        connections: Arc::new(Semaphore::new(max)),
+        shutdown: stop_rx,
+        cfg,
+    });
+    // Handshakes in progress are bounded too, so a flood of idle TCP connections cannot pile
+    // up tasks and buffers.
+    let handshakes = Arc::new(Semaphore::new(max * 4 + 16));
+    tokio::pin!(shutdown);
+    loop {
+        tokio::select! {
+            _ = &mut shutdown => break,
+            accepted = listener.accept() => {
+                let (stream, peer) = match accepted {
+                    Ok(x) => x,
+                    Err(e) => {
+                        log::warn!("accept failed: {e}");
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue;
+                    }
+                };
+                let Ok(permit) = handshakes.clone().try_acquire_owned() else {
+                    log::warn!("{peer}: too many handshakes in progress; dropping the connection");
+                    continue;
+                };
+                let shared = shared.clone();
+                tokio::spawn(async move {
+                    handle(stream, peer, shared, permit).await;
+                });
+            }
+        }
+    }
+    log::info!("shutting down: no new connections; finishing in-flight requests");
+    drop(listener);
+    let _ = stop_tx.send(true);
+    // Every connection holds a permit until it has closed.
+    let all = shared.connections.clone();
+    let drained = tokio::time::timeout(Duration::from_secs(10), all.acquire_many(max as u32)).await;
+    if drained.is_err() {
+        log::warn!("some connections did not close within 10 s");
+    }
+    Ok(())
+}
+
+/// A parsed HTTP request head.
+struct Head {
+    method: String,
+    path: String,
+    upgrade: bool,
+    version: Option<String>,
+    key: Option<String>,
+    /// Bytes read past the head (a client's first frame, if it did not wait).
+    rest: Vec<u8>,
+}
+
+async fn read_head(stream: &mut TcpStream) -> Result<Head, &'static str> {
+    let mut buf = vec![0u8; MAX_HEAD];
+    let mut len = 0;
+    loop {
+        let n = stream.read(&mut buf[len..]).await.map_err(|_| "read error")?;
+        if n == 0 {
+            return Err("closed before the request was complete");
+        }
+        len += n;
+        let mut headers = [httparse::EMPTY_HEADER; 64];
+        let mut req = httparse::Request::new(&mut headers);
+        match req.parse(&buf[..len]) {
+            Ok(httparse::Status::Complete(end)) => {
+                let find = |name: &str| {
+                    req.headers
+                        .iter()
+                        .find(|h| h.name.eq_ignore_ascii_case(name))
+                        .and_then(|h| std::str::from_utf8(h.value).ok())
+                        .map(|v| v.trim().to_string())
+                };
+                let upgrade = find("upgrade").is_some_and(|v| v.to_ascii_lowercase().contains("websocket"));
+                return Ok(Head {
+                    method: req.method.unwrap_or("").to_string(),
+                    path: req.path.unwrap_or("/").split('?').next().unwrap_or("/").to_string(),
+                    upgrade,
+                    version: find("sec-websocket-version"),
+                    key: find("sec-websocket-key"),
+                    rest: buf[end..len].to_vec(),
+                });
+            }
+            Ok(httparse::Status::Partial) if len < MAX_HEAD => continue,
+            Ok(httparse::Status::Partial) => return Err("request head too large"),
+            Err(_) => return Err("malformed HTTP request"),
+        }
+    }
+}
+
+async fn respond(stream: &mut TcpStream, status: &str, content_type: &str, body: &str, extra: &str) {
+    let msg = format!(
+        "HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\nConnection: close\r\n{extra}\r\n{body}",
+        body.len()
+    );
+    let _ = stream.write_all(msg.as_bytes()).await;
+    let _ = stream.shutdown().await;
+}
+
+async fn handle(mut stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>, handshake: tokio::sync::OwnedSemaphorePermit) {
+    let _ = stream.set_nodelay(true);
+    let timeout = Duration::from_secs_f64(shared.cfg.server.handshake_timeout_s);
+    let head = match tokio::time::timeout(timeout, read_head(&mut stream)).await {
+        Ok(Ok(h)) => h,
+        Ok(Err(why)) => {
+            log::debug!("{peer}: {why}");
+            if why != "closed before the request was complete" && why != "read error" {
+                respond(&mut stream, "400 Bad Request", "text/plain; charset=utf-8", &format!("{why}\n"), "").await;
+            }
+            return;
+        }
+        Err(_) => {
+            log::info!("{peer}: handshake timed out after {timeout:?}");
+            return;
+        }
+    };
+    let healthy = shared.worker.state.healthy.load(Ordering::Relaxed);
+    if head.method == "GET" && head.path == "/healthz" && !head.upgrade {
+        if healthy {
+            respond(&mut stream, "200 OK", "text/plain; charset=utf-8", "OK\n", "").await;
+        } else {
+            respond(&mut stream, "503 Service Unavailable", "text/plain; charset=utf-8", "engine unavailable\n", "").await;
+        }
+        return;
+    }
+    if head.method == "GET" && head.path == "/health" && !head.upgrade {
+        if healthy {
+            respond(&mut stream, "200 OK", "application/json", "{\"status\":\"healthy\"}", "").await;
+        } else {
+            respond(&mut stream, "503 Service Unavailable", "application/json", "{\"status\":\"unhealthy\"}", "").await;
+        }
+        return;
+    }
+    if !head.upgrade {
+        if head.method == "GET" {
+            respond(
+                &mut stream,
+                "426 Upgrade Required",
+                "text/plain; charset=utf-8",
+                "Failed to open a WebSocket connection: this is a policyd WebSocket endpoint.\n",
+                "Upgrade: websocket\r\n",
+            )
+            .await;
+        } else {
+            respond(&mut stream, "405 Method Not Allowed", "text/plain; charset=utf-8", "only GET\n", "Allow: GET\r\n").await;
+        }
+        return;
+    }
+    if head.version.as_deref() != Some("13") {
+        respond(
+            &mut stream,
+            "426 Upgrade Required",
+            "text/plain; charset=utf-8",
+            "unsupported WebSocket version; use 13\n",
+            "Sec-WebSocket-Version: 13\r\n",
+        )
+        .await;
+        return;
+    }
+    let Some(key) = head.key else {
+        respond(&mut stream, "400 Bad Request", "text/plain; charset=utf-8", "missing Sec-WebSocket-Key\n", "").await;
+        return;
+    };
+    if *shared.shutdown.borrow() || !healthy {
+        respond(&mut stream, "503 Service Unavailable", "text/plain; charset=utf-8", "server unavailable\n", "").await;
+        return;
+    }
+    let Ok(permit) = shared.connections.clone().try_acquire_owned() else {
+        log::warn!("{peer}: refused: at the connection limit (server.max_connections = {})", shared.cfg.server.max_connections);
+        respond(
+            &mut stream,
+            "503 Service Unavailable",
+            "text/plain; charset=utf-8",
+            &format!("policyd is serving its maximum of {} connections\n", shared.cfg.server.max_connections),
+            "Retry-After: 1\r\n",
+        )
+        .await;
+        return;
+    };
+    let accept = derive_accept_key(key.as_bytes());
+    let response = format!(
+        "HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Accept: {accept}\r\n\r\n"
+    );
+    if stream.write_all(response.as_bytes()).await.is_err() {
+        return;
+    }
+    drop(handshake);
+    let dialect = if head.path == VLLM_PATH { Dialect::Vllm } else { Dialect::Openpi };
+    log::info!("{peer}: connected on {} ({})", head.path, dialect.name());
+    let ws = WebSocketStream::from_partially_read(stream, head.rest, Role::Server, Some(shared.ws_config)).await;
+    let why = connection::serve(ws, &shared, dialect).await;
+    log::info!("{peer}: closed ({why})");
+    drop(permit);
+}

@@ -1,0 +1,134 @@
+//! Sessions of one connection: a fixed-capacity table keyed by `session_id`.
+//!
+//! vllm-omni clients interleave sessions on one socket; a session's first inference (and the
+//! first after `endpoint: reset`) must reach the engine with `reset = true`. The table never
+//! grows: past its capacity the least recently used session is evicted.
+
+use crate::wire::SessionId;
+
+/// Compile-time capacity; `server.max_sessions` may lower it.
+pub const MAX_SESSIONS: usize = 64;
+
+#[derive(Debug)]
+struct Entry {
+    id: SessionId,
+    /// Tick of the last use, for LRU eviction.
+    last_used: u64,
+    /// Inferences since the session started or was reset.
+    count: u64,
+}
+
+/// Sessions of one connection.
+#[derive(Debug)]
+pub struct Sessions {
+    entries: heapless::Vec<Entry, MAX_SESSIONS>,
+    limit: usize,
+    tick: u64,
+    /// The session a request without `session_id` belongs to (the last one named).
+    current: SessionId,
+}
+
+impl Sessions {
+    pub fn new(limit: usize) -> Self {
+        let mut current = SessionId::new();
+        let _ = current.push_str("default");
+        Sessions {
+            entries: heapless::Vec::new(),
+            limit: limit.clamp(1, MAX_SESSIONS),
+            tick: 0,
+            current,
+        }
+    }
+
+    /// Records an inference for `id` (or the current session) and says whether the engine
+    /// must reset: true for a session's first inference.
+    pub fn begin_infer(&mut self, id: Option<&SessionId>) -> bool {
+        if let Some(id) = id {
+            self.current.clone_from(id);
+        }
+        self.tick += 1;
+        let tick = self.tick;
+        let e = self.entry(tick);
+        e.last_used = tick;
+        e.count += 1;
+        e.count == 1
+    }
+
+    /// `endpoint: reset`: the session's next inference starts afresh.
+    pub fn reset(&mut self, id: Option<&SessionId>) {
+        if let Some(id) = id {
+            self.current.clone_from(id);
+        }
+        self.tick += 1;
+        let tick = self.tick;
+        let e = self.entry(tick);
+        e.count = 0;
+    }
+
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    fn entry(&mut self, tick: u64) -> &mut Entry {
+        if let Some(i) = self.entries.iter().position(|e| e.id == self.current) {
+            return &mut self.entries[i];
+        }
+        if self.entries.len() >= self.limit {
+            let lru = self
+                .entries
+                .iter()
+                .enumerate()
+                .min_by_key(|(_, e)| e.last_used)
+                .map(|(i, _)| i)
+                .unwrap_or(0);
+            self.entries.swap_remove(lru);
+        }
+        let _ = self.entries.push(Entry {
+            id: self.current.clone(),
+            last_used: tick,
+            count: 0,
+        });
+        let last = self.entries.len() - 1;
+        &mut self.entries[last]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn id(s: &str) -> SessionId {
+        let mut i = SessionId::new();
+        i.push_str(s).unwrap();
+        i
+    }
+
+    #[test]
+    fn first_inference_and_after_reset_resets() {
+        let mut s = Sessions::new(4);
+        assert!(s.begin_infer(None));
+        assert!(!s.begin_infer(None));
+        assert!(s.begin_infer(Some(&id("a"))));
+        assert!(!s.begin_infer(None), "requests without an id stay in the last named session");
+        assert!(!s.begin_infer(Some(&id("default"))));
+        s.reset(Some(&id("a")));
+        assert!(s.begin_infer(None));
+        assert!(!s.begin_infer(Some(&id("a"))));
+    }
+
+    #[test]
+    fn bounded_with_lru_eviction() {
+        let mut s = Sessions::new(2);
+        assert!(s.begin_infer(Some(&id("a"))));
+        assert!(s.begin_infer(Some(&id("b"))));
+        assert!(!s.begin_infer(Some(&id("a"))));
+        assert!(s.begin_infer(Some(&id("c")))); // evicts b, the least recently used
+        assert_eq!(s.len(), 2);
+        assert!(!s.begin_infer(Some(&id("a"))));
+        assert!(s.begin_infer(Some(&id("b"))), "an evicted session starts afresh");
+    }
+}

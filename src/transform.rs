@@ -1,0 +1,531 @@
+//! Element conversion between a wire array and an engine buffer, in one pass.
+//!
+//! Every binding compiles (at start-up) into a [`Transform`]: an index map (identity, an axis
+//! permutation such as HWC→CHW, or a column slice) and an affine map `y = x·a + b` whose
+//! coefficients may vary along the wire tensor (per-element normalisation with openpi's norm
+//! stats). Applying it reads each source element once and writes each destination element
+//! once; nothing is allocated.
+
+use crate::dtype::{ByteOrder, ElemType};
+
+/// An element type that can be loaded from and stored to bytes.
+trait Elem: Copy {
+    const SIZE: usize;
+    fn load(b: &[u8], order: ByteOrder) -> Self;
+    fn store(self, b: &mut [u8]);
+    fn to_f64(self) -> f64;
+    fn from_f64(v: f64) -> Self;
+}
+
+macro_rules! num_elem {
+    ($t:ty, $n:expr) => {
+        impl Elem for $t {
+            const SIZE: usize = $n;
+            #[inline(always)]
+            fn load(b: &[u8], order: ByteOrder) -> Self {
+                let mut a = [0u8; $n];
+                a.copy_from_slice(&b[..$n]);
+                match order {
+                    ByteOrder::Little => <$t>::from_le_bytes(a),
+                    ByteOrder::Big => <$t>::from_be_bytes(a),
+                }
+            }
+            #[inline(always)]
+            fn store(self, b: &mut [u8]) {
+                b[..$n].copy_from_slice(&self.to_le_bytes());
+            }
+            #[inline(always)]
+            fn to_f64(self) -> f64 {
+                self as f64
+            }
+            #[inline(always)]
+            fn from_f64(v: f64) -> Self {
+                // `as` saturates and maps NaN to 0 for integers: no UB, no panic.
+                v as $t
+            }
+        }
+    };
+}
+num_elem!(u8, 1);
+num_elem!(i8, 1);
+num_elem!(u16, 2);
+num_elem!(i16, 2);
+num_elem!(u32, 4);
+num_elem!(i32, 4);
+num_elem!(u64, 8);
+num_elem!(i64, 8);
+num_elem!(f32, 4);
+num_elem!(f64, 8);
+
+/// numpy's bool: one byte, 0 or 1 (anything else read as true).
+#[derive(Clone, Copy)]
+struct Bool(bool);
+impl Elem for Bool {
+    const SIZE: usize = 1;
+    fn load(b: &[u8], _: ByteOrder) -> Self {
+        Bool(b[0] != 0)
+    }
+    fn store(self, b: &mut [u8]) {
+        b[0] = u8::from(self.0);
+    }
+    fn to_f64(self) -> f64 {
+        if self.0 { 1.0 } else { 0.0 }
+    }
+    fn from_f64(v: f64) -> Self {
+        Bool(v != 0.0)
+    }
+}
+
+#[derive(Clone, Copy)]
+struct F16(half::f16);
+impl Elem for F16 {
+    const SIZE: usize = 2;
+    fn load(b: &[u8], order: ByteOrder) -> Self {
+        F16(half::f16::from_bits(u16::load(b, order)))
+    }
+    fn store(self, b: &mut [u8]) {
+        self.0.to_bits().store(b)
+    }
+    fn to_f64(self) -> f64 {
+        self.0.to_f64()
+    }
+    fn from_f64(v: f64) -> Self {
+        F16(half::f16::from_f64(v))
+    }
+}
+
+/// `y = x·a + b`, with coefficients that are constant or vary along the wire tensor.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Affine {
+    /// Constant coefficients (`a = 1, b = 0` is a plain cast).
+    Scalar { a: f64, b: f64 },
+    /// Coefficient `k` applies to wire element `i` where `k = i % a.len()`: a length equal to
+    /// the wire tensor's last axis gives per-feature normalisation (state dimensions, image
+    /// channels in HWC); a length equal to the element count gives per-element coefficients.
+    Indexed { a: Vec<f64>, b: Vec<f64> },
+}
+
+impl Affine {
+    pub const IDENTITY: Affine = Affine::Scalar { a: 1.0, b: 0.0 };
+
+    /// openpi's normalisation of an input: `((x·scale + offset) − mean) / (std + 1e-6)`.
+    pub fn normalize(scale: f64, offset: f64, mean: &[f64], std: &[f64]) -> Affine {
+        if mean.is_empty() {
+            return Affine::Scalar { a: scale, b: offset };
+        }
+        let (a, b) = mean
+            .iter()
+            .zip(std)
+            .map(|(m, s)| {
+                let inv = 1.0 / (s + 1e-6);
+                (scale * inv, (offset - m) * inv)
+            })
+            .unzip();
+        Affine::Indexed { a, b }
+    }
+
+    /// openpi's `Unnormalize` of an output: `x · (std + 1e-6) + mean`.
+    pub fn unnormalize(mean: &[f64], std: &[f64]) -> Affine {
+        if mean.is_empty() {
+            return Affine::IDENTITY;
+        }
+        let (a, b) = mean.iter().zip(std).map(|(m, s)| (s + 1e-6, *m)).unzip();
+        Affine::Indexed { a, b }
+    }
+
+    fn is_identity(&self) -> bool {
+        matches!(self, Affine::Scalar { a, b } if *a == 1.0 && *b == 0.0)
+    }
+}
+
+/// Which side of a transform is the wire tensor (affine coefficients are indexed on it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WireSide {
+    Source,
+    Destination,
+}
+
+/// A compiled element map from a source tensor to a destination tensor.
+///
+/// The index map is given as the destination's dimensions and, for each destination axis, the
+/// stride of that axis in the source (in elements): HWC→CHW of `[H, W, C]` is dims `[C, H, W]`,
+/// strides `[1, W·C, C]`; taking the first `n` columns of `[H, D]` is dims `[H, n]`,
+/// strides `[D, 1]`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Transform {
+    pub src_type: ElemType,
+    pub dst_type: ElemType,
+    /// Destination dimensions (row-major).
+    pub dims: Vec<usize>,
+    /// Source stride of each destination axis.
+    pub src_strides: Vec<usize>,
+    /// True when the index map is the identity (destination index == source index).
+    pub contiguous: bool,
+    /// Elements read from the source.
+    pub src_len: usize,
+    pub affine: Affine,
+    pub wire_side: WireSide,
+}
+
+impl Transform {
+    /// A transform whose index map is the identity over `len` elements.
+    pub fn elementwise(src_type: ElemType, dst_type: ElemType, len: usize, affine: Affine) -> Self {
+        Transform {
+            src_type,
+            dst_type,
+            dims: vec![len],
+            src_strides: vec![1],
+            contiguous: true,
+            src_len: len,
+            affine,
+            wire_side: WireSide::Source,
+        }
+    }
+
+    /// A transform that permutes the axes of a source of shape `src_shape`: destination axis
+    /// `k` is source axis `perm[k]`.
+    pub fn permuted(
+        src_type: ElemType,
+        dst_type: ElemType,
+        src_shape: &[usize],
+        perm: &[usize],
+        affine: Affine,
+    ) -> Self {
+        let strides = row_major_strides(src_shape);
+        let dims: Vec<usize> = perm.iter().map(|&p| src_shape[p]).collect();
+        let src_strides: Vec<usize> = perm.iter().map(|&p| strides[p]).collect();
+        let contiguous = perm.iter().enumerate().all(|(i, &p)| i == p);
+        Transform {
+            src_type,
+            dst_type,
+            src_len: src_shape.iter().product(),
+            contiguous,
+            dims,
+            src_strides,
+            affine,
+            wire_side: WireSide::Source,
+        }
+    }
+
+    /// A transform that keeps the first `cols` entries of the last axis of `src_shape`.
+    pub fn first_columns(
+        src_type: ElemType,
+        dst_type: ElemType,
+        src_shape: &[usize],
+        cols: usize,
+        affine: Affine,
+    ) -> Self {
+        let strides = row_major_strides(src_shape);
+        let mut dims = src_shape.to_vec();
+        let last = dims.len().saturating_sub(1);
+        let contiguous = dims.get(last).is_none_or(|&d| d == cols);
+        if let Some(d) = dims.get_mut(last) {
+            *d = cols;
+        }
+        Transform {
+            src_type,
+            dst_type,
+            src_len: src_shape.iter().product(),
+            contiguous,
+            dims,
+            src_strides: strides,
+            affine,
+            wire_side: WireSide::Destination,
+        }
+    }
+
+    /// Elements written to the destination.
+    pub fn dst_len(&self) -> usize {
+        self.dims.iter().product()
+    }
+
+    /// Bytes written to the destination.
+    pub fn dst_bytes(&self) -> usize {
+        self.dst_len() * self.dst_type.size()
+    }
+
+    /// Converts `src` (exactly `src_len` elements of `src_type` in `order`) into `dst`
+    /// (exactly `dst_bytes()` bytes). Lengths are checked by the caller; a mismatch here is a
+    /// bug, reported as `false` rather than a panic.
+    pub fn apply(&self, src: &[u8], order: ByteOrder, dst: &mut [u8]) -> bool {
+        if src.len() != self.src_len * self.src_type.size() || dst.len() != self.dst_bytes() {
+            return false;
+        }
+        if self.contiguous
+            && self.src_type == self.dst_type
+            && self.affine.is_identity()
+            && (order == ByteOrder::Little || self.src_type.size() == 1)
+        {
+            dst.copy_from_slice(src);
+            return true;
+        }
+        dispatch_src(self, src, order, dst);
+        true
+    }
+
+    /// Fills the destination with `value` (cast to the destination type, no affine map).
+    pub fn fill(&self, value: f64, dst: &mut [u8]) {
+        fill_bytes(self.dst_type, value, dst)
+    }
+}
+
+/// Fills a buffer of `ty` elements with `value`.
+pub fn fill_bytes(ty: ElemType, value: f64, dst: &mut [u8]) {
+    macro_rules! go {
+        ($t:ty) => {{
+            let v = <$t>::from_f64(value);
+            for c in dst.chunks_exact_mut(<$t>::SIZE) {
+                v.store(c);
+            }
+        }};
+    }
+    match ty {
+        ElemType::Bool => go!(Bool),
+        ElemType::U8 => go!(u8),
+        ElemType::I8 => go!(i8),
+        ElemType::U16 => go!(u16),
+        ElemType::I16 => go!(i16),
+        ElemType::U32 => go!(u32),
+        ElemType::I32 => go!(i32),
+        ElemType::U64 => go!(u64),
+        ElemType::I64 => go!(i64),
+        ElemType::F16 => go!(F16),
+        ElemType::F32 => go!(f32),
+        ElemType::F64 => go!(f64),
+    }
+}
+
+/// Reads element `i` of a buffer of `ty` as f64 (for checks such as finiteness).
+pub fn load_f64(ty: ElemType, bytes: &[u8], i: usize) -> f64 {
+    let b = &bytes[i * ty.size()..];
+    match ty {
+        ElemType::Bool => Bool::load(b, ByteOrder::Little).to_f64(),
+        ElemType::U8 => u8::load(b, ByteOrder::Little).to_f64(),
+        ElemType::I8 => i8::load(b, ByteOrder::Little).to_f64(),
+        ElemType::U16 => u16::load(b, ByteOrder::Little).to_f64(),
+        ElemType::I16 => i16::load(b, ByteOrder::Little).to_f64(),
+        ElemType::U32 => u32::load(b, ByteOrder::Little).to_f64(),
+        ElemType::I32 => i32::load(b, ByteOrder::Little).to_f64(),
+        ElemType::U64 => u64::load(b, ByteOrder::Little).to_f64(),
+        ElemType::I64 => i64::load(b, ByteOrder::Little).to_f64(),
+        ElemType::F16 => F16::load(b, ByteOrder::Little).to_f64(),
+        ElemType::F32 => f32::load(b, ByteOrder::Little).to_f64(),
+        ElemType::F64 => f64::load(b, ByteOrder::Little).to_f64(),
+    }
+}
+
+/// Row-major strides (in elements) of a shape.
+pub fn row_major_strides(shape: &[usize]) -> Vec<usize> {
+    let mut strides = vec![1usize; shape.len()];
+    for i in (0..shape.len().saturating_sub(1)).rev() {
+        strides[i] = strides[i + 1] * shape[i + 1];
+    }
+    strides
+}
+
+fn dispatch_src(t: &Transform, src: &[u8], order: ByteOrder, dst: &mut [u8]) {
+    match t.src_type {
+        ElemType::Bool => dispatch_dst::<Bool>(t, src, order, dst),
+        ElemType::U8 => dispatch_dst::<u8>(t, src, order, dst),
+        ElemType::I8 => dispatch_dst::<i8>(t, src, order, dst),
+        ElemType::U16 => dispatch_dst::<u16>(t, src, order, dst),
+        ElemType::I16 => dispatch_dst::<i16>(t, src, order, dst),
+        ElemType::U32 => dispatch_dst::<u32>(t, src, order, dst),
+        ElemType::I32 => dispatch_dst::<i32>(t, src, order, dst),
+        ElemType::U64 => dispatch_dst::<u64>(t, src, order, dst),
+        ElemType::I64 => dispatch_dst::<i64>(t, src, order, dst),
+        ElemType::F16 => dispatch_dst::<F16>(t, src, order, dst),
+        ElemType::F32 => dispatch_dst::<f32>(t, src, order, dst),
+        ElemType::F64 => dispatch_dst::<f64>(t, src, order, dst),
+    }
+}
+
+fn dispatch_dst<S: Elem>(t: &Transform, src: &[u8], order: ByteOrder, dst: &mut [u8]) {
+    match t.dst_type {
+        ElemType::Bool => run::<S, Bool>(t, src, order, dst),
+        ElemType::U8 => run::<S, u8>(t, src, order, dst),
+        ElemType::I8 => run::<S, i8>(t, src, order, dst),
+        ElemType::U16 => run::<S, u16>(t, src, order, dst),
+        ElemType::I16 => run::<S, i16>(t, src, order, dst),
+        ElemType::U32 => run::<S, u32>(t, src, order, dst),
+        ElemType::I32 => run::<S, i32>(t, src, order, dst),
+        ElemType::U64 => run::<S, u64>(t, src, order, dst),
+        ElemType::I64 => run::<S, i64>(t, src, order, dst),
+        ElemType::F16 => run::<S, F16>(t, src, order, dst),
+        ElemType::F32 => run::<S, f32>(t, src, order, dst),
+        ElemType::F64 => run::<S, f64>(t, src, order, dst),
+    }
+}
+
+#[inline(always)]
+fn coef(affine: &Affine, wire_index: usize) -> (f64, f64) {
+    match affine {
+        Affine::Scalar { a, b } => (*a, *b),
+        Affine::Indexed { a, b } => {
+            let k = wire_index % a.len();
+            (a[k], b[k])
+        }
+    }
+}
+
+fn run<S: Elem, D: Elem>(t: &Transform, src: &[u8], order: ByteOrder, dst: &mut [u8]) {
+    if t.contiguous {
+        let pairs = src.chunks_exact(S::SIZE).zip(dst.chunks_exact_mut(D::SIZE));
+        match &t.affine {
+            Affine::Scalar { a, b } => {
+                let (a, b) = (*a, *b);
+                for (s, d) in pairs {
+                    D::from_f64(S::load(s, order).to_f64() * a + b).store(d);
+                }
+            }
+            affine => {
+                for (i, (s, d)) in pairs.enumerate() {
+                    let (a, b) = coef(affine, i);
+                    D::from_f64(S::load(s, order).to_f64() * a + b).store(d);
+                }
+            }
+        }
+        return;
+    }
+    // Odometer over the destination; the innermost axis advances the source by its stride.
+    let rank = t.dims.len();
+    let inner = t.dims[rank - 1];
+    let inner_stride = t.src_strides[rank - 1];
+    let outer: usize = t.dims[..rank - 1].iter().product();
+    let mut idx = [0usize; crate::wire::MAX_RANK];
+    let mut d_i = 0usize;
+    for _ in 0..outer {
+        let base: usize = (0..rank - 1).map(|k| idx[k] * t.src_strides[k]).sum();
+        for j in 0..inner {
+            let s_i = base + j * inner_stride;
+            let wire = match t.wire_side {
+                WireSide::Source => s_i,
+                WireSide::Destination => d_i,
+            };
+            let (a, b) = coef(&t.affine, wire);
+            let v = S::load(&src[s_i * S::SIZE..], order).to_f64() * a + b;
+            D::from_f64(v).store(&mut dst[d_i * D::SIZE..]);
+            d_i += 1;
+        }
+        for k in (0..rank - 1).rev() {
+            idx[k] += 1;
+            if idx[k] < t.dims[k] {
+                break;
+            }
+            idx[k] = 0;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn f32s(b: &[u8]) -> Vec<f32> {
+        b.chunks_exact(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+            .collect()
+    }
+
+    #[test]
+    fn u8_to_f32_with_scale() {
+        let src: Vec<u8> = vec![0, 51, 255];
+        let t = Transform::elementwise(
+            ElemType::U8,
+            ElemType::F32,
+            3,
+            Affine::normalize(1.0 / 255.0, 0.0, &[], &[]),
+        );
+        let mut dst = vec![0u8; 12];
+        assert!(t.apply(&src, ByteOrder::Little, &mut dst));
+        assert_eq!(f32s(&dst), vec![0.0, 0.2, 1.0]);
+    }
+
+    #[test]
+    fn hwc_to_chw() {
+        // 2x2 image, 3 channels; pixel (h, w) channel c = 100*c + 10*h + w.
+        let (h, w, c) = (2, 2, 3);
+        let mut src = vec![0u8; h * w * c];
+        for y in 0..h {
+            for x in 0..w {
+                for ch in 0..c {
+                    src[(y * w + x) * c + ch] = (100 * ch + 10 * y + x) as u8;
+                }
+            }
+        }
+        let t = Transform::permuted(
+            ElemType::U8,
+            ElemType::U8,
+            &[h, w, c],
+            &[2, 0, 1],
+            Affine::IDENTITY,
+        );
+        let mut dst = vec![0u8; src.len()];
+        assert!(t.apply(&src, ByteOrder::Little, &mut dst));
+        assert_eq!(dst, vec![0, 1, 10, 11, 100, 101, 110, 111, 200, 201, 210, 211]);
+    }
+
+    #[test]
+    fn per_feature_normalisation_and_byte_swap() {
+        // big-endian f64 state [2.0, 4.0]; mean [1, 2], std [1, 2] -> [1, 1]
+        let mut src = Vec::new();
+        for v in [2.0f64, 4.0] {
+            src.extend_from_slice(&v.to_be_bytes());
+        }
+        let t = Transform::elementwise(
+            ElemType::F64,
+            ElemType::F32,
+            2,
+            Affine::normalize(1.0, 0.0, &[1.0, 2.0], &[1.0, 2.0]),
+        );
+        let mut dst = vec![0u8; 8];
+        assert!(t.apply(&src, ByteOrder::Big, &mut dst));
+        let out = f32s(&dst);
+        assert!((out[0] - 1.0).abs() < 1e-5 && (out[1] - 1.0).abs() < 1e-5, "{out:?}");
+    }
+
+    #[test]
+    fn first_columns_with_unnormalize() {
+        // [2, 3] -> first 2 columns, unnormalised with mean [10, 20], std [1, 1].
+        let src: Vec<u8> = [0f32, 1., 2., 3., 4., 5.]
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
+        let t = Transform::first_columns(
+            ElemType::F32,
+            ElemType::F64,
+            &[2, 3],
+            2,
+            Affine::unnormalize(&[10.0, 20.0], &[1.0, 1.0]),
+        );
+        let mut dst = vec![0u8; t.dst_bytes()];
+        assert!(t.apply(&src, ByteOrder::Little, &mut dst));
+        let out: Vec<f64> = dst
+            .chunks_exact(8)
+            .map(|c| f64::from_le_bytes(c.try_into().unwrap()))
+            .collect();
+        let want = [10.0, 21.0, 13.0, 24.0];
+        for (o, w) in out.iter().zip(want) {
+            assert!((o - w).abs() < 1e-5, "{out:?}");
+        }
+    }
+
+    #[test]
+    fn length_mismatch_is_refused_not_panicking() {
+        let t = Transform::elementwise(ElemType::F32, ElemType::F32, 4, Affine::IDENTITY);
+        let mut dst = vec![0u8; 16];
+        assert!(!t.apply(&[0u8; 15], ByteOrder::Little, &mut dst));
+    }
+
+    #[test]
+    fn saturating_casts() {
+        let src: Vec<u8> = [-5.0f32, 300.0, f32::NAN]
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
+        let t = Transform::elementwise(ElemType::F32, ElemType::U8, 3, Affine::IDENTITY);
+        let mut dst = vec![9u8; 3];
+        assert!(t.apply(&src, ByteOrder::Little, &mut dst));
+        assert_eq!(dst, vec![0, 255, 0]);
+    }
+}
