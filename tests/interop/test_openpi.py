@@ -1,0 +1,212 @@
+"""Interop tests: the real openpi-client (PyPI) against the policyd binary.
+
+Actions are checked against the same ONNX model run by onnxruntime, with the binding
+transforms of the profile's config applied in numpy.
+"""
+import os
+import pathlib
+import socket
+import subprocess
+import time
+import tomllib
+
+import msgpack
+import msgpack_numpy
+import numpy as np
+import onnxruntime as ort
+import pytest
+import websockets.sync.client as wsc
+from openpi_client import msgpack_numpy as openpi_mn
+from openpi_client import websocket_client_policy as wcp
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+BIN = os.environ.get("POLICYD_BIN", str(ROOT / "target/debug/policyd"))
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module", params=["aloha", "droid", "libero"])
+def server(request):
+    port = free_port()
+    proc = subprocess.Popen([BIN, "--config", str(ROOT / f"configs/{request.param}.toml"), "--port", str(port)],
+                            stderr=subprocess.PIPE)
+    for _ in range(200):
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.1).close()
+            break
+        except OSError:
+            time.sleep(0.05)
+    yield request.param, port
+    proc.terminate()
+    proc.wait(timeout=15)
+
+
+def observation(profile, rng):
+    img = lambda shape: rng.integers(0, 256, shape, dtype=np.uint8)
+    if profile == "aloha":
+        return {"state": rng.random(14), "images": {c: img((3, 224, 224)) for c in
+                ["cam_high", "cam_low", "cam_left_wrist", "cam_right_wrist"]}, "prompt": "fold"}
+    if profile == "droid":
+        return {"observation/exterior_image_1_left": img((224, 224, 3)),
+                "observation/wrist_image_left": img((224, 224, 3)),
+                "observation/joint_position": rng.random(7),
+                "observation/gripper_position": rng.random(1), "prompt": "pick"}
+    return {"observation/image": img((224, 224, 3)), "observation/wrist_image": img((224, 224, 3)),
+            "observation/state": rng.random(8).astype(np.float32), "prompt": "pick"}
+
+
+def lookup(obs, key):
+    for part in key.split("/") if key not in obs else [key]:
+        if not isinstance(obs, dict) or part not in obs:
+            return None
+        obs = obs[part]
+    return obs
+
+
+def expected(profile, obs):
+    cfg = tomllib.loads((ROOT / f"configs/{profile}.toml").read_text())
+    sess = ort.InferenceSession(str(ROOT / f"models/{profile}.onnx"))
+    feed = {}
+    for b in cfg["inputs"]:
+        x = lookup(obs, b["key"])
+        meta = {i.name: i for i in sess.get_inputs()}[b["tensor"]]
+        if x is None:
+            feed[b["tensor"]] = np.full(meta.shape, b.get("fill", 0.0), np.float32)
+            continue
+        x = x.astype(np.float64) * b.get("scale", 1.0) + b.get("offset", 0.0)
+        if "mean" in b:
+            x = (x - np.array(b["mean"])) / (np.array(b["std"]) + 1e-6)
+        if b.get("layout") == "hwc_to_chw":
+            x = x.transpose(2, 0, 1)
+        feed[b["tensor"]] = x.astype(np.float32).reshape(meta.shape)
+    out = sess.run(None, feed)[0][0].astype(np.float64)
+    o = cfg["outputs"][0]
+    if "mean" in o:
+        out = out * (np.array(o["std"]) + 1e-6) + np.array(o["mean"])
+    return out, o.get("dtype", "float32")
+
+
+def test_infer_matches_onnxruntime(server):
+    profile, port = server
+    client = wcp.WebsocketClientPolicy("127.0.0.1", port)
+    meta = client.get_server_metadata()
+    if profile == "aloha":
+        assert meta == {"reset_pose": [0, -1.5, 1.5, 0, 0, 0]}
+    rng = np.random.default_rng(0)
+    for i in range(3):
+        obs = observation(profile, rng)
+        reply = client.infer(obs)
+        want, dtype = expected(profile, obs)
+        assert reply["actions"].dtype == np.dtype(dtype)
+        assert reply["actions"].shape == want.shape
+        assert np.max(np.abs(reply["actions"] - want)) <= 1e-4
+        assert set(reply) == {"actions", "policy_timing", "server_timing"}
+        assert reply["policy_timing"]["infer_ms"] > 0
+        assert reply["server_timing"]["infer_ms"] >= reply["policy_timing"]["infer_ms"]
+        assert ("prev_total_ms" in reply["server_timing"]) == (i > 0)
+
+
+def test_aloha_sim_sends_only_cam_high(server):
+    profile, port = server
+    if profile != "aloha":
+        pytest.skip("aloha only")
+    client = wcp.WebsocketClientPolicy("127.0.0.1", port)
+    rng = np.random.default_rng(1)
+    obs = {"state": rng.random(14), "images": {"cam_high": rng.integers(0, 256, (3, 224, 224), dtype=np.uint8)}}
+    want, _ = expected(profile, obs)
+    assert np.max(np.abs(client.infer(obs)["actions"] - want)) <= 1e-4
+
+
+def bad_inputs(profile, rng):
+    good = observation(profile, rng)
+    key = next(k for k in good if k != "prompt" and not isinstance(good[k], dict))
+    wrong_shape = dict(good, **{key: np.zeros(3)})
+    wrong_dtype = dict(good, **{key: good[key].astype(np.int32)})
+    missing = {k: v for k, v in good.items() if k != key}
+    return {
+        "not msgpack": b"\xc1\xc1\xc1",
+        "truncated": openpi_mn.packb(good)[:1000],
+        "non-map": openpi_mn.packb([1, 2, 3]),
+        "wrong shape": openpi_mn.packb(wrong_shape),
+        "wrong dtype": openpi_mn.packb(wrong_dtype),
+        "missing key": openpi_mn.packb(missing),
+        "complex": openpi_mn.packb(dict(good, z=0)).replace(b"", b"") and msgpack.packb(
+            {key: {"nd": True, "type": "<c8", "kind": b"", "shape": [1], "data": b"\0" * 8}}),
+        "object": msgpack.packb({key: np.array([1, "a"], dtype=object)}, default=msgpack_numpy.encode),
+        "length mismatch": msgpack.packb({key: {b"__ndarray__": True, b"data": b"\0" * 7, b"dtype": "<f8",
+                                                b"shape": [1]}}),
+        "absurd shape": msgpack.packb({key: {b"__ndarray__": True, b"data": b"", b"dtype": "<f8",
+                                             b"shape": [2 ** 40, 2 ** 40, 2 ** 40]}}),
+        "deep": b"\x81\xa1x" + b"\x91" * 5000 + b"\x00",
+        "text": "hello",
+    }
+
+
+def test_bad_inputs_openpi_route(server):
+    profile, port = server
+    rng = np.random.default_rng(2)
+    for name, payload in bad_inputs(profile, rng).items():
+        with wsc.connect(f"ws://127.0.0.1:{port}/", compression=None, max_size=None) as ws:
+            ws.recv()  # metadata
+            ws.send(payload)
+            err = ws.recv()
+            assert isinstance(err, str) and err.startswith("policyd: invalid request"), (name, err)
+            with pytest.raises(Exception):
+                ws.recv()
+            assert ws.close_code == 1011, name
+    # the server still serves
+    client = wcp.WebsocketClientPolicy("127.0.0.1", port)
+    assert client.infer(observation(profile, rng))["actions"].ndim == 2
+
+
+def test_oversized_frame_rejected(server):
+    """A frame over max_message_bytes is refused from its header: the server answers with an
+    error and closes (the client may see a reset while still sending), and keeps serving."""
+    profile, port = server
+    ws = wsc.connect(f"ws://127.0.0.1:{port}/", compression=None, max_size=None)
+    ws.recv()
+    err = None
+    try:
+        ws.send(b"\x80" + b"\0" * (5 << 20))
+        err = ws.recv(timeout=5)
+    except Exception:
+        pass
+    assert err is None or "max_message_bytes" in err
+    try:
+        ws.close()
+    except Exception:
+        pass
+    client = wcp.WebsocketClientPolicy("127.0.0.1", port)
+    assert client.infer(observation(profile, np.random.default_rng(4)))["actions"].ndim == 2
+
+
+def test_vllm_route_errors_keep_socket_and_sessions(server):
+    profile, port = server
+    rng = np.random.default_rng(3)
+    with wsc.connect(f"ws://127.0.0.1:{port}/v1/realtime/robot/openpi", compression=None, max_size=None) as ws:
+        msgpack.unpackb(ws.recv())
+        for name, payload in bad_inputs(profile, rng).items():
+            ws.send(payload)
+            err = msgpack.unpackb(ws.recv())
+            assert err["type"] == "error" and err["message"] == "Invalid request payload", (name, err)
+            assert err["detail"]
+        obs = observation(profile, rng)
+        for sid in ["a", "b", "a"]:
+            ws.send(msgpack.packb(dict(obs, session_id=sid), default=msgpack_numpy.encode))
+            arr = openpi_mn.unpackb(ws.recv())
+            want, _ = expected(profile, obs)
+            assert arr.dtype == np.float32 and np.max(np.abs(arr - want)) <= 1e-4
+        ws.send(msgpack.packb({"endpoint": "reset"}))
+        assert msgpack.unpackb(ws.recv()) == {"status": "reset successful"}
+
+
+def test_healthz(server):
+    _, port = server
+    import urllib.request
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz") as r:
+        assert r.status == 200 and r.read() == b"OK\n"
+        assert r.headers["Content-Type"] == "text/plain; charset=utf-8"
