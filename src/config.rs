@@ -225,7 +225,10 @@ impl InputConfig {
         }
     }
     pub fn dtypes(&self) -> Vec<ElemType> {
-        self.dtypes.iter().filter_map(|d| ElemType::from_name(d)).collect()
+        self.dtypes
+            .iter()
+            .filter_map(|d| ElemType::from_name(d))
+            .collect()
     }
 }
 
@@ -336,14 +339,14 @@ impl Config {
         if e.backend != "cpu" {
             return Err(invalid(
                 "engine.backend",
-                format!(
-                    "unknown backend \"{}\"; this build has: cpu",
-                    e.backend
-                ),
+                format!("unknown backend \"{}\"; this build has: cpu", e.backend),
             ));
         }
         if self.model.is_none() && e.model.is_none() {
-            return Err(invalid("engine.model", "missing: give the path of the ONNX model"));
+            return Err(invalid(
+                "engine.model",
+                "missing: give the path of the ONNX model",
+            ));
         }
         if e.slots == 0 || e.slots > 64 {
             return Err(invalid(
@@ -359,12 +362,18 @@ impl Config {
         }
 
         if self.inputs.is_empty() {
-            return Err(invalid("inputs", "at least one [[inputs]] binding is needed"));
+            return Err(invalid(
+                "inputs",
+                "at least one [[inputs]] binding is needed",
+            ));
         }
         for (i, b) in self.inputs.iter().enumerate() {
             let k = |f: &str| format!("inputs[{i}].{f}");
             if b.key.is_empty() || b.key.len() > MAX_PATH {
-                return Err(invalid(k("key"), format!("must be 1 to {MAX_PATH} bytes long")));
+                return Err(invalid(
+                    k("key"),
+                    format!("must be 1 to {MAX_PATH} bytes long"),
+                ));
             }
             if b.key.starts_with('/') || b.key.ends_with('/') || b.key.contains("//") {
                 return Err(invalid(
@@ -375,36 +384,56 @@ impl Config {
             if RESERVED_KEYS.contains(&b.key.as_str()) {
                 return Err(invalid(
                     k("key"),
-                    format!("\"{}\" is reserved by the protocol and cannot be bound", b.key),
+                    format!(
+                        "\"{}\" is reserved by the protocol and cannot be bound",
+                        b.key
+                    ),
                 ));
             }
             if let Some(j) = self.inputs[..i].iter().position(|o| o.key == b.key) {
-                return Err(invalid(k("key"), format!("\"{}\" is already bound by inputs[{j}]", b.key)));
+                return Err(invalid(
+                    k("key"),
+                    format!("\"{}\" is already bound by inputs[{j}]", b.key),
+                ));
             }
             if let Some(j) = self.inputs[..i].iter().position(|o| o.tensor == b.tensor) {
                 return Err(invalid(
                     k("tensor"),
-                    format!("engine input \"{}\" is already bound by inputs[{j}]", b.tensor),
+                    format!(
+                        "engine input \"{}\" is already bound by inputs[{j}]",
+                        b.tensor
+                    ),
                 ));
             }
             if b.dtypes.is_empty() {
-                return Err(invalid(k("dtypes"), "list at least one accepted wire dtype, e.g. [\"float32\", \"float64\"]"));
+                return Err(invalid(
+                    k("dtypes"),
+                    "list at least one accepted wire dtype, e.g. [\"float32\", \"float64\"]",
+                ));
             }
             for d in &b.dtypes {
                 if ElemType::from_name(d).is_none() {
                     return Err(invalid(
                         k("dtypes"),
-                        format!("unknown dtype \"{d}\"; use a numpy name such as uint8, float32, float64"),
+                        format!(
+                            "unknown dtype \"{d}\"; use a numpy name such as uint8, float32, float64"
+                        ),
                     ));
                 }
             }
             if b.shape.len() > crate::wire::MAX_RANK {
-                return Err(invalid(k("shape"), format!("rank {} exceeds {}", b.shape.len(), crate::wire::MAX_RANK)));
+                return Err(invalid(
+                    k("shape"),
+                    format!("rank {} exceeds {}", b.shape.len(), crate::wire::MAX_RANK),
+                ));
             }
             if b.shape.contains(&0) {
                 return Err(invalid(k("shape"), "dimensions must be positive"));
             }
-            let layout_ok = matches!(b.layout.as_deref(), None | Some("none" | "hwc_to_chw" | "chw_to_hwc"));
+            let layout_ok = matches!(
+                b.layout.as_deref(),
+                None | Some("none" | "hwc_to_chw" | "chw_to_hwc")
+            );
             if !layout_ok {
                 return Err(invalid(
                     k("layout"),
@@ -418,13 +447,25 @@ impl Config {
                 return Err(invalid(k("layout"), "needs a shape of rank 3 or more"));
             }
             if !b.scale.is_finite() || !b.offset.is_finite() || !b.fill.is_finite() {
-                return Err(invalid(k("scale"), "scale, offset and fill must be finite numbers"));
+                return Err(invalid(
+                    k("scale"),
+                    "scale, offset and fill must be finite numbers",
+                ));
             }
             let elements: usize = b.shape.iter().product();
-            check_norm(&k("mean"), &k("std"), &b.mean, &b.std, &[1, *b.shape.last().unwrap_or(&1), elements])?;
+            check_norm(
+                &k("mean"),
+                &k("std"),
+                &b.mean,
+                &b.std,
+                &[1, *b.shape.last().unwrap_or(&1), elements],
+            )?;
         }
         if self.outputs.is_empty() {
-            return Err(invalid("outputs", "at least one [[outputs]] binding is needed"));
+            return Err(invalid(
+                "outputs",
+                "at least one [[outputs]] binding is needed",
+            ));
         }
         for (i, o) in self.outputs.iter().enumerate() {
             let k = |f: &str| format!("outputs[{i}].{f}");
@@ -432,10 +473,19 @@ impl Config {
                 return Err(invalid(k("key"), "must not be empty"));
             }
             if let Some(j) = self.outputs[..i].iter().position(|p| p.key == o.key) {
-                return Err(invalid(k("key"), format!("\"{}\" is already used by outputs[{j}]", o.key)));
+                return Err(invalid(
+                    k("key"),
+                    format!("\"{}\" is already used by outputs[{j}]", o.key),
+                ));
             }
-            if !matches!(ElemType::from_name(&o.dtype), Some(ElemType::F32 | ElemType::F64)) {
-                return Err(invalid(k("dtype"), format!("must be \"float32\" or \"float64\", got \"{}\"", o.dtype)));
+            if !matches!(
+                ElemType::from_name(&o.dtype),
+                Some(ElemType::F32 | ElemType::F64)
+            ) {
+                return Err(invalid(
+                    k("dtype"),
+                    format!("must be \"float32\" or \"float64\", got \"{}\"", o.dtype),
+                ));
             }
             if o.columns == Some(0) {
                 return Err(invalid(k("columns"), "must be positive"));
@@ -452,11 +502,21 @@ impl Config {
 
 /// mean/std must come together, with equal lengths from `allowed` (empty: any length),
 /// finite, std non-negative.
-fn check_norm(mk: &str, sk: &str, mean: &[f64], std: &[f64], allowed: &[usize]) -> Result<(), ConfigError> {
+fn check_norm(
+    mk: &str,
+    sk: &str,
+    mean: &[f64],
+    std: &[f64],
+    allowed: &[usize],
+) -> Result<(), ConfigError> {
     if mean.len() != std.len() {
         return Err(invalid(
             mk,
-            format!("has {} values but {sk} has {}; give both with equal lengths", mean.len(), std.len()),
+            format!(
+                "has {} values but {sk} has {}; give both with equal lengths",
+                mean.len(),
+                std.len()
+            ),
         ));
     }
     if mean.is_empty() {
@@ -484,7 +544,10 @@ fn check_norm(mk: &str, sk: &str, mean: &[f64], std: &[f64], allowed: &[usize]) 
 
 fn check_metadata(key: &str, v: &toml::Value) -> Result<(), ConfigError> {
     match v {
-        toml::Value::Datetime(_) => Err(invalid(key, "dates cannot be sent as metadata; use a string")),
+        toml::Value::Datetime(_) => Err(invalid(
+            key,
+            "dates cannot be sent as metadata; use a string",
+        )),
         toml::Value::Array(a) => a
             .iter()
             .enumerate()
@@ -535,7 +598,9 @@ tensor = "actions"
         assert_eq!(c.server.idle_timeout_s, 0.0);
         assert_eq!(c.server.ping_interval_s, 20.0);
         assert_eq!(c.outputs[0].key, "actions");
-        assert!(matches!(c.model, Some(ModelSource::File(ref p)) if p == Path::new("/etc/policyd/m.onnx")));
+        assert!(
+            matches!(c.model, Some(ModelSource::File(ref p)) if p == Path::new("/etc/policyd/m.onnx"))
+        );
     }
 
     #[test]
@@ -544,28 +609,71 @@ tensor = "actions"
         assert!(err("[server]\nmax_message_bytes = 10").contains("server.max_message_bytes"));
         assert!(err("[server]\nping_timeout_s = -1.0").contains("server.ping_timeout_s"));
         assert!(err("[server]\nreset_reply = \"json\"").contains("server.reset_reply"));
-        assert!(err("[server]\nportt = 1").contains("portt"), "unknown keys are refused");
-        assert!(replace("dtypes = [\"float32\", \"float64\"]", "dtypes = [\"float33\"]").contains("inputs[0].dtypes"));
-        assert!(replace("dtypes = [\"float32\", \"float64\"]", "dtypes = []").contains("inputs[0].dtypes"));
-        assert!(replace("shape = [8]", "shape = [8]\nlayout = \"hwc_to_chw\"").contains("inputs[0].layout"));
-        assert!(replace("shape = [8]", "shape = [8]\nmean = [0.0, 1.0]\nstd = [1.0, 1.0]").contains("inputs[0].mean"));
+        assert!(
+            err("[server]\nportt = 1").contains("portt"),
+            "unknown keys are refused"
+        );
+        assert!(
+            replace(
+                "dtypes = [\"float32\", \"float64\"]",
+                "dtypes = [\"float33\"]"
+            )
+            .contains("inputs[0].dtypes")
+        );
+        assert!(
+            replace("dtypes = [\"float32\", \"float64\"]", "dtypes = []")
+                .contains("inputs[0].dtypes")
+        );
+        assert!(
+            replace("shape = [8]", "shape = [8]\nlayout = \"hwc_to_chw\"")
+                .contains("inputs[0].layout")
+        );
+        assert!(
+            replace(
+                "shape = [8]",
+                "shape = [8]\nmean = [0.0, 1.0]\nstd = [1.0, 1.0]"
+            )
+            .contains("inputs[0].mean")
+        );
         assert!(replace("shape = [8]", "shape = [8]\nmean = [0.0]").contains("inputs[0].mean"));
         assert!(replace("key = \"state\"", "key = \"endpoint\"").contains("inputs[0].key"));
-        assert!(replace("tensor = \"actions\"", "tensor = \"actions\"\ndtype = \"int8\"").contains("outputs[0].dtype"));
-        assert!(replace("model = \"m.onnx\"", "model = \"m.onnx\"\nbackend = \"gpu\"").contains("engine.backend"));
+        assert!(
+            replace(
+                "tensor = \"actions\"",
+                "tensor = \"actions\"\ndtype = \"int8\""
+            )
+            .contains("outputs[0].dtype")
+        );
+        assert!(
+            replace(
+                "model = \"m.onnx\"",
+                "model = \"m.onnx\"\nbackend = \"gpu\""
+            )
+            .contains("engine.backend")
+        );
         assert!(err("[metadata]\nwhen = 1979-05-27").contains("metadata.when"));
-        let dup = format!("{MIN}\n[[inputs]]\nkey = \"state\"\ntensor = \"x\"\ndtypes = [\"float32\"]\nshape = [1]\n");
-        let e = Config::parse(&dup, "t", Some(Path::new("."))).unwrap_err().to_string();
+        let dup = format!(
+            "{MIN}\n[[inputs]]\nkey = \"state\"\ntensor = \"x\"\ndtypes = [\"float32\"]\nshape = [1]\n"
+        );
+        let e = Config::parse(&dup, "t", Some(Path::new(".")))
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("inputs[1].key"), "{e}");
     }
 
     #[test]
     fn parse_errors_say_where() {
-        let e = Config::parse("[server\nport = 1", "bad.toml", None).unwrap_err().to_string();
-        assert!(e.contains("bad.toml"), "{e}");
-        let e = Config::parse("[server]\nport = \"x\"\n[engine]\nmodel=\"m\"", "bad.toml", None)
+        let e = Config::parse("[server\nport = 1", "bad.toml", None)
             .unwrap_err()
             .to_string();
+        assert!(e.contains("bad.toml"), "{e}");
+        let e = Config::parse(
+            "[server]\nport = \"x\"\n[engine]\nmodel=\"m\"",
+            "bad.toml",
+            None,
+        )
+        .unwrap_err()
+        .to_string();
         assert!(e.contains("port"), "{e}");
     }
 }

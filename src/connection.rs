@@ -60,7 +60,11 @@ where
 {
     let cfg = &shared.cfg.server;
     let plan = &shared.plan;
-    if ws.send(Message::Binary(shared.metadata.clone())).await.is_err() {
+    if ws
+        .send(Message::Binary(shared.metadata.clone()))
+        .await
+        .is_err()
+    {
         return "client left before the metadata frame".into();
     }
     let mut sessions = Sessions::new(cfg.max_sessions);
@@ -72,7 +76,8 @@ where
     let mut shutdown = shared.shutdown.clone();
     let mut stopping = *shutdown.borrow();
 
-    let ping_every = (cfg.ping_interval_s > 0.0).then(|| Duration::from_secs_f64(cfg.ping_interval_s));
+    let ping_every =
+        (cfg.ping_interval_s > 0.0).then(|| Duration::from_secs_f64(cfg.ping_interval_s));
     let pong_timeout = Duration::from_secs_f64(cfg.ping_timeout_s.max(0.001));
     let mut ping = tokio::time::interval(ping_every.unwrap_or(Duration::from_secs(3600)));
     ping.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -90,7 +95,7 @@ where
         if in_flight.is_none()
             && let Some((frame, received)) = pending.take()
         {
-            match start(&frame, shared, dialect, &mut sessions, &port, &mut out).await {
+            match start(&frame, shared, &mut sessions, &port, &mut out).await {
                 Ok(Started::InFlight) => in_flight = Some(InFlight { received }),
                 Ok(Started::Replied(msg)) => {
                     if ws.send(msg).await.is_err() {
@@ -227,7 +232,6 @@ enum Started {
 async fn start(
     frame: &[u8],
     shared: &Shared,
-    dialect: Dialect,
     sessions: &mut Sessions,
     port: &ReplyPort,
     out: &mut Vec<u8>,
@@ -245,7 +249,9 @@ async fn start(
                 return Ok(Started::Replied(Message::text("reset successful")));
             }
             wire::encode_status(out, "reset successful");
-            Ok(Started::Replied(Message::Binary(Bytes::copy_from_slice(out))))
+            Ok(Started::Replied(Message::Binary(Bytes::copy_from_slice(
+                out,
+            ))))
         }
         Endpoint::Observe => Err(Failure::Request(
             "endpoint 'observe' (streaming) is not available in this version; use 'infer'".into(),
@@ -253,7 +259,6 @@ async fn start(
         Endpoint::Infer => {
             slot.reset = sessions.begin_infer(meta.session_id.as_ref());
             slot.result = None;
-            let _ = dialect;
             lease
                 .submit(&shared.worker, port)
                 .map(|()| Started::InFlight)
@@ -263,7 +268,12 @@ async fn start(
 }
 
 /// Reports a failure in the connection's dialect. Returns why the connection ended, if it did.
-async fn fail<S>(ws: &mut WebSocketStream<S>, dialect: Dialect, f: Failure, out: &mut Vec<u8>) -> Option<String>
+async fn fail<S>(
+    ws: &mut WebSocketStream<S>,
+    dialect: Dialect,
+    f: Failure,
+    out: &mut Vec<u8>,
+) -> Option<String>
 where
     S: AsyncRead + AsyncWrite + Unpin,
 {
@@ -285,7 +295,11 @@ where
             };
             log::info!("request error: {detail}");
             wire::encode_error_map(out, message, detail);
-            if ws.send(Message::Binary(Bytes::copy_from_slice(out))).await.is_err() {
+            if ws
+                .send(Message::Binary(Bytes::copy_from_slice(out)))
+                .await
+                .is_err()
+            {
                 return Some("client went away".into());
             }
             None

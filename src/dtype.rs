@@ -162,7 +162,9 @@ impl WireDType {
 pub enum DTypeError {
     #[error("structured (void) dtypes are not accepted")]
     Structured,
-    #[error("object dtypes are not accepted (they carry Python pickles, which policyd never loads)")]
+    #[error(
+        "object dtypes are not accepted (they carry Python pickles, which policyd never loads)"
+    )]
     Object,
     #[error("complex dtypes are not accepted")]
     Complex,
@@ -190,7 +192,9 @@ pub fn parse_numpy_dtype(s: &[u8]) -> Result<WireDType, DTypeError> {
     if digits.is_empty() || digits.len() > 6 || !digits.iter().all(u8::is_ascii_digit) {
         return Err(DTypeError::Malformed);
     }
-    let n: usize = digits.iter().fold(0usize, |acc, d| acc * 10 + usize::from(d - b'0'));
+    let n: usize = digits
+        .iter()
+        .fold(0usize, |acc, d| acc * 10 + usize::from(d - b'0'));
     let t = match (kind, n) {
         (b'b', 1) => ElemType::Bool,
         (b'u', 1) => ElemType::U8,

@@ -77,8 +77,15 @@ fn run(cli: Cli) -> Result<(), String> {
         Some(Command::CheckConfig { file }) => {
             let cfg = load_config(Some(file), &cli)?;
             let engine = server::open_engine(&cfg).map_err(|e| e.to_string())?;
-            let plan = policyd::plan::Plan::compile(&cfg, engine.io()).map_err(|e| e.to_string())?;
-            println!("{}: OK ({} backend, {} inputs, {} outputs)", file.display(), engine.backend(), plan.inputs.len(), plan.outputs.len());
+            let plan =
+                policyd::plan::Plan::compile(&cfg, engine.io()).map_err(|e| e.to_string())?;
+            println!(
+                "{}: OK ({} backend, {} inputs, {} outputs)",
+                file.display(),
+                engine.backend(),
+                plan.inputs.len(),
+                plan.outputs.len()
+            );
             for s in &engine.io().inputs {
                 println!("  input  '{}' {} {:?}", s.name, s.dtype, s.shape);
             }
@@ -113,7 +120,10 @@ fn serve(cfg: Config) -> Result<(), String> {
     rt.block_on(async move {
         let listener = server::bind(&cfg).await.map_err(|e| e.to_string())?;
         let addr = listener.local_addr().map_err(|e| e.to_string())?;
-        log::info!("serving on ws://{addr} (openpi on any path, vllm-omni on {}, health on /healthz)", server::VLLM_PATH);
+        log::info!(
+            "serving on ws://{addr} (openpi on any path, vllm-omni on {}, health on /healthz)",
+            server::VLLM_PATH
+        );
         server::serve(cfg, loaded, listener, shutdown_signal())
             .await
             .map_err(|e| e.to_string())
@@ -124,13 +134,14 @@ async fn shutdown_signal() {
     let ctrl_c = tokio::signal::ctrl_c();
     #[cfg(unix)]
     {
-        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(s) => s,
-            Err(_) => {
-                let _ = ctrl_c.await;
-                return;
-            }
-        };
+        let mut term =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(s) => s,
+                Err(_) => {
+                    let _ = ctrl_c.await;
+                    return;
+                }
+            };
         tokio::select! {
             _ = ctrl_c => log::info!("SIGINT received"),
             _ = term.recv() => log::info!("SIGTERM received"),

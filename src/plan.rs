@@ -76,16 +76,20 @@ impl Plan {
         let mut inputs = Vec::new();
         for (i, b) in cfg.inputs.iter().enumerate() {
             let k = |f: &str| format!("inputs[{i}].{f}");
-            let index = io.inputs.iter().position(|s| s.name == b.tensor).ok_or_else(|| {
-                invalid(
-                    k("tensor"),
-                    format!(
-                        "the model has no input '{}'; its inputs are: {}",
-                        b.tensor,
-                        names(&io.inputs)
-                    ),
-                )
-            })?;
+            let index = io
+                .inputs
+                .iter()
+                .position(|s| s.name == b.tensor)
+                .ok_or_else(|| {
+                    invalid(
+                        k("tensor"),
+                        format!(
+                            "the model has no input '{}'; its inputs are: {}",
+                            b.tensor,
+                            names(&io.inputs)
+                        ),
+                    )
+                })?;
             let spec = &io.inputs[index];
             let rank = b.shape.len();
             let mut perm: Vec<usize> = (0..rank).collect();
@@ -150,16 +154,20 @@ impl Plan {
         let mut outputs = Vec::new();
         for (i, o) in cfg.outputs.iter().enumerate() {
             let k = |f: &str| format!("outputs[{i}].{f}");
-            let index = io.outputs.iter().position(|s| s.name == o.tensor).ok_or_else(|| {
-                invalid(
-                    k("tensor"),
-                    format!(
-                        "the model has no output '{}'; its outputs are: {}",
-                        o.tensor,
-                        names(&io.outputs)
-                    ),
-                )
-            })?;
+            let index = io
+                .outputs
+                .iter()
+                .position(|s| s.name == o.tensor)
+                .ok_or_else(|| {
+                    invalid(
+                        k("tensor"),
+                        format!(
+                            "the model has no output '{}'; its outputs are: {}",
+                            o.tensor,
+                            names(&io.outputs)
+                        ),
+                    )
+                })?;
             let spec = &io.outputs[index];
             let src_shape: Vec<usize> = squeeze_to(&spec.shape, 2).to_vec();
             let last = *src_shape.last().unwrap_or(&1);
@@ -167,7 +175,10 @@ impl Plan {
             if cols > last {
                 return Err(invalid(
                     k("columns"),
-                    format!("{cols} exceeds the last axis of output '{}' {:?}", spec.name, spec.shape),
+                    format!(
+                        "{cols} exceeds the last axis of output '{}' {:?}",
+                        spec.name, spec.shape
+                    ),
                 ));
             }
             let mut shape = src_shape.clone();
@@ -185,12 +196,22 @@ impl Plan {
                 ));
             }
             let affine = Affine::unnormalize(&o.mean, &o.std);
-            let src_shape = if src_shape.is_empty() { vec![1] } else { src_shape };
+            let src_shape = if src_shape.is_empty() {
+                vec![1]
+            } else {
+                src_shape
+            };
             let shape = if shape.is_empty() { vec![1] } else { shape };
             outputs.push(OutputBinding {
                 key: o.key.clone(),
                 index,
-                openpi: Transform::first_columns(spec.dtype, o.dtype(), &src_shape, cols, affine.clone()),
+                openpi: Transform::first_columns(
+                    spec.dtype,
+                    o.dtype(),
+                    &src_shape,
+                    cols,
+                    affine.clone(),
+                ),
                 vllm: Transform::first_columns(spec.dtype, ElemType::F32, &src_shape, cols, affine),
                 shape,
             });
@@ -206,7 +227,13 @@ impl Plan {
             + wire::TIMING_SIZE
             + outputs
                 .iter()
-                .map(|o| 5 + o.key.len() + Encoder::ndarray_size(&o.shape, o.openpi.dst_bytes().max(o.vllm.dst_bytes())))
+                .map(|o| {
+                    5 + o.key.len()
+                        + Encoder::ndarray_size(
+                            &o.shape,
+                            o.openpi.dst_bytes().max(o.vllm.dst_bytes()),
+                        )
+                })
                 .sum::<usize>();
         let budget = Budget::compute(cfg, io, reply_capacity, metadata.len());
         Ok(Plan {
@@ -313,9 +340,15 @@ impl Plan {
 fn check_vllm_metadata(cfg: &Config, outputs: &[OutputBinding]) -> Result<(), ConfigError> {
     let m = &cfg.metadata;
     if let Some(h) = m.get("action_horizon") {
-        let h = h.as_integer().ok_or_else(|| invalid("metadata.action_horizon", "must be an integer"))?;
+        let h = h
+            .as_integer()
+            .ok_or_else(|| invalid("metadata.action_horizon", "must be an integer"))?;
         for o in outputs {
-            let got = o.shape.get(o.shape.len().saturating_sub(2)).copied().unwrap_or(1);
+            let got = o
+                .shape
+                .get(o.shape.len().saturating_sub(2))
+                .copied()
+                .unwrap_or(1);
             if o.shape.len() < 2 || got as i64 != h {
                 return Err(invalid(
                     "metadata.action_horizon",
@@ -325,7 +358,9 @@ fn check_vllm_metadata(cfg: &Config, outputs: &[OutputBinding]) -> Result<(), Co
         }
     }
     if let Some(d) = m.get("action_dim") {
-        let d = d.as_integer().ok_or_else(|| invalid("metadata.action_dim", "must be an integer"))?;
+        let d = d
+            .as_integer()
+            .ok_or_else(|| invalid("metadata.action_dim", "must be an integer"))?;
         for o in outputs {
             if o.shape.last().copied().unwrap_or(0) as i64 != d {
                 return Err(invalid(
@@ -370,7 +405,10 @@ fn dtype_name(d: WireDType) -> String {
 
 impl Visitor for SlotWriter<'_> {
     fn binding(&self, path: &[u8]) -> Option<usize> {
-        self.plan.inputs.iter().position(|b| b.key.as_bytes() == path)
+        self.plan
+            .inputs
+            .iter()
+            .position(|b| b.key.as_bytes() == path)
     }
 
     fn value(&mut self, i: usize, _path: &[u8], value: Value<'_>) -> Result<(), WireError> {
@@ -425,7 +463,8 @@ impl Visitor for SlotWriter<'_> {
             Some(p) if b.accepted[p].0 == a.storage => b.accepted[p].1.apply(a.data, a.order, dst),
             // A scalar whose value travels in another type (openpi sends a float32 scalar as a
             // msgpack float64, and plain msgpack numbers carry no dtype): convert from storage.
-            _ => Transform::elementwise(a.storage, b.engine_type, 1, b.affine.clone()).apply(a.data, a.order, dst),
+            _ => Transform::elementwise(a.storage, b.engine_type, 1, b.affine.clone())
+                .apply(a.data, a.order, dst),
         };
         if !ok {
             return Err(WireError::BadArray {
@@ -459,7 +498,9 @@ impl Budget {
         let per_conn = msg + WS_READ_BUFFER + 2 * reply + metadata as u64;
         let lines = vec![
             (
-                format!("slots        {slots} × (inputs {inputs} + outputs {outputs} + reply {reply})"),
+                format!(
+                    "slots        {slots} × (inputs {inputs} + outputs {outputs} + reply {reply})"
+                ),
                 slots * (inputs + outputs + reply),
             ),
             (

@@ -34,8 +34,13 @@ pub enum ServerError {
     Config(#[from] ConfigError),
     #[error(transparent)]
     Engine(#[from] EngineError),
-    #[error("cannot listen on {addr}: {source} (is another server using the port? set server.port or --port)")]
-    Bind { addr: String, source: std::io::Error },
+    #[error(
+        "cannot listen on {addr}: {source} (is another server using the port? set server.port or --port)"
+    )]
+    Bind {
+        addr: String,
+        source: std::io::Error,
+    },
 }
 
 /// Everything a connection needs, shared by all of them.
@@ -60,10 +65,9 @@ pub struct Loaded {
 
 /// Opens the engine a config names.
 pub fn open_engine(cfg: &Config) -> Result<Box<dyn Engine>, ServerError> {
-    let model = cfg
-        .model
-        .clone()
-        .ok_or_else(|| crate::config::invalid("engine.model", "missing: give the path of the ONNX model"))?;
+    let model = cfg.model.clone().ok_or_else(|| {
+        crate::config::invalid("engine.model", "missing: give the path of the ONNX model")
+    })?;
     let hints: Vec<(String, Vec<usize>)> = cfg
         .inputs
         .iter()
@@ -71,7 +75,11 @@ pub fn open_engine(cfg: &Config) -> Result<Box<dyn Engine>, ServerError> {
         .collect();
     match cfg.engine.backend.as_str() {
         "cpu" => Ok(Box::new(CpuEngine::load(&model, &hints)?)),
-        other => Err(crate::config::invalid("engine.backend", format!("unknown backend \"{other}\"")).into()),
+        other => Err(crate::config::invalid(
+            "engine.backend",
+            format!("unknown backend \"{other}\""),
+        )
+        .into()),
     }
 }
 
@@ -80,7 +88,8 @@ pub fn load(cfg: &Config) -> Result<Loaded, ServerError> {
     let engine = open_engine(cfg)?;
     let plan = Plan::compile(cfg, engine.io())?;
     let backend = engine.backend();
-    let (worker, warmup) = WorkerHandle::start(engine, &plan, cfg.engine.slots, cfg.engine.warmup_runs)?;
+    let (worker, warmup) =
+        WorkerHandle::start(engine, &plan, cfg.engine.slots, cfg.engine.warmup_runs)?;
     Ok(Loaded {
         plan,
         worker,
@@ -175,7 +184,10 @@ async fn read_head(stream: &mut TcpStream) -> Result<Head, &'static str> {
     let mut buf = vec![0u8; MAX_HEAD];
     let mut len = 0;
     loop {
-        let n = stream.read(&mut buf[len..]).await.map_err(|_| "read error")?;
+        let n = stream
+            .read(&mut buf[len..])
+            .await
+            .map_err(|_| "read error")?;
         if n == 0 {
             return Err("closed before the request was complete");
         }
@@ -191,10 +203,17 @@ async fn read_head(stream: &mut TcpStream) -> Result<Head, &'static str> {
                         .and_then(|h| std::str::from_utf8(h.value).ok())
                         .map(|v| v.trim().to_string())
                 };
-                let upgrade = find("upgrade").is_some_and(|v| v.to_ascii_lowercase().contains("websocket"));
+                let upgrade =
+                    find("upgrade").is_some_and(|v| v.to_ascii_lowercase().contains("websocket"));
                 return Ok(Head {
                     method: req.method.unwrap_or("").to_string(),
-                    path: req.path.unwrap_or("/").split('?').next().unwrap_or("/").to_string(),
+                    path: req
+                        .path
+                        .unwrap_or("/")
+                        .split('?')
+                        .next()
+                        .unwrap_or("/")
+                        .to_string(),
                     upgrade,
                     version: find("sec-websocket-version"),
                     key: find("sec-websocket-key"),
@@ -208,7 +227,13 @@ async fn read_head(stream: &mut TcpStream) -> Result<Head, &'static str> {
     }
 }
 
-async fn respond(stream: &mut TcpStream, status: &str, content_type: &str, body: &str, extra: &str) {
+async fn respond(
+    stream: &mut TcpStream,
+    status: &str,
+    content_type: &str,
+    body: &str,
+    extra: &str,
+) {
     let msg = format!(
         "HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\nConnection: close\r\n{extra}\r\n{body}",
         body.len()
@@ -217,7 +242,12 @@ async fn respond(stream: &mut TcpStream, status: &str, content_type: &str, body:
     let _ = stream.shutdown().await;
 }
 
-async fn handle(mut stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>, handshake: tokio::sync::OwnedSemaphorePermit) {
+async fn handle(
+    mut stream: TcpStream,
+    peer: SocketAddr,
+    shared: Arc<Shared>,
+    handshake: tokio::sync::OwnedSemaphorePermit,
+) {
     let _ = stream.set_nodelay(true);
     let timeout = Duration::from_secs_f64(shared.cfg.server.handshake_timeout_s);
     let head = match tokio::time::timeout(timeout, read_head(&mut stream)).await {
@@ -225,7 +255,14 @@ async fn handle(mut stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>, ha
         Ok(Err(why)) => {
             log::debug!("{peer}: {why}");
             if why != "closed before the request was complete" && why != "read error" {
-                respond(&mut stream, "400 Bad Request", "text/plain; charset=utf-8", &format!("{why}\n"), "").await;
+                respond(
+                    &mut stream,
+                    "400 Bad Request",
+                    "text/plain; charset=utf-8",
+                    &format!("{why}\n"),
+                    "",
+                )
+                .await;
             }
             return;
         }
@@ -237,17 +274,45 @@ async fn handle(mut stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>, ha
     let healthy = shared.worker.state.healthy.load(Ordering::Relaxed);
     if head.method == "GET" && head.path == "/healthz" && !head.upgrade {
         if healthy {
-            respond(&mut stream, "200 OK", "text/plain; charset=utf-8", "OK\n", "").await;
+            respond(
+                &mut stream,
+                "200 OK",
+                "text/plain; charset=utf-8",
+                "OK\n",
+                "",
+            )
+            .await;
         } else {
-            respond(&mut stream, "503 Service Unavailable", "text/plain; charset=utf-8", "engine unavailable\n", "").await;
+            respond(
+                &mut stream,
+                "503 Service Unavailable",
+                "text/plain; charset=utf-8",
+                "engine unavailable\n",
+                "",
+            )
+            .await;
         }
         return;
     }
     if head.method == "GET" && head.path == "/health" && !head.upgrade {
         if healthy {
-            respond(&mut stream, "200 OK", "application/json", "{\"status\":\"healthy\"}", "").await;
+            respond(
+                &mut stream,
+                "200 OK",
+                "application/json",
+                "{\"status\":\"healthy\"}",
+                "",
+            )
+            .await;
         } else {
-            respond(&mut stream, "503 Service Unavailable", "application/json", "{\"status\":\"unhealthy\"}", "").await;
+            respond(
+                &mut stream,
+                "503 Service Unavailable",
+                "application/json",
+                "{\"status\":\"unhealthy\"}",
+                "",
+            )
+            .await;
         }
         return;
     }
@@ -262,7 +327,14 @@ async fn handle(mut stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>, ha
             )
             .await;
         } else {
-            respond(&mut stream, "405 Method Not Allowed", "text/plain; charset=utf-8", "only GET\n", "Allow: GET\r\n").await;
+            respond(
+                &mut stream,
+                "405 Method Not Allowed",
+                "text/plain; charset=utf-8",
+                "only GET\n",
+                "Allow: GET\r\n",
+            )
+            .await;
         }
         return;
     }
@@ -278,20 +350,40 @@ async fn handle(mut stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>, ha
         return;
     }
     let Some(key) = head.key else {
-        respond(&mut stream, "400 Bad Request", "text/plain; charset=utf-8", "missing Sec-WebSocket-Key\n", "").await;
+        respond(
+            &mut stream,
+            "400 Bad Request",
+            "text/plain; charset=utf-8",
+            "missing Sec-WebSocket-Key\n",
+            "",
+        )
+        .await;
         return;
     };
     if *shared.shutdown.borrow() || !healthy {
-        respond(&mut stream, "503 Service Unavailable", "text/plain; charset=utf-8", "server unavailable\n", "").await;
-        return;
-    }
-    let Ok(permit) = shared.connections.clone().try_acquire_owned() else {
-        log::warn!("{peer}: refused: at the connection limit (server.max_connections = {})", shared.cfg.server.max_connections);
         respond(
             &mut stream,
             "503 Service Unavailable",
             "text/plain; charset=utf-8",
-            &format!("policyd is serving its maximum of {} connections\n", shared.cfg.server.max_connections),
+            "server unavailable\n",
+            "",
+        )
+        .await;
+        return;
+    }
+    let Ok(permit) = shared.connections.clone().try_acquire_owned() else {
+        log::warn!(
+            "{peer}: refused: at the connection limit (server.max_connections = {})",
+            shared.cfg.server.max_connections
+        );
+        respond(
+            &mut stream,
+            "503 Service Unavailable",
+            "text/plain; charset=utf-8",
+            &format!(
+                "policyd is serving its maximum of {} connections\n",
+                shared.cfg.server.max_connections
+            ),
             "Retry-After: 1\r\n",
         )
         .await;
@@ -305,9 +397,19 @@ async fn handle(mut stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>, ha
         return;
     }
     drop(handshake);
-    let dialect = if head.path == VLLM_PATH { Dialect::Vllm } else { Dialect::Openpi };
+    let dialect = if head.path == VLLM_PATH {
+        Dialect::Vllm
+    } else {
+        Dialect::Openpi
+    };
     log::info!("{peer}: connected on {} ({})", head.path, dialect.name());
-    let ws = WebSocketStream::from_partially_read(stream, head.rest, Role::Server, Some(shared.ws_config)).await;
+    let ws = WebSocketStream::from_partially_read(
+        stream,
+        head.rest,
+        Role::Server,
+        Some(shared.ws_config),
+    )
+    .await;
     let why = connection::serve(ws, &shared, dialect).await;
     log::info!("{peer}: closed ({why})");
     drop(permit);

@@ -113,7 +113,10 @@ mod tests {
         assert!(s.begin_infer(None));
         assert!(!s.begin_infer(None));
         assert!(s.begin_infer(Some(&id("a"))));
-        assert!(!s.begin_infer(None), "requests without an id stay in the last named session");
+        assert!(
+            !s.begin_infer(None),
+            "requests without an id stay in the last named session"
+        );
         assert!(!s.begin_infer(Some(&id("default"))));
         s.reset(Some(&id("a")));
         assert!(s.begin_infer(None));
@@ -129,6 +132,9 @@ mod tests {
         assert!(s.begin_infer(Some(&id("c")))); // evicts b, the least recently used
         assert_eq!(s.len(), 2);
         assert!(!s.begin_infer(Some(&id("a"))));
-        assert!(s.begin_infer(Some(&id("b"))), "an evicted session starts afresh");
+        assert!(
+            s.begin_infer(Some(&id("b"))),
+            "an evicted session starts afresh"
+        );
     }
 }

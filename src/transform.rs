@@ -111,7 +111,10 @@ impl Affine {
     /// openpi's normalisation of an input: `((x·scale + offset) − mean) / (std + 1e-6)`.
     pub fn normalize(scale: f64, offset: f64, mean: &[f64], std: &[f64]) -> Affine {
         if mean.is_empty() {
-            return Affine::Scalar { a: scale, b: offset };
+            return Affine::Scalar {
+                a: scale,
+                b: offset,
+            };
         }
         let (a, b) = mean
             .iter()
@@ -462,7 +465,10 @@ mod tests {
         );
         let mut dst = vec![0u8; src.len()];
         assert!(t.apply(&src, ByteOrder::Little, &mut dst));
-        assert_eq!(dst, vec![0, 1, 10, 11, 100, 101, 110, 111, 200, 201, 210, 211]);
+        assert_eq!(
+            dst,
+            vec![0, 1, 10, 11, 100, 101, 110, 111, 200, 201, 210, 211]
+        );
     }
 
     #[test]
@@ -481,7 +487,10 @@ mod tests {
         let mut dst = vec![0u8; 8];
         assert!(t.apply(&src, ByteOrder::Big, &mut dst));
         let out = f32s(&dst);
-        assert!((out[0] - 1.0).abs() < 1e-5 && (out[1] - 1.0).abs() < 1e-5, "{out:?}");
+        assert!(
+            (out[0] - 1.0).abs() < 1e-5 && (out[1] - 1.0).abs() < 1e-5,
+            "{out:?}"
+        );
     }
 
     #[test]

@@ -167,7 +167,10 @@ pub enum Value<'a> {
     /// A numeric ndarray or scalar.
     Array(ArrayView<'a>),
     /// Text: a msgpack str or bin, or a numpy string array (declared dtype, raw data).
-    Text { dtype: Option<WireDType>, data: &'a [u8] },
+    Text {
+        dtype: Option<WireDType>,
+        data: &'a [u8],
+    },
 }
 
 /// Receives the values whose key paths a binding names.
@@ -322,7 +325,7 @@ fn read_reserved(
                             }
                         }
                     } else {
-                        cur.skip(limits, 2)?;
+                        cur.skip(limits, 1)?;
                     }
                 }
             }
@@ -440,7 +443,12 @@ fn scalar_value<'a>(head: &Head<'a>) -> Option<Value<'a>> {
         Head::Int { ty, data } => (ty, data),
         Head::Float { ty, data } => (ty, data),
         Head::Bool(b) => (ElemType::Bool, if b { TRUE } else { FALSE }),
-        Head::Str(s) | Head::Bin(s) => return Some(Value::Text { dtype: None, data: s }),
+        Head::Str(s) | Head::Bin(s) => {
+            return Some(Value::Text {
+                dtype: None,
+                data: s,
+            });
+        }
         _ => return None,
     };
     Some(Value::Array(ArrayView {
@@ -618,16 +626,15 @@ fn read_marker<'a>(
     if kind == MapKind::OpenpiScalar {
         // openpi sends a scalar's value as a native msgpack value.
         return match (declared, data) {
-            (WireDType::Num(..), Head::Int { ty, data }) | (WireDType::Num(..), Head::Float { ty, data }) => {
-                Ok(Value::Array(ArrayView {
-                    declared,
-                    storage: ty,
-                    order: ByteOrder::Big,
-                    shape: Shape::new(),
-                    data,
-                    native: false,
-                }))
-            }
+            (WireDType::Num(..), Head::Int { ty, data })
+            | (WireDType::Num(..), Head::Float { ty, data }) => Ok(Value::Array(ArrayView {
+                declared,
+                storage: ty,
+                order: ByteOrder::Big,
+                shape: Shape::new(),
+                data,
+                native: false,
+            })),
             (WireDType::Num(..), Head::Bool(b)) => Ok(Value::Array(ArrayView {
                 declared,
                 storage: ElemType::Bool,
@@ -637,7 +644,10 @@ fn read_marker<'a>(
                 native: false,
             })),
             (WireDType::Unicode(..) | WireDType::Bytes(_), Head::Str(s) | Head::Bin(s)) => {
-                Ok(Value::Text { dtype: None, data: s })
+                Ok(Value::Text {
+                    dtype: None,
+                    data: s,
+                })
             }
             (_, other) => Err(bad(&format!(
                 "scalar 'data' is {}, which does not fit dtype '{}'",
@@ -799,16 +809,46 @@ impl<'a> Cursor<'a> {
             Marker::Null => Head::Nil,
             Marker::True => Head::Bool(true),
             Marker::False => Head::Bool(false),
-            Marker::U8 => Head::Int { ty: ElemType::U8, data: self.take(1)? },
-            Marker::U16 => Head::Int { ty: ElemType::U16, data: self.take(2)? },
-            Marker::U32 => Head::Int { ty: ElemType::U32, data: self.take(4)? },
-            Marker::U64 => Head::Int { ty: ElemType::U64, data: self.take(8)? },
-            Marker::I8 => Head::Int { ty: ElemType::I8, data: self.take(1)? },
-            Marker::I16 => Head::Int { ty: ElemType::I16, data: self.take(2)? },
-            Marker::I32 => Head::Int { ty: ElemType::I32, data: self.take(4)? },
-            Marker::I64 => Head::Int { ty: ElemType::I64, data: self.take(8)? },
-            Marker::F32 => Head::Float { ty: ElemType::F32, data: self.take(4)? },
-            Marker::F64 => Head::Float { ty: ElemType::F64, data: self.take(8)? },
+            Marker::U8 => Head::Int {
+                ty: ElemType::U8,
+                data: self.take(1)?,
+            },
+            Marker::U16 => Head::Int {
+                ty: ElemType::U16,
+                data: self.take(2)?,
+            },
+            Marker::U32 => Head::Int {
+                ty: ElemType::U32,
+                data: self.take(4)?,
+            },
+            Marker::U64 => Head::Int {
+                ty: ElemType::U64,
+                data: self.take(8)?,
+            },
+            Marker::I8 => Head::Int {
+                ty: ElemType::I8,
+                data: self.take(1)?,
+            },
+            Marker::I16 => Head::Int {
+                ty: ElemType::I16,
+                data: self.take(2)?,
+            },
+            Marker::I32 => Head::Int {
+                ty: ElemType::I32,
+                data: self.take(4)?,
+            },
+            Marker::I64 => Head::Int {
+                ty: ElemType::I64,
+                data: self.take(8)?,
+            },
+            Marker::F32 => Head::Float {
+                ty: ElemType::F32,
+                data: self.take(4)?,
+            },
+            Marker::F64 => Head::Float {
+                ty: ElemType::F64,
+                data: self.take(8)?,
+            },
             Marker::FixStr(n) => Head::Str(self.take(usize::from(n))?),
             Marker::Str8 => {
                 let n = self.len_be(1)?;
@@ -968,7 +1008,13 @@ impl Encoder<'_> {
 
     /// Writes an openpi ndarray marker whose `len` data bytes `fill` writes in place:
     /// `{__ndarray__: true, data: <bin>, dtype: <str>, shape: [..]}` with bin keys.
-    pub fn ndarray(&mut self, dtype: ElemType, shape: &[usize], len: usize, fill: impl FnOnce(&mut [u8])) {
+    pub fn ndarray(
+        &mut self,
+        dtype: ElemType,
+        shape: &[usize],
+        len: usize,
+        fill: impl FnOnce(&mut [u8]),
+    ) {
         self.map(4);
         self.bin(b"__ndarray__");
         self.bool(true);
@@ -1114,11 +1160,17 @@ mod tests {
     }
 
     fn fixture(name: &str) -> Vec<u8> {
-        let p = format!("{}/tests/fixtures/msgpack/{name}", env!("CARGO_MANIFEST_DIR"));
+        let p = format!(
+            "{}/tests/fixtures/msgpack/{name}",
+            env!("CARGO_MANIFEST_DIR")
+        );
         std::fs::read(&p).unwrap_or_else(|e| panic!("{p}: {e}"))
     }
 
-    fn collect(frame: &[u8], keys: &[&'static str]) -> Result<Vec<(usize, String, OwnedValue)>, WireError> {
+    fn collect(
+        frame: &[u8],
+        keys: &[&'static str],
+    ) -> Result<Vec<(usize, String, OwnedValue)>, WireError> {
         let mut c = Collect {
             keys: keys.to_vec(),
             ..Default::default()
@@ -1140,18 +1192,39 @@ mod tests {
         for name in ["obs_libero.msgpack", "nd_obs_libero.msgpack"] {
             let got = collect(
                 &fixture(name),
-                &["observation/image", "observation/wrist_image", "observation/state", "prompt"],
+                &[
+                    "observation/image",
+                    "observation/wrist_image",
+                    "observation/state",
+                    "prompt",
+                ],
             )
             .unwrap();
             assert_eq!(got.len(), 4, "{name}");
             for (i, path, v) in &got {
                 match (i, v) {
-                    (0 | 1, OwnedValue::Array { declared, shape, data, .. }) => {
+                    (
+                        0 | 1,
+                        OwnedValue::Array {
+                            declared,
+                            shape,
+                            data,
+                            ..
+                        },
+                    ) => {
                         assert_eq!(*declared, WireDType::Num(ElemType::U8, ByteOrder::Little));
                         assert_eq!(shape, &vec![8, 8, 3]);
                         assert_eq!(data, &img(192, *i), "{name} {path}");
                     }
-                    (2, OwnedValue::Array { declared, shape, data, .. }) => {
+                    (
+                        2,
+                        OwnedValue::Array {
+                            declared,
+                            shape,
+                            data,
+                            ..
+                        },
+                    ) => {
                         assert_eq!(*declared, WireDType::Num(ElemType::F64, ByteOrder::Little));
                         assert_eq!(shape, &vec![8]);
                         assert_eq!(data, &f64s((0..8).map(|i| i as f64 / 8.0)));
@@ -1189,11 +1262,21 @@ mod tests {
 
     #[test]
     fn scalars_and_zero_d() {
-        let got = collect(&fixture("scalars.msgpack"), &["float32", "int64", "bool", "float64"]).unwrap();
+        let got = collect(
+            &fixture("scalars.msgpack"),
+            &["float32", "int64", "bool", "float64"],
+        )
+        .unwrap();
         let by: std::collections::HashMap<usize, OwnedValue> =
             got.into_iter().map(|(i, _, v)| (i, v)).collect();
         let conv = |v: &OwnedValue| -> f64 {
-            let OwnedValue::Array { storage, order, data, .. } = v else {
+            let OwnedValue::Array {
+                storage,
+                order,
+                data,
+                ..
+            } = v
+            else {
                 panic!()
             };
             let t = crate::transform::Transform::elementwise(
@@ -1207,11 +1290,16 @@ mod tests {
             f64::from_le_bytes(out)
         };
         assert_eq!(conv(&by[&0]), 1.5);
-        assert!(matches!(&by[&0], OwnedValue::Array { declared: WireDType::Num(ElemType::F32, _), .. }));
+        assert!(matches!(
+            &by[&0],
+            OwnedValue::Array {
+                declared: WireDType::Num(ElemType::F32, _),
+                ..
+            }
+        ));
         assert_eq!(conv(&by[&1]), -7.0);
         assert_eq!(conv(&by[&2]), 1.0);
         assert_eq!(conv(&by[&3]), 0.25);
-
     }
 
     /// Wraps a fixture value under a key, so value-level fixtures can be decoded as requests.
@@ -1227,20 +1315,38 @@ mod tests {
     #[test]
     fn value_fixtures() {
         let got = collect(&wrap("x", &fixture("array0d_f64.msgpack")), &["x"]).unwrap();
-        assert!(matches!(&got[0].2, OwnedValue::Array { shape, data, .. } if shape.is_empty() && data == &1.0f64.to_le_bytes()));
+        assert!(
+            matches!(&got[0].2, OwnedValue::Array { shape, data, .. } if shape.is_empty() && data == &1.0f64.to_le_bytes())
+        );
 
         let got = collect(&wrap("x", &fixture("image_u8_4x4x3.msgpack")), &["x"]).unwrap();
-        assert!(matches!(&got[0].2, OwnedValue::Array { shape, data, .. } if shape == &vec![4, 4, 3] && data == &img(48, 0)));
+        assert!(
+            matches!(&got[0].2, OwnedValue::Array { shape, data, .. } if shape == &vec![4, 4, 3] && data == &img(48, 0))
+        );
 
         let got = collect(&wrap("x", &fixture("array_be_f32_2x3.msgpack")), &["x"]).unwrap();
-        let OwnedValue::Array { storage, order, data, .. } = &got[0].2 else {
+        let OwnedValue::Array {
+            storage,
+            order,
+            data,
+            ..
+        } = &got[0].2
+        else {
             panic!()
         };
         assert_eq!((*storage, *order), (ElemType::F32, ByteOrder::Big));
-        let t = crate::transform::Transform::elementwise(ElemType::F32, ElemType::F32, 6, crate::transform::Affine::IDENTITY);
+        let t = crate::transform::Transform::elementwise(
+            ElemType::F32,
+            ElemType::F32,
+            6,
+            crate::transform::Affine::IDENTITY,
+        );
         let mut out = [0u8; 24];
         assert!(t.apply(data, *order, &mut out));
-        let v: Vec<f32> = out.chunks(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
+        let v: Vec<f32> = out
+            .chunks(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+            .collect();
         assert_eq!(v, vec![0.0, 1.0, 2.0, 3.0, 4.0, 5.0]);
 
         let got = collect(&wrap("x", &fixture("array_str_u5.msgpack")), &["x"]).unwrap();
@@ -1277,7 +1383,10 @@ mod tests {
     fn nd_scalars_without_kind_stay_maps() {
         // lebedov scalars have no 'kind': they are plain maps, so a binding on them is refused.
         let err = collect(&fixture("nd_scalars.msgpack"), &["float32"]).unwrap_err();
-        assert!(matches!(err, WireError::WrongType { ref got, .. } if got == "a map"), "{err}");
+        assert!(
+            matches!(err, WireError::WrongType { ref got, .. } if got == "a map"),
+            "{err}"
+        );
         // and a binding below them is found as a nested key
         let got = collect(&fixture("nd_scalars.msgpack"), &["int64/type"]).unwrap();
         assert!(matches!(&got[0].2, OwnedValue::Text(t) if t == b"<i8"));
@@ -1315,7 +1424,9 @@ mod tests {
         e.bin(&[7, 0]);
         let got = collect(&buf, &["a", "b"]).unwrap();
         assert!(matches!(&got[0].2, OwnedValue::Array { data, .. } if data == &vec![1, 2]));
-        assert!(matches!(&got[1].2, OwnedValue::Array { storage: ElemType::I16, data, .. } if data == &vec![7, 0]));
+        assert!(
+            matches!(&got[1].2, OwnedValue::Array { storage: ElemType::I16, data, .. } if data == &vec![7, 0])
+        );
 
         // kind character that contradicts the type
         let mut buf = Vec::new();
@@ -1334,7 +1445,10 @@ mod tests {
         e.int(1);
         e.str("data");
         e.bin(&[7, 0]);
-        assert!(matches!(collect(&buf, &["b"]), Err(WireError::BadArray { .. })));
+        assert!(matches!(
+            collect(&buf, &["b"]),
+            Err(WireError::BadArray { .. })
+        ));
     }
 
     #[test]
@@ -1360,14 +1474,24 @@ mod tests {
         };
         assert!(matches!(
             collect(&mk(&[2, 3], &[0; 20]), &["x"]),
-            Err(WireError::LengthMismatch { expected: 24, got: 20, .. })
+            Err(WireError::LengthMismatch {
+                expected: 24,
+                got: 20,
+                ..
+            })
         ));
         assert!(matches!(
             collect(&mk(&[i64::MAX, i64::MAX, i64::MAX], &[0; 4]), &["x"]),
             Err(WireError::BadArray { .. }) | Err(WireError::LengthMismatch { .. })
         ));
-        assert!(matches!(collect(&mk(&[-1], &[0; 4]), &["x"]), Err(WireError::BadArray { .. })));
-        assert!(matches!(collect(&mk(&[1; 9], &[0; 4]), &["x"]), Err(WireError::BadArray { .. })));
+        assert!(matches!(
+            collect(&mk(&[-1], &[0; 4]), &["x"]),
+            Err(WireError::BadArray { .. })
+        ));
+        assert!(matches!(
+            collect(&mk(&[1; 9], &[0; 4]), &["x"]),
+            Err(WireError::BadArray { .. })
+        ));
         assert!(collect(&mk(&[1, 1], &[0; 4]), &["x"]).is_ok());
     }
 
@@ -1375,19 +1499,37 @@ mod tests {
     fn malformed_frames() {
         let none: &[&'static str] = &[];
         assert_eq!(collect(b"", none).unwrap_err(), WireError::Empty);
-        assert!(matches!(collect(&[0xc1], none), Err(WireError::NotMsgpack { byte: 0xc1, offset: 0 })));
-        assert!(matches!(collect(&[0x91, 0x01], none), Err(WireError::TopLevelNotMap { got: "a list" })));
-        assert!(matches!(collect(b"\xa3abc", none), Err(WireError::TopLevelNotMap { got: "a string" })));
+        assert!(matches!(
+            collect(&[0xc1], none),
+            Err(WireError::NotMsgpack {
+                byte: 0xc1,
+                offset: 0
+            })
+        ));
+        assert!(matches!(
+            collect(&[0x91, 0x01], none),
+            Err(WireError::TopLevelNotMap { got: "a list" })
+        ));
+        assert!(matches!(
+            collect(b"\xa3abc", none),
+            Err(WireError::TopLevelNotMap { got: "a string" })
+        ));
         let full = fixture("obs_libero.msgpack");
         for cut in [1, 10, 100, full.len() - 1] {
             assert!(
-                matches!(collect(&full[..cut], &["observation/state"]), Err(WireError::Truncated { .. })),
+                matches!(
+                    collect(&full[..cut], &["observation/state"]),
+                    Err(WireError::Truncated { .. })
+                ),
                 "cut {cut}"
             );
         }
         let mut extra = full.clone();
         extra.push(0);
-        assert!(matches!(collect(&extra, none), Err(WireError::TrailingBytes { extra: 1 })));
+        assert!(matches!(
+            collect(&extra, none),
+            Err(WireError::TrailingBytes { extra: 1 })
+        ));
         // a map that claims 2^32-1 entries but has none
         assert!(matches!(
             collect(&[0xdf, 0xff, 0xff, 0xff, 0xff], none),
@@ -1407,7 +1549,10 @@ mod tests {
             buf.extend_from_slice(&[0x81, 0xa1, b'y']);
         }
         buf.push(0x00);
-        assert!(matches!(collect(&buf, &["x/y/y"]), Err(WireError::TooDeep { .. })));
+        assert!(matches!(
+            collect(&buf, &["x/y/y"]),
+            Err(WireError::TooDeep { .. })
+        ));
     }
 
     #[test]
@@ -1448,11 +1593,26 @@ mod tests {
             f(&mut e);
             decode_request(&buf, &Limits::default(), &mut Collect::default())
         };
-        assert!(matches!(one("endpoint", &|e| e.str("fly")), Err(WireError::UnknownEndpoint { .. })));
-        assert!(matches!(one("endpoint", &|e| e.int(1)), Err(WireError::BadReserved { .. })));
-        assert!(matches!(one("session_id", &|e| e.str(&"x".repeat(65))), Err(WireError::BadReserved { .. })));
-        assert!(matches!(one("session_id", &|e| e.f64(1.0)), Err(WireError::BadReserved { .. })));
-        assert!(matches!(one("timestep", &|e| e.str("1")), Err(WireError::BadReserved { .. })));
+        assert!(matches!(
+            one("endpoint", &|e| e.str("fly")),
+            Err(WireError::UnknownEndpoint { .. })
+        ));
+        assert!(matches!(
+            one("endpoint", &|e| e.int(1)),
+            Err(WireError::BadReserved { .. })
+        ));
+        assert!(matches!(
+            one("session_id", &|e| e.str(&"x".repeat(65))),
+            Err(WireError::BadReserved { .. })
+        ));
+        assert!(matches!(
+            one("session_id", &|e| e.f64(1.0)),
+            Err(WireError::BadReserved { .. })
+        ));
+        assert!(matches!(
+            one("timestep", &|e| e.str("1")),
+            Err(WireError::BadReserved { .. })
+        ));
     }
 
     #[test]
@@ -1476,7 +1636,9 @@ mod tests {
         let mut e = Encoder { buf: &mut buf };
         e.map(3);
         e.str("actions");
-        let vals: Vec<u8> = (0..70).flat_map(|i| (i as f64 / 64.0).to_le_bytes()).collect();
+        let vals: Vec<u8> = (0..70)
+            .flat_map(|i| (i as f64 / 64.0).to_le_bytes())
+            .collect();
         e.ndarray(ElemType::F64, &[10, 7], 560, |d| d.copy_from_slice(&vals));
         encode_timing(
             &mut e,
@@ -1497,7 +1659,10 @@ mod tests {
         encode_toml(&mut Encoder { buf: &mut buf }, &toml::Value::Table(t));
         assert_eq!(buf, fixture("metadata_aloha.msgpack"));
         let mut buf = Vec::new();
-        encode_toml(&mut Encoder { buf: &mut buf }, &toml::Value::Table(toml::Table::new()));
+        encode_toml(
+            &mut Encoder { buf: &mut buf },
+            &toml::Value::Table(toml::Table::new()),
+        );
         assert_eq!(buf, fixture("metadata_empty.msgpack"));
     }
 }

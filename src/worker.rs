@@ -43,7 +43,12 @@ impl SlotPool {
         for _ in 0..n {
             free.push(Box::new(Slot {
                 inputs: engine.alloc_inputs()?,
-                outputs: plan.io.outputs.iter().map(|s| vec![0u8; s.bytes()]).collect(),
+                outputs: plan
+                    .io
+                    .outputs
+                    .iter()
+                    .map(|s| vec![0u8; s.bytes()])
+                    .collect(),
                 seen: vec![false; plan.inputs.len()],
                 reply: Vec::with_capacity(plan.reply_capacity),
                 reset: false,
@@ -80,7 +85,10 @@ impl SlotPool {
     }
 
     fn put(&self, slot: Box<Slot>) {
-        self.free.lock().unwrap_or_else(|e| e.into_inner()).push(slot);
+        self.free
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(slot);
         self.permits.add_permits(1);
     }
 
@@ -112,7 +120,10 @@ impl Lease {
             reply_to: port.tx.clone(),
         }) {
             Ok(()) => Ok(()),
-            Err(std::sync::mpsc::TrySendError::Full(job) | std::sync::mpsc::TrySendError::Disconnected(job)) => {
+            Err(
+                std::sync::mpsc::TrySendError::Full(job)
+                | std::sync::mpsc::TrySendError::Disconnected(job),
+            ) => {
                 self.slot = Some(job.slot);
                 Err(self)
             }
@@ -200,7 +211,9 @@ impl WorkerHandle {
         let pool = SlotPool::new(slots, engine.as_ref(), plan)?;
         let t0 = std::time::Instant::now();
         {
-            let mut lease = pool.try_acquire().ok_or_else(|| EngineError::Run("no slot for warm-up".into()))?;
+            let mut lease = pool
+                .try_acquire()
+                .ok_or_else(|| EngineError::Run("no slot for warm-up".into()))?;
             let slot = lease.slot();
             plan.fill_all(&mut slot.inputs);
             for _ in 0..warmup {
@@ -222,8 +235,9 @@ impl WorkerHandle {
                     let slot = &mut *job.slot;
                     slot.result = Some(engine.run(&mut slot.inputs, &mut slot.outputs, slot.reset));
                     st.runs.fetch_add(1, Ordering::Relaxed);
-                    if let Err(mpsc::error::TrySendError::Closed(s) | mpsc::error::TrySendError::Full(s)) =
-                        job.reply_to.try_send(job.slot)
+                    if let Err(
+                        mpsc::error::TrySendError::Closed(s) | mpsc::error::TrySendError::Full(s),
+                    ) = job.reply_to.try_send(job.slot)
                     {
                         // The connection is gone: the slot goes back to the pool.
                         p.put(s);

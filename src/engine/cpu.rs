@@ -65,7 +65,10 @@ fn load_err(model: &ModelSource, e: impl std::fmt::Display) -> EngineError {
 impl CpuEngine {
     /// Loads and optimises a model. `shape_hints` fixes the shapes of inputs whose dims the
     /// model leaves symbolic (from the bindings' `engine_shape`).
-    pub fn load(model: &ModelSource, shape_hints: &[(String, Vec<usize>)]) -> Result<Self, EngineError> {
+    pub fn load(
+        model: &ModelSource,
+        shape_hints: &[(String, Vec<usize>)],
+    ) -> Result<Self, EngineError> {
         let bytes: Vec<u8>;
         let mut reader: &[u8] = match model {
             ModelSource::File(p) => {
@@ -202,7 +205,13 @@ impl Engine for CpuEngine {
             .run(values)
             .map_err(|e| EngineError::Run(format!("{e:#}")))?;
         let compute = start.elapsed();
-        for ((spec, out), value) in self.io.outputs.iter().zip(outputs.iter_mut()).zip(result.iter()) {
+        for ((spec, out), value) in self
+            .io
+            .outputs
+            .iter()
+            .zip(outputs.iter_mut())
+            .zip(result.iter())
+        {
             let bytes = value.as_bytes();
             if bytes.len() != out.len() {
                 return Err(EngineError::OutputSize {
