@@ -32,6 +32,8 @@ pub struct Slot {
 
 /// A fixed set of slots.
 pub struct SlotPool {
+    /// Boxed so that handing a slot between threads moves a pointer, not the slot.
+    #[allow(clippy::vec_box)]
     free: Mutex<Vec<Box<Slot>>>,
     permits: Semaphore,
 }
