@@ -16,17 +16,10 @@ fn frame(cfg: &Config) -> Vec<u8> {
     let mut buf = Vec::new();
     let mut tops: Vec<(String, Vec<&policyd::config::InputConfig>)> = Vec::new();
     for b in &cfg.inputs {
-        let (top, _) = if cfg
-            .inputs
-            .iter()
-            .filter(|o| o.key.starts_with(b.key.split('/').next().unwrap_or("")))
-            .count()
-            > 1
-            && b.key.starts_with("images/")
-        {
-            ("images".to_string(), ())
+        let top = if b.key.starts_with("images/") {
+            "images".to_string()
         } else {
-            (b.key.clone(), ())
+            b.key.clone()
         };
         match tops.iter_mut().find(|(t, _)| *t == top) {
             Some((_, v)) => v.push(b),
