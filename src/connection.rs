@@ -12,8 +12,9 @@ use tokio::io::{AsyncRead, AsyncWrite};
 use tokio_tungstenite::WebSocketStream;
 use tokio_tungstenite::tungstenite::protocol::CloseFrame;
 use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
-use tokio_tungstenite::tungstenite::{Bytes, Error as WsError, Message};
+use tokio_tungstenite::tungstenite::{Bytes, Message};
 
+use crate::frame_guard::oversize_marker;
 use crate::server::Shared;
 use crate::session::Sessions;
 use crate::wire::{self, Endpoint, Timing};
@@ -164,9 +165,19 @@ where
                 last_activity = Instant::now();
                 match msg {
                     None => return "client closed the connection".into(),
-                    Some(Ok(Message::Binary(b))) => pending = Some((b, Instant::now())),
-                    Some(Ok(Message::Text(_))) => {
-                        let f = Failure::Request("text frames are not accepted; send the observation as a binary msgpack frame".into());
+                    Some(Ok(Message::Binary(b))) => match oversize_marker(&b) {
+                        None => pending = Some((b, Instant::now())),
+                        Some(size) => {
+                            if let Some(why) = fail(&mut ws, dialect, oversize(size, cfg.max_message_bytes), &mut out).await {
+                                return why;
+                            }
+                        }
+                    },
+                    Some(Ok(Message::Text(t))) => {
+                        let f = match oversize_marker(t.as_bytes()) {
+                            Some(size) => oversize(size, cfg.max_message_bytes),
+                            None => Failure::Request("text frames are not accepted; send the observation as a binary msgpack frame".into()),
+                        };
                         if let Some(why) = fail(&mut ws, dialect, f, &mut out).await {
                             return why;
                         }
@@ -177,16 +188,6 @@ where
                         // tungstenite answers the close; drive it to the end.
                         while let Ok(Some(_)) = tokio::time::timeout(Duration::from_secs(1), ws.next()).await {}
                         return "client closed the connection".into();
-                    }
-                    Some(Err(WsError::Capacity(e))) => {
-                        let f = Failure::Request(format!(
-                            "{e}: the message exceeds server.max_message_bytes = {} and was not read",
-                            cfg.max_message_bytes
-                        ));
-                        // The rest of the frame is still on the socket, so the connection
-                        // cannot continue on either dialect.
-                        let _ = fail(&mut ws, Dialect::Openpi, f, &mut out).await;
-                        return "message over the size limit".into();
                     }
                     Some(Err(e)) => return format!("protocol error: {e}"),
                 }
@@ -212,6 +213,13 @@ where
             }
         }
     }
+}
+
+/// The error for a message the frame guard dropped for its size.
+fn oversize(size: u64, limit: usize) -> Failure {
+    Failure::Request(format!(
+        "the message ({size} bytes or more) exceeds server.max_message_bytes = {limit}; it was discarded unread"
+    ))
 }
 
 async fn sleep_until_opt(deadline: Option<Instant>) {

@@ -10,6 +10,7 @@ pub mod connection;
 pub mod demo;
 pub mod dtype;
 pub mod engine;
+pub mod frame_guard;
 pub mod plan;
 pub mod server;
 pub mod session;

@@ -20,6 +20,7 @@ use tokio_tungstenite::tungstenite::protocol::{Role, WebSocketConfig};
 use crate::config::{Config, ConfigError};
 use crate::connection::{self, Dialect};
 use crate::engine::{Engine, EngineError, cpu::CpuEngine};
+use crate::frame_guard::{FrameGuard, MARKER_LEN};
 use crate::plan::Plan;
 use crate::worker::WorkerHandle;
 
@@ -117,8 +118,10 @@ pub async fn serve(
     let (stop_tx, stop_rx) = watch::channel(false);
     let s = &cfg.server;
     let ws_config = WebSocketConfig::default()
-        .max_message_size(Some(s.max_message_bytes))
-        .max_frame_size(Some(s.max_message_bytes))
+        // The frame guard enforces the configured limit; tungstenite's is a backstop that
+        // leaves room for the guard's marker.
+        .max_message_size(Some(s.max_message_bytes + MARKER_LEN))
+        .max_frame_size(Some(s.max_message_bytes + MARKER_LEN))
         .write_buffer_size(0);
     let max = s.max_connections;
     let shared = Arc::new(Shared {
@@ -403,13 +406,14 @@ async fn handle(
         Dialect::Openpi
     };
     log::info!("{peer}: connected on {} ({})", head.path, dialect.name());
-    let ws = WebSocketStream::from_partially_read(
-        stream,
-        head.rest,
-        Role::Server,
-        Some(shared.ws_config),
-    )
-    .await;
+    let stream = match FrameGuard::new(stream, &head.rest, shared.cfg.server.max_message_bytes) {
+        Ok(s) => s,
+        Err(e) => {
+            log::info!("{peer}: {e}");
+            return;
+        }
+    };
+    let ws = WebSocketStream::from_raw_socket(stream, Role::Server, Some(shared.ws_config)).await;
     let why = connection::serve(ws, &shared, dialect).await;
     log::info!("{peer}: closed ({why})");
     drop(permit);

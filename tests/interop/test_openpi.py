@@ -164,24 +164,36 @@ def test_bad_inputs_openpi_route(server):
 
 
 def test_oversized_frame_rejected(server):
-    """A frame over max_message_bytes is refused from its header: the server answers with an
-    error and closes (the client may see a reset while still sending), and keeps serving."""
+    """A frame over max_message_bytes (4 MiB) is discarded unread: openpi gets its error text
+    and close 1011, and the server keeps serving."""
     profile, port = server
-    ws = wsc.connect(f"ws://127.0.0.1:{port}/", compression=None, max_size=None)
-    ws.recv()
-    err = None
-    try:
+    with wsc.connect(f"ws://127.0.0.1:{port}/", compression=None, max_size=None) as ws:
+        ws.recv()
         ws.send(b"\x80" + b"\0" * (5 << 20))
-        err = ws.recv(timeout=5)
-    except Exception:
-        pass
-    assert err is None or "max_message_bytes" in err
-    try:
-        ws.close()
-    except Exception:
-        pass
+        err = ws.recv(timeout=10)
+        assert isinstance(err, str) and "max_message_bytes" in err, err
+        with pytest.raises(Exception):
+            ws.recv()
+        assert ws.close_code == 1011
     client = wcp.WebsocketClientPolicy("127.0.0.1", port)
     assert client.infer(observation(profile, np.random.default_rng(4)))["actions"].ndim == 2
+
+
+def test_vllm_route_oversized_frame_keeps_socket(server):
+    profile, port = server
+    rng = np.random.default_rng(5)
+    with wsc.connect(f"ws://127.0.0.1:{port}/v1/realtime/robot/openpi", compression=None, max_size=None) as ws:
+        msgpack.unpackb(ws.recv())
+        obs = observation(profile, rng)
+        big = dict(obs, padding=b"\0" * (5 << 20))
+        ws.send(msgpack.packb(big, default=msgpack_numpy.encode))
+        err = msgpack.unpackb(ws.recv(timeout=10))
+        assert err["type"] == "error" and err["message"] == "Invalid request payload", err
+        assert "max_message_bytes" in err["detail"]
+        ws.send(msgpack.packb(obs, default=msgpack_numpy.encode))
+        arr = openpi_mn.unpackb(ws.recv(timeout=10))
+        want, _ = expected(profile, obs)
+        assert np.max(np.abs(arr - want)) <= 1e-4
 
 
 def test_vllm_route_errors_keep_socket_and_sessions(server):

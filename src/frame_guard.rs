@@ -1,0 +1,531 @@
+//! The read-side size guard under tungstenite: oversized messages are discarded unread.
+//!
+//! tungstenite can only refuse a frame over its size limit by failing the connection, because
+//! the payload is still on the socket. The vllm-omni dialect must answer an oversized message
+//! with an error map and keep the socket, so this guard sits between the TCP stream and
+//! tungstenite, parses client frame headers as they pass, and when a data message would grow
+//! past `server.max_message_bytes` it drops the payload as it arrives (through a fixed scratch
+//! buffer, never holding it) and hands tungstenite a short, valid substitute frame whose
+//! payload ends in a [marker](oversize_marker). The connection recognises the marker and reports
+//! the error in its dialect. Control frames and messages within the limit pass through
+//! untouched, mostly without a copy.
+//!
+//! A fragmented message that crosses the limit keeps the fragments already passed; its marker
+//! is appended to them, so the connection still sees one message ending in the marker. The
+//! marker is ASCII so a fragmented text message stays valid UTF-8 when cut at a character.
+
+use std::io;
+use std::pin::Pin;
+use std::task::{Context, Poll, ready};
+
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+
+/// Starts every marker; followed by [`LEN_DIGITS`] decimal digits (the message's size) and NUL.
+const MARKER_PREFIX: &[u8] = b"\0policyd:message-over-size-limit:";
+/// Width of the size field in a marker.
+const LEN_DIGITS: usize = 20;
+/// Length of a complete marker.
+pub const MARKER_LEN: usize = MARKER_PREFIX.len() + LEN_DIGITS + 1;
+/// Read-ahead buffer for headers (and the bytes a client sent right after its HTTP head).
+const INBUF: usize = 16 * 1024;
+/// Largest frame header: 2 bytes, 8 of extended length, 4 of mask.
+const MAX_HEADER: usize = 14;
+
+/// If `message` ends in a marker left by [`FrameGuard`], the size the client's message had
+/// (or reached before it was dropped, for a message that never finished).
+pub fn oversize_marker(message: &[u8]) -> Option<u64> {
+    let start = message.len().checked_sub(MARKER_LEN)?;
+    let m = &message[start..];
+    let (prefix, rest) = m.split_at(MARKER_PREFIX.len());
+    if prefix != MARKER_PREFIX || rest[LEN_DIGITS] != 0 {
+        return None;
+    }
+    std::str::from_utf8(&rest[..LEN_DIGITS])
+        .ok()?
+        .trim_start_matches('0')
+        .parse::<u64>()
+        .ok()
+        .or(Some(0))
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum State {
+    /// Between frames: the next bytes are a frame header.
+    Header,
+    /// Inside a frame's payload that goes to tungstenite.
+    Pass(u64),
+    /// Inside a frame's payload that is being dropped.
+    Discard(u64),
+}
+
+/// A stream that enforces the message size limit on what it reads (see the module docs).
+pub struct FrameGuard<S> {
+    inner: S,
+    limit: u64,
+    state: State,
+    /// Read-ahead bytes not yet processed: `inbuf[start..end]`.
+    inbuf: Box<[u8]>,
+    start: usize,
+    end: usize,
+    /// Bytes produced for tungstenite (a header, or a substitute frame) not yet handed over.
+    out: [u8; MAX_HEADER + MARKER_LEN],
+    out_start: usize,
+    out_end: usize,
+    /// Size of the data message in progress, fragments included.
+    message: u64,
+    /// The message in progress crossed the limit; its further fragments are dropped.
+    dropping: bool,
+    /// Messages dropped so far on this connection.
+    dropped: u64,
+}
+
+impl<S> FrameGuard<S> {
+    /// Wraps `inner`; `already_read` are bytes read from it past the HTTP head (at most
+    /// 16 KiB; a longer prefix is an error from the caller's head reader, which is smaller).
+    pub fn new(inner: S, already_read: &[u8], limit: usize) -> io::Result<Self> {
+        if already_read.len() > INBUF {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                "too many bytes after the HTTP head",
+            ));
+        }
+        let mut inbuf = vec![0u8; INBUF].into_boxed_slice();
+        inbuf[..already_read.len()].copy_from_slice(already_read);
+        Ok(Self {
+            inner,
+            limit: limit as u64,
+            state: State::Header,
+            inbuf,
+            start: 0,
+            end: already_read.len(),
+            out: [0; MAX_HEADER + MARKER_LEN],
+            out_start: 0,
+            out_end: 0,
+            message: 0,
+            dropping: false,
+            dropped: 0,
+        })
+    }
+
+    /// How many messages were dropped for size on this connection.
+    pub fn dropped(&self) -> u64 {
+        self.dropped
+    }
+
+    /// Handles the complete header at the front of `inbuf` (of `len` bytes).
+    fn on_header(&mut self, len: usize) {
+        let h = &self.inbuf[self.start..self.start + len];
+        let b0 = h[0];
+        let masked = h[1] & 0x80 != 0;
+        let payload = payload_len(h);
+        let mut mask = [0u8; 4];
+        if masked {
+            mask.copy_from_slice(&h[len - 4..len]);
+        }
+        let fin = b0 & 0x80 != 0;
+        let opcode = b0 & 0x0f;
+        let data = opcode < 8;
+        if data && opcode != 0 {
+            self.message = 0;
+            self.dropping = false;
+        }
+        let over = data && (self.dropping || self.message.saturating_add(payload) > self.limit);
+        if !over {
+            if data {
+                self.message += payload;
+            }
+            self.out[..len].copy_from_slice(h);
+            self.out_start = 0;
+            self.out_end = len;
+            self.start += len;
+            self.state = if payload == 0 {
+                State::Header
+            } else {
+                State::Pass(payload)
+            };
+            return;
+        }
+        // Substitute: same FIN and mask; a text start frame becomes binary so the marker
+        // needs no UTF-8 care when the message is not fragmented.
+        self.message = self.message.saturating_add(payload);
+        let first = !self.dropping;
+        self.dropping = !fin;
+        if first {
+            self.dropped += 1;
+            log::info!(
+                "dropping a message of more than {} bytes (server.max_message_bytes)",
+                self.limit
+            );
+        }
+        let op = if opcode == 1 && fin { 2 } else { opcode };
+        let mut marker = [0u8; MARKER_LEN];
+        let body: &[u8] = if fin {
+            marker[..MARKER_PREFIX.len()].copy_from_slice(MARKER_PREFIX);
+            let digits = format_digits(self.message);
+            marker[MARKER_PREFIX.len()..MARKER_PREFIX.len() + LEN_DIGITS].copy_from_slice(&digits);
+            &marker
+        } else {
+            &[]
+        };
+        let o = &mut self.out;
+        o[0] = (b0 & 0xf0) | op;
+        o[1] = (if masked { 0x80 } else { 0 }) | body.len() as u8;
+        let mut n = 2;
+        if masked {
+            o[2..6].copy_from_slice(&mask);
+            n = 6;
+        }
+        for (i, &b) in body.iter().enumerate() {
+            o[n + i] = if masked { b ^ mask[i % 4] } else { b };
+        }
+        self.out_start = 0;
+        self.out_end = n + body.len();
+        self.start += len;
+        self.state = if payload == 0 {
+            State::Header
+        } else {
+            State::Discard(payload)
+        };
+    }
+}
+
+/// The payload length a complete header declares.
+fn payload_len(h: &[u8]) -> u64 {
+    match h[1] & 0x7f {
+        126 => u64::from(u16::from_be_bytes([h[2], h[3]])),
+        127 => {
+            let mut b = [0u8; 8];
+            b.copy_from_slice(&h[2..10]);
+            u64::from_be_bytes(b)
+        }
+        n => u64::from(n),
+    }
+}
+
+/// How long the header starting with `h` is, once its first two bytes are known.
+fn header_len(h: &[u8]) -> usize {
+    let ext = match h[1] & 0x7f {
+        126 => 2,
+        127 => 8,
+        _ => 0,
+    };
+    2 + ext + if h[1] & 0x80 != 0 { 4 } else { 0 }
+}
+
+fn format_digits(mut v: u64) -> [u8; LEN_DIGITS] {
+    let mut d = [b'0'; LEN_DIGITS];
+    for slot in d.iter_mut().rev() {
+        *slot = b'0' + (v % 10) as u8;
+        v /= 10;
+    }
+    d
+}
+
+impl<S: AsyncRead + Unpin> FrameGuard<S> {
+    /// Reads more bytes into the read-ahead buffer; `Ok(0)` at end of stream.
+    fn fill(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<usize>> {
+        if self.start == self.end {
+            self.start = 0;
+            self.end = 0;
+        } else if self.start > 0 && self.end == self.inbuf.len() {
+            self.inbuf.copy_within(self.start..self.end, 0);
+            self.end -= self.start;
+            self.start = 0;
+        }
+        let mut rb = ReadBuf::new(&mut self.inbuf[self.end..]);
+        ready!(Pin::new(&mut self.inner).poll_read(cx, &mut rb))?;
+        let n = rb.filled().len();
+        self.end += n;
+        Poll::Ready(Ok(n))
+    }
+}
+
+impl<S: AsyncRead + Unpin> AsyncRead for FrameGuard<S> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let this = &mut *self;
+        loop {
+            if this.out_start < this.out_end {
+                let n = (this.out_end - this.out_start).min(buf.remaining());
+                buf.put_slice(&this.out[this.out_start..this.out_start + n]);
+                this.out_start += n;
+                return Poll::Ready(Ok(()));
+            }
+            match this.state {
+                State::Pass(left) => {
+                    let want = usize::try_from(left)
+                        .unwrap_or(usize::MAX)
+                        .min(buf.remaining());
+                    if this.start < this.end {
+                        let n = want.min(this.end - this.start);
+                        buf.put_slice(&this.inbuf[this.start..this.start + n]);
+                        this.start += n;
+                        this.advance(n as u64);
+                        return Poll::Ready(Ok(()));
+                    }
+                    // Large payloads go straight from the socket into tungstenite's buffer
+                    // (already initialised by tokio-tungstenite, so this costs no memset).
+                    let n = {
+                        let mut direct = ReadBuf::new(buf.initialize_unfilled_to(want));
+                        ready!(Pin::new(&mut this.inner).poll_read(cx, &mut direct))?;
+                        direct.filled().len()
+                    };
+                    buf.advance(n);
+                    this.advance(n as u64);
+                    return Poll::Ready(Ok(()));
+                }
+                State::Discard(left) => {
+                    if this.start < this.end {
+                        let n = usize::try_from(left)
+                            .unwrap_or(usize::MAX)
+                            .min(this.end - this.start);
+                        this.start += n;
+                        this.advance(n as u64);
+                        continue;
+                    }
+                    if ready!(this.fill(cx))? == 0 {
+                        return Poll::Ready(Ok(()));
+                    }
+                }
+                State::Header => {
+                    let have = this.end - this.start;
+                    let need = if have >= 2 {
+                        header_len(&this.inbuf[this.start..this.end])
+                    } else {
+                        2
+                    };
+                    if have >= need {
+                        this.on_header(need);
+                        continue;
+                    }
+                    if ready!(this.fill(cx))? == 0 {
+                        // End of stream: hand over any partial header so tungstenite sees
+                        // the truncation, then end.
+                        if this.start < this.end {
+                            let n = (this.end - this.start).min(buf.remaining());
+                            buf.put_slice(&this.inbuf[this.start..this.start + n]);
+                            this.start += n;
+                        }
+                        return Poll::Ready(Ok(()));
+                    }
+                }
+            }
+        }
+    }
+}
+
+impl<S> FrameGuard<S> {
+    fn advance(&mut self, n: u64) {
+        self.state = match self.state {
+            State::Pass(left) if left > n => State::Pass(left - n),
+            State::Discard(left) if left > n => State::Discard(left - n),
+            _ => State::Header,
+        };
+    }
+}
+
+impl<S: AsyncWrite + Unpin> AsyncWrite for FrameGuard<S> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        data: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write(cx, data)
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use futures_util::StreamExt;
+    use tokio_tungstenite::WebSocketStream;
+    use tokio_tungstenite::tungstenite::Message;
+    use tokio_tungstenite::tungstenite::protocol::Role;
+
+    /// A client frame, masked as clients must.
+    fn frame(fin: bool, opcode: u8, payload: &[u8]) -> Vec<u8> {
+        let mask = [0x37, 0xfa, 0x21, 0x3d];
+        let mut f = vec![if fin { 0x80 } else { 0 } | opcode];
+        let n = payload.len();
+        if n < 126 {
+            f.push(0x80 | n as u8);
+        } else if n < 65536 {
+            f.push(0x80 | 126);
+            f.extend_from_slice(&(n as u16).to_be_bytes());
+        } else {
+            f.push(0x80 | 127);
+            f.extend_from_slice(&(n as u64).to_be_bytes());
+        }
+        f.extend_from_slice(&mask);
+        f.extend(payload.iter().enumerate().map(|(i, b)| b ^ mask[i % 4]));
+        f
+    }
+
+    /// Serves `bytes` at most `chunk` bytes per read.
+    struct Trickle {
+        data: Vec<u8>,
+        pos: usize,
+        chunk: usize,
+    }
+
+    impl AsyncRead for Trickle {
+        fn poll_read(
+            mut self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+            buf: &mut ReadBuf<'_>,
+        ) -> Poll<io::Result<()>> {
+            let n = self
+                .chunk
+                .min(self.data.len() - self.pos)
+                .min(buf.remaining());
+            let pos = self.pos;
+            buf.put_slice(&self.data[pos..pos + n]);
+            self.pos += n;
+            Poll::Ready(Ok(()))
+        }
+    }
+
+    /// Reads every message tungstenite assembles from `wire` through a guard.
+    async fn messages(wire: Vec<u8>, prefix: usize, chunk: usize, limit: usize) -> Vec<Message> {
+        let (head, rest) = wire.split_at(prefix);
+        let reader = Trickle {
+            data: rest.to_vec(),
+            pos: 0,
+            chunk,
+        };
+        let guard = FrameGuard::new(tokio::io::join(reader, tokio::io::sink()), head, limit)
+            .expect("prefix fits");
+        let cfg = tokio_tungstenite::tungstenite::protocol::WebSocketConfig::default()
+            .max_message_size(Some(limit + MARKER_LEN))
+            .max_frame_size(Some(limit + MARKER_LEN));
+        let mut ws = WebSocketStream::from_raw_socket(guard, Role::Server, Some(cfg)).await;
+        let mut got = Vec::new();
+        while let Some(Ok(m)) = ws.next().await {
+            got.push(m);
+        }
+        got
+    }
+
+    fn binary(m: &Message) -> &[u8] {
+        match m {
+            Message::Binary(b) => b,
+            other => panic!("expected a binary message, got {other:?}"),
+        }
+    }
+
+    const CHUNKS: [usize; 4] = [1, 7, 4096, 1 << 20];
+
+    #[tokio::test]
+    async fn messages_within_the_limit_pass_unchanged() {
+        let small: Vec<u8> = (0..200u8).collect();
+        let exact = vec![9u8; 1000];
+        let mut wire = frame(true, 2, &small);
+        wire.extend(frame(true, 2, &exact));
+        wire.extend(frame(true, 2, b""));
+        for chunk in CHUNKS {
+            for prefix in [0, 3, 20] {
+                let got = messages(wire.clone(), prefix, chunk, 1000).await;
+                assert_eq!(got.len(), 3, "chunk {chunk}");
+                assert_eq!(binary(&got[0]), &small[..]);
+                assert_eq!(binary(&got[1]), &exact[..]);
+                assert_eq!(binary(&got[2]), b"");
+                assert!(got.iter().all(|m| oversize_marker(binary(m)).is_none()));
+            }
+        }
+    }
+
+    #[tokio::test]
+    async fn an_oversized_message_becomes_a_marker_and_the_next_one_is_intact() {
+        let big = vec![0xabu8; 70_000];
+        let after = b"after".to_vec();
+        let mut wire = frame(true, 2, &big);
+        wire.extend(frame(true, 9, b"hi")); // a ping
+        wire.extend(frame(true, 2, &after));
+        for chunk in CHUNKS {
+            let got = messages(wire.clone(), 0, chunk, 1000).await;
+            assert_eq!(got.len(), 3, "chunk {chunk}");
+            assert_eq!(oversize_marker(binary(&got[0])), Some(70_000));
+            assert_eq!(binary(&got[0]).len(), MARKER_LEN);
+            assert!(matches!(&got[1], Message::Ping(p) if &p[..] == b"hi"));
+            assert_eq!(binary(&got[2]), &after[..]);
+        }
+    }
+
+    #[tokio::test]
+    async fn an_oversized_text_message_becomes_a_binary_marker() {
+        let text = "x".repeat(5000);
+        let mut wire = frame(true, 1, text.as_bytes());
+        wire.extend(frame(true, 2, b"ok"));
+        let got = messages(wire, 0, 512, 100).await;
+        assert_eq!(oversize_marker(binary(&got[0])), Some(5000));
+        assert_eq!(binary(&got[1]), b"ok");
+    }
+
+    #[tokio::test]
+    async fn a_fragmented_message_crossing_the_limit_ends_in_a_marker() {
+        let mut wire = frame(false, 2, &[1u8; 600]);
+        wire.extend(frame(true, 9, b"")); // a ping between fragments
+        wire.extend(frame(false, 0, &[2u8; 600]));
+        wire.extend(frame(false, 0, &[3u8; 600]));
+        wire.extend(frame(true, 0, &[4u8; 10]));
+        wire.extend(frame(true, 2, b"next"));
+        for chunk in CHUNKS {
+            let got = messages(wire.clone(), 0, chunk, 1000).await;
+            assert_eq!(got.len(), 3, "chunk {chunk}");
+            assert!(matches!(&got[0], Message::Ping(_)));
+            let m = binary(&got[1]);
+            assert_eq!(&m[..600], &[1u8; 600][..]);
+            assert_eq!(m.len(), 600 + MARKER_LEN);
+            assert_eq!(oversize_marker(m), Some(1810));
+            assert_eq!(binary(&got[2]), b"next");
+        }
+    }
+
+    #[tokio::test]
+    async fn a_truncated_stream_ends_without_a_message() {
+        let mut wire = frame(true, 2, b"whole");
+        let partial = frame(true, 2, &[5u8; 300]);
+        wire.extend(&partial[..3]);
+        let got = messages(wire, 0, 2, 1000).await;
+        assert_eq!(got.len(), 1);
+        assert_eq!(binary(&got[0]), b"whole");
+    }
+
+    #[test]
+    fn markers_are_recognised_only_whole() {
+        let mut m = MARKER_PREFIX.to_vec();
+        m.extend(format_digits(1234));
+        m.push(0);
+        assert_eq!(oversize_marker(&m), Some(1234));
+        assert_eq!(oversize_marker(&m[1..]), None);
+        let mut with_data = b"payload".to_vec();
+        with_data.extend(&m);
+        assert_eq!(oversize_marker(&with_data), Some(1234));
+        m[MARKER_LEN - 1] = 1;
+        assert_eq!(oversize_marker(&m), None);
+        assert_eq!(oversize_marker(b""), None);
+    }
+}
