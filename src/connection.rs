@@ -88,7 +88,8 @@ where
     let mut last_activity = Instant::now();
 
     loop {
-        if stopping && in_flight.is_none() {
+        // On shutdown, a request already read (in flight or waiting) is still answered.
+        if stopping && in_flight.is_none() && pending.is_none() {
             close(&mut ws, CloseCode::Away, "server shutting down").await;
             return "server shutdown (1001)".into();
         }
