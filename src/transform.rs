@@ -168,7 +168,15 @@ pub struct Transform {
     pub src_len: usize,
     pub affine: Affine,
     pub wire_side: WireSide,
+    /// For one-byte sources (camera images): every possible result, precomputed at start-up,
+    /// `256 · dst_size` bytes per coefficient set, so an image pixel costs a table lookup
+    /// instead of a float multiply-add and cast. Results are bit-identical to the direct path.
+    lut: Vec<u8>,
 }
+
+/// Largest number of coefficient sets given a lookup table (per-channel stats are ≤ 4; a
+/// per-element map over a whole image would make the table larger than the image).
+const MAX_LUT_SETS: usize = 16;
 
 impl Transform {
     /// A transform whose index map is the identity over `len` elements.
@@ -182,7 +190,9 @@ impl Transform {
             src_len: len,
             affine,
             wire_side: WireSide::Source,
+            lut: Vec::new(),
         }
+        .with_lut()
     }
 
     /// A transform that permutes the axes of a source of shape `src_shape`: destination axis
@@ -207,7 +217,9 @@ impl Transform {
             src_strides,
             affine,
             wire_side: WireSide::Source,
+            lut: Vec::new(),
         }
+        .with_lut()
     }
 
     /// A transform that keeps the first `cols` entries of the last axis of `src_shape`.
@@ -234,7 +246,37 @@ impl Transform {
             src_strides: strides,
             affine,
             wire_side: WireSide::Destination,
+            lut: Vec::new(),
         }
+        .with_lut()
+    }
+
+    /// Builds the lookup table where it pays (see [`Transform::lut`]).
+    fn with_lut(mut self) -> Self {
+        let sets = match &self.affine {
+            Affine::Scalar { .. } => 1,
+            Affine::Indexed { a, .. } => a.len(),
+        };
+        let byte_source = matches!(self.src_type, ElemType::U8 | ElemType::I8);
+        // A contiguous map with constant coefficients vectorises, which beats a table gather.
+        let vectorises = self.contiguous && sets == 1;
+        if !byte_source || vectorises || sets > MAX_LUT_SETS || self.src_len < 256 * sets {
+            return self;
+        }
+        let size = self.dst_type.size();
+        let mut lut = vec![0u8; sets * 256 * size];
+        let mut src = [0u8; 1];
+        for k in 0..sets {
+            let (a, b) = coef(&self.affine, k);
+            for byte in 0..256usize {
+                src[0] = byte as u8;
+                let x = load_f64(self.src_type, &src, 0);
+                let at = (k * 256 + byte) * size;
+                fill_bytes(self.dst_type, x * a + b, &mut lut[at..at + size]);
+            }
+        }
+        self.lut = lut;
+        self
     }
 
     /// Elements written to the destination.
@@ -260,6 +302,15 @@ impl Transform {
             && (order == ByteOrder::Little || self.src_type.size() == 1)
         {
             dst.copy_from_slice(src);
+            return true;
+        }
+        if !self.lut.is_empty() {
+            match self.dst_type.size() {
+                1 => run_lut::<1>(self, src, dst),
+                2 => run_lut::<2>(self, src, dst),
+                4 => run_lut::<4>(self, src, dst),
+                _ => run_lut::<8>(self, src, dst),
+            }
             return true;
         }
         dispatch_src(self, src, order, dst);
@@ -420,6 +471,66 @@ fn run<S: Elem, D: Elem>(t: &Transform, src: &[u8], order: ByteOrder, dst: &mut 
     }
 }
 
+/// [`run`] for one-byte sources through the lookup table; `N` is the destination size.
+fn run_lut<const N: usize>(t: &Transform, src: &[u8], dst: &mut [u8]) {
+    let (lut, _) = t.lut.as_chunks::<N>();
+    let (out, _) = dst.as_chunks_mut::<N>();
+    let sets = lut.len() / 256;
+    if t.contiguous {
+        if sets == 1 {
+            for (o, &s) in out.iter_mut().zip(src) {
+                *o = lut[s as usize];
+            }
+        } else {
+            for (i, (o, &s)) in out.iter_mut().zip(src).enumerate() {
+                *o = lut[(i % sets) * 256 + s as usize];
+            }
+        }
+        return;
+    }
+    let rank = t.dims.len();
+    let inner = t.dims[rank - 1];
+    let stride = t.src_strides[rank - 1];
+    let mut idx = [0usize; crate::wire::MAX_RANK];
+    for (row, out_row) in out.chunks_exact_mut(inner.max(1)).enumerate() {
+        let base: usize = (0..rank - 1).map(|k| idx[k] * t.src_strides[k]).sum();
+        let wire_base = match t.wire_side {
+            WireSide::Source => base,
+            WireSide::Destination => row * inner,
+        };
+        let wire_step = match t.wire_side {
+            WireSide::Source => stride,
+            WireSide::Destination => 1,
+        };
+        let row_src = &src[base..];
+        if sets == 1 || wire_step % sets == 0 {
+            // One coefficient set for the whole row (e.g. a channel plane of HWC→CHW).
+            let table = &lut[(wire_base % sets) * 256..][..256];
+            for (o, s) in out_row
+                .iter_mut()
+                .zip(row_src.iter().step_by(stride.max(1)))
+            {
+                *o = table[*s as usize];
+            }
+        } else {
+            for (j, (o, s)) in out_row
+                .iter_mut()
+                .zip(row_src.iter().step_by(stride.max(1)))
+                .enumerate()
+            {
+                *o = lut[((wire_base + j * wire_step) % sets) * 256 + *s as usize];
+            }
+        }
+        for k in (0..rank - 1).rev() {
+            idx[k] += 1;
+            if idx[k] < t.dims[k] {
+                break;
+            }
+            idx[k] = 0;
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -536,5 +647,54 @@ mod tests {
         let mut dst = vec![9u8; 3];
         assert!(t.apply(&src, ByteOrder::Little, &mut dst));
         assert_eq!(dst, vec![0, 255, 0]);
+    }
+
+    #[test]
+    fn lookup_table_path_matches_the_direct_path_bit_for_bit() {
+        let shape = [32usize, 24, 3];
+        let n: usize = shape.iter().product();
+        let src: Vec<u8> = (0..n).map(|i| (i * 37 % 256) as u8).collect();
+        let per_channel = Affine::normalize(2.0 / 255.0, -1.0, &[0.1, -0.2, 0.3], &[0.5, 1.5, 2.0]);
+        let cases = [
+            Transform::permuted(
+                ElemType::U8,
+                ElemType::F32,
+                &shape,
+                &[2, 0, 1],
+                per_channel.clone(),
+            ),
+            Transform::permuted(
+                ElemType::U8,
+                ElemType::F16,
+                &shape,
+                &[2, 0, 1],
+                Affine::Scalar { a: 0.5, b: 3.0 },
+            ),
+            Transform::permuted(
+                ElemType::I8,
+                ElemType::F64,
+                &shape,
+                &[1, 0, 2],
+                per_channel.clone(),
+            ),
+            Transform::elementwise(ElemType::U8, ElemType::F32, n, per_channel),
+            Transform::first_columns(
+                ElemType::U8,
+                ElemType::F32,
+                &[n / 4, 4],
+                3,
+                Affine::unnormalize(&[1.0, 2.0, 3.0], &[0.5, 0.25, 2.0]),
+            ),
+        ];
+        for t in cases {
+            assert!(!t.lut.is_empty(), "{t:?}");
+            let mut fast = vec![0u8; t.dst_bytes()];
+            assert!(t.apply(&src, ByteOrder::Little, &mut fast));
+            let mut direct = t.clone();
+            direct.lut.clear();
+            let mut slow = vec![0u8; t.dst_bytes()];
+            assert!(direct.apply(&src, ByteOrder::Little, &mut slow));
+            assert_eq!(fast, slow, "{:?} -> {:?}", t.src_type, t.dst_type);
+        }
     }
 }
