@@ -137,7 +137,8 @@ pub struct InputConfig {
     pub key: String,
     /// Engine input name.
     pub tensor: String,
-    /// Accepted wire dtypes (`uint8`, `float32`, `float64`, …), converted to the engine's.
+    /// Accepted wire dtypes (`uint8`, `float32`, `float64`, …), converted to the engine's; or
+    /// `["text"]` for a string such as `prompt`, whose UTF-8 bytes fill a `[max_bytes]` input.
     pub dtypes: Vec<String>,
     /// Expected wire shape.
     pub shape: Vec<usize>,
@@ -223,6 +224,10 @@ impl InputConfig {
             Some("chw_to_hwc") => Layout::ChwToHwc,
             _ => Layout::None,
         }
+    }
+    /// A text binding (`dtypes = ["text"]`): a string's UTF-8 bytes, one per element.
+    pub fn is_text(&self) -> bool {
+        self.dtypes.iter().any(|d| d == "text")
     }
     pub fn dtypes(&self) -> Vec<ElemType> {
         self.dtypes
@@ -411,12 +416,36 @@ impl Config {
                     "list at least one accepted wire dtype, e.g. [\"float32\", \"float64\"]",
                 ));
             }
-            for d in &b.dtypes {
+            if b.is_text() {
+                if b.dtypes.len() != 1 {
+                    return Err(invalid(
+                        k("dtypes"),
+                        "\"text\" cannot be mixed with numeric dtypes",
+                    ));
+                }
+                if b.shape.len() != 1 {
+                    return Err(invalid(
+                        k("shape"),
+                        "a text binding's shape is [max_bytes]: the UTF-8 bytes, one per element",
+                    ));
+                }
+                if b.layout().perm().is_some()
+                    || !b.mean.is_empty()
+                    || b.scale != 1.0
+                    || b.offset != 0.0
+                {
+                    return Err(invalid(
+                        k("dtypes"),
+                        "a text binding takes no layout, scale, offset, mean or std",
+                    ));
+                }
+            }
+            for d in b.dtypes.iter().filter(|_| !b.is_text()) {
                 if ElemType::from_name(d).is_none() {
                     return Err(invalid(
                         k("dtypes"),
                         format!(
-                            "unknown dtype \"{d}\"; use a numpy name such as uint8, float32, float64"
+                            "unknown dtype \"{d}\"; use a numpy name such as uint8, float32, float64, or \"text\""
                         ),
                     ));
                 }

@@ -25,6 +25,8 @@ pub struct InputBinding {
     pub affine: Affine,
     pub optional: bool,
     pub fill: f64,
+    /// A text binding: the string's UTF-8 bytes, one per element, then `fill`.
+    pub text: bool,
 }
 
 /// One engine output sent under one reply key.
@@ -115,6 +117,15 @@ impl Plan {
                     ),
                 ));
             }
+            if b.is_text() && matches!(spec.dtype, ElemType::Bool | ElemType::F16) {
+                return Err(invalid(
+                    k("tensor"),
+                    format!(
+                        "text goes into an integer or float input; '{}' is {}",
+                        spec.name, spec.dtype
+                    ),
+                ));
+            }
             let affine = Affine::normalize(b.scale, b.offset, &b.mean, &b.std);
             let accepted = b
                 .dtypes()
@@ -137,6 +148,7 @@ impl Plan {
                 affine,
                 optional: b.optional,
                 fill: b.fill,
+                text: b.is_text(),
             });
         }
         for spec in &io.inputs {
@@ -424,6 +436,15 @@ impl Visitor for SlotWriter<'_> {
                 .join(" or ")
         };
         let a = match value {
+            Value::Array(a) if b.text => {
+                return Err(WireError::ExpectedText {
+                    key: b.key.clone(),
+                    got: dtype_name(a.declared),
+                });
+            }
+            Value::Text { dtype, data } if b.text => {
+                return write_text(b, dtype, data, self.bufs[b.index].bytes_mut());
+            }
             Value::Array(a) => a,
             Value::Text { dtype, .. } => {
                 return Err(WireError::WrongDType {
@@ -476,6 +497,99 @@ impl Visitor for SlotWriter<'_> {
     }
 }
 
+/// Writes a string into a text binding's buffer: its UTF-8 bytes, one per element, then the
+/// binding's fill value. numpy `U` strings (UTF-32) are re-encoded; `S` strings drop numpy's
+/// NUL padding.
+fn write_text(
+    b: &InputBinding,
+    dtype: Option<WireDType>,
+    data: &[u8],
+    dst: &mut [u8],
+) -> Result<(), WireError> {
+    let size = b.engine_type.size();
+    let max = dst.len() / size;
+    let too_long = |got| WireError::TextTooLong {
+        key: b.key.clone(),
+        max,
+        got,
+    };
+    let mut n = 0usize;
+    let mut put = |byte: u8, dst: &mut [u8]| -> Result<(), usize> {
+        if n == max {
+            return Err(n + 1);
+        }
+        crate::transform::fill_bytes(b.engine_type, f64::from(byte), &mut dst[n * size..][..size]);
+        n += 1;
+        Ok(())
+    };
+    match dtype {
+        Some(WireDType::Unicode(_, order)) => {
+            let mut utf8 = [0u8; 4];
+            for unit in data.chunks_exact(4) {
+                let raw = [unit[0], unit[1], unit[2], unit[3]];
+                let cp = match order {
+                    crate::dtype::ByteOrder::Little => u32::from_le_bytes(raw),
+                    crate::dtype::ByteOrder::Big => u32::from_be_bytes(raw),
+                };
+                if cp == 0 {
+                    break;
+                }
+                let c = char::from_u32(cp).ok_or_else(|| WireError::BadText {
+                    key: b.key.clone(),
+                    encoding: "UTF-32",
+                })?;
+                for &byte in c.encode_utf8(&mut utf8).as_bytes() {
+                    put(byte, dst).map_err(|_| too_long(n_utf8_total(data, order)))?;
+                }
+            }
+        }
+        Some(WireDType::Bytes(_)) | None => {
+            let end = if matches!(dtype, Some(WireDType::Bytes(_))) {
+                data.iter().rposition(|&c| c != 0).map_or(0, |i| i + 1)
+            } else {
+                data.len()
+            };
+            let text = &data[..end];
+            if std::str::from_utf8(text).is_err() {
+                return Err(WireError::BadText {
+                    key: b.key.clone(),
+                    encoding: "UTF-8",
+                });
+            }
+            if text.len() > max {
+                return Err(too_long(text.len()));
+            }
+            for &byte in text {
+                let _ = put(byte, dst);
+            }
+        }
+        Some(other) => {
+            return Err(WireError::ExpectedText {
+                key: b.key.clone(),
+                got: dtype_name(other),
+            });
+        }
+    }
+    crate::transform::fill_bytes(b.engine_type, b.fill, &mut dst[n * size..]);
+    Ok(())
+}
+
+/// The UTF-8 length of a UTF-32 string (for the error message only).
+fn n_utf8_total(data: &[u8], order: crate::dtype::ByteOrder) -> usize {
+    data.chunks_exact(4)
+        .map(|u| {
+            let raw = [u[0], u[1], u[2], u[3]];
+            match order {
+                crate::dtype::ByteOrder::Little => u32::from_le_bytes(raw),
+                crate::dtype::ByteOrder::Big => u32::from_be_bytes(raw),
+            }
+        })
+        .take_while(|&cp| cp != 0)
+        .filter_map(char::from_u32)
+        .map(char::len_utf8)
+        .sum()
+}
+
 /// The memory policyd allocates for a config, as a formula and a number.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Budget {
@@ -526,5 +640,166 @@ impl Budget {
             self.total as f64 / (1024.0 * 1024.0)
         ));
         s
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::TensorSpec;
+    use std::any::Any;
+
+    struct Buf(Vec<u8>);
+    impl InputBuffer for Buf {
+        fn bytes_mut(&mut self) -> &mut [u8] {
+            &mut self.0
+        }
+        fn as_any_mut(&mut self) -> &mut dyn Any {
+            self
+        }
+    }
+
+    const CFG: &str = r#"
+[engine]
+model = "m.onnx"
+[[inputs]]
+key = "state"
+tensor = "state"
+dtypes = ["float64"]
+shape = [2]
+[[inputs]]
+key = "prompt"
+tensor = "tokens"
+dtypes = ["text"]
+shape = [8]
+fill = -1
+[[outputs]]
+tensor = "actions"
+"#;
+
+    fn plan(cfg: &str) -> Result<Plan, ConfigError> {
+        let cfg = Config::parse(cfg, "test", None)?;
+        let io = IoSpec {
+            inputs: vec![
+                TensorSpec {
+                    name: "state".into(),
+                    dtype: ElemType::F32,
+                    shape: vec![1, 2],
+                },
+                TensorSpec {
+                    name: "tokens".into(),
+                    dtype: ElemType::I64,
+                    shape: vec![1, 8],
+                },
+            ],
+            outputs: vec![TensorSpec {
+                name: "actions".into(),
+                dtype: ElemType::F32,
+                shape: vec![1, 4, 2],
+            }],
+        };
+        Plan::compile(&cfg, &io)
+    }
+
+    /// `{"state": <f8[2]>, "prompt": prompt}` with `prompt` already msgpack-encoded.
+    fn frame(prompt: &[u8]) -> Vec<u8> {
+        let mut buf = Vec::new();
+        let mut e = Encoder { buf: &mut buf };
+        e.map(2);
+        e.str("state");
+        e.ndarray(ElemType::F64, &[2], 16, |d| d.fill(0));
+        e.str("prompt");
+        buf.extend_from_slice(prompt);
+        buf
+    }
+
+    fn tokens(p: &Plan, frame: &[u8]) -> Result<Vec<i64>, WireError> {
+        let mut bufs: Vec<Box<dyn InputBuffer>> =
+            vec![Box::new(Buf(vec![0; 8])), Box::new(Buf(vec![0; 64]))];
+        let mut seen = vec![false; 2];
+        p.decode(frame, &mut bufs, &mut seen)?;
+        Ok(bufs[1]
+            .bytes_mut()
+            .chunks_exact(8)
+            .map(|c| i64::from_le_bytes(c.try_into().unwrap()))
+            .collect())
+    }
+
+    fn msgpack_str(s: &str) -> Vec<u8> {
+        let mut v = Vec::new();
+        Encoder { buf: &mut v }.str(s);
+        v
+    }
+
+    #[test]
+    fn a_text_binding_receives_the_prompt_bytes_then_fill() {
+        let p = plan(CFG).unwrap();
+        assert_eq!(
+            tokens(&p, &frame(&msgpack_str("hé"))).unwrap(),
+            [104, 195, 169, -1, -1, -1, -1, -1]
+        );
+        assert_eq!(tokens(&p, &frame(&msgpack_str(""))).unwrap(), [-1; 8]);
+        // numpy `<U3` (UTF-32), as openpi-client sends np.array("abc").
+        let mut u = Vec::new();
+        let mut e = Encoder { buf: &mut u };
+        e.map(4);
+        e.bin(b"__ndarray__");
+        e.bool(true);
+        e.bin(b"data");
+        e.bin(&[b'a', 0, 0, 0, b'b', 0, 0, 0, 0xe9, 0, 0, 0]);
+        e.bin(b"dtype");
+        e.str("<U3");
+        e.bin(b"shape");
+        e.array(0);
+        assert_eq!(
+            tokens(&p, &frame(&u)).unwrap(),
+            [97, 98, 195, 169, -1, -1, -1, -1]
+        );
+    }
+
+    #[test]
+    fn text_binding_errors_name_the_key() {
+        let p = plan(CFG).unwrap();
+        let e = tokens(&p, &frame(&msgpack_str("123456789"))).unwrap_err();
+        assert!(
+            matches!(e, WireError::TextTooLong { max: 8, got: 9, .. }),
+            "{e}"
+        );
+        assert!(e.to_string().contains("'prompt'"));
+        let mut arr = Vec::new();
+        Encoder { buf: &mut arr }.ndarray(ElemType::F32, &[1], 4, |d| d.fill(0));
+        let e = tokens(&p, &frame(&arr)).unwrap_err();
+        assert!(matches!(e, WireError::ExpectedText { .. }), "{e}");
+        let mut bad = Vec::new();
+        Encoder { buf: &mut bad }.bin(&[0xff, 0xfe]);
+        let e = tokens(&p, &frame(&bad)).unwrap_err();
+        assert!(matches!(e, WireError::BadText { .. }), "{e}");
+    }
+
+    #[test]
+    fn text_bindings_are_checked_at_start_up() {
+        let mixed = CFG.replace(r#"dtypes = ["text"]"#, r#"dtypes = ["text", "uint8"]"#);
+        assert!(
+            plan(&mixed)
+                .unwrap_err()
+                .to_string()
+                .contains("inputs[1].dtypes")
+        );
+        let rank2 = CFG.replace("shape = [8]", "shape = [2, 4]");
+        assert!(
+            plan(&rank2)
+                .unwrap_err()
+                .to_string()
+                .contains("inputs[1].shape")
+        );
+        let scaled = CFG.replace("fill = -1", "fill = -1\nscale = 2.0");
+        assert!(plan(&scaled).is_err());
+        let wrong_len = CFG.replace("shape = [8]", "shape = [9]");
+        assert!(
+            plan(&wrong_len)
+                .unwrap_err()
+                .to_string()
+                .contains("inputs[1].shape")
+        );
     }
 }

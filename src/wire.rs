@@ -98,6 +98,14 @@ pub enum WireError {
         expected: Vec<usize>,
         got: Vec<usize>,
     },
+    #[error(
+        "key '{key}': the text is {got} bytes of UTF-8; the binding holds at most {max} (its shape)"
+    )]
+    TextTooLong { key: String, max: usize, got: usize },
+    #[error("key '{key}': expected text (a str), got an array of {got}")]
+    ExpectedText { key: String, got: String },
+    #[error("key '{key}': the text is not valid {encoding}")]
+    BadText { key: String, encoding: &'static str },
     #[error("missing required key '{key}'")]
     MissingKey { key: String },
     #[error("key '{key}' appears twice")]
