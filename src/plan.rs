@@ -609,7 +609,8 @@ impl Budget {
         let conns = cfg.server.max_connections as u64;
         let msg = cfg.server.max_message_bytes as u64;
         let model = cfg.model.as_ref().map(|m| m.size()).unwrap_or(0);
-        let per_conn = msg + WS_READ_BUFFER + 2 * reply + metadata as u64;
+        let guard = crate::frame_guard::INBUF as u64;
+        let per_conn = msg + WS_READ_BUFFER + guard + 2 * reply + metadata as u64;
         let lines = vec![
             (
                 format!(
@@ -619,7 +620,7 @@ impl Budget {
             ),
             (
                 format!(
-                    "connections  {conns} × (max_message_bytes {msg} + read buffer {WS_READ_BUFFER} + 2 × reply {reply} + metadata {metadata})"
+                    "connections  {conns} × (max_message_bytes {msg} + read buffer {WS_READ_BUFFER} + frame guard {guard} + 2 × reply {reply} + metadata {metadata})"
                 ),
                 conns * per_conn,
             ),

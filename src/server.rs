@@ -172,6 +172,42 @@ pub async fn serve(
     Ok(())
 }
 
+/// Answers every connection with 503 until `load` completes, then returns its output; the
+/// listener is then handed to [`serve`]. So a supervisor probing `/healthz` while a large
+/// model loads sees "not ready yet", not a refused connection.
+pub async fn while_loading<T>(
+    listener: &TcpListener,
+    handshake_timeout: Duration,
+    load: impl std::future::Future<Output = T>,
+) -> T {
+    tokio::pin!(load);
+    let busy = Arc::new(Semaphore::new(64));
+    loop {
+        tokio::select! {
+            out = &mut load => return out,
+            accepted = listener.accept() => {
+                let Ok((mut stream, peer)) = accepted else { continue };
+                let Ok(permit) = busy.clone().try_acquire_owned() else { continue };
+                tokio::spawn(async move {
+                    if let Ok(Ok(head)) =
+                        tokio::time::timeout(handshake_timeout, read_head(&mut stream)).await
+                    {
+                        log::debug!("{peer}: {} {} while loading", head.method, head.path);
+                        let (ctype, body) = if head.path == "/health" {
+                            ("application/json", "{\"status\":\"loading\"}")
+                        } else {
+                            ("text/plain; charset=utf-8", "policyd is loading its engine\n")
+                        };
+                        respond(&mut stream, "503 Service Unavailable", ctype, body, "Retry-After: 1\r\n")
+                            .await;
+                    }
+                    drop(permit);
+                });
+            }
+        }
+    }
+}
+
 /// A parsed HTTP request head.
 struct Head {
     method: String,

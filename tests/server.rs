@@ -275,3 +275,36 @@ async fn healthz_answers_once_warm() {
     assert!(resp.ends_with("\r\n\r\nOK\n"), "{resp}");
     srv.stop();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn while_the_engine_loads_every_request_gets_503() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (done_tx, done_rx) = oneshot::channel::<u32>();
+    let probe = tokio::spawn(async move {
+        let mut answers = Vec::new();
+        for req in [
+            "GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n",
+            "GET / HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\
+             Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n",
+        ] {
+            let mut tcp = TcpStream::connect(addr).await.unwrap();
+            tcp.write_all(req.as_bytes()).await.unwrap();
+            let mut resp = String::new();
+            tcp.read_to_string(&mut resp).await.unwrap();
+            answers.push(resp);
+        }
+        let _ = done_tx.send(7);
+        answers
+    });
+    // "Loading" finishes when the probe has its answers.
+    let out = server::while_loading(&listener, Duration::from_secs(5), async {
+        done_rx.await.unwrap()
+    })
+    .await;
+    assert_eq!(out, 7);
+    for resp in probe.await.unwrap() {
+        assert!(resp.starts_with("HTTP/1.1 503 "), "{resp}");
+        assert!(resp.contains("loading"), "{resp}");
+    }
+}
