@@ -7,7 +7,7 @@ use std::path::Path;
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use policyd::config::Config;
 use policyd::dtype::ElemType;
-use policyd::plan::Plan;
+use policyd::plan::{Plan, ReplyParts};
 use policyd::server::open_engine;
 use policyd::wire::{Encoder, Timing};
 
@@ -87,10 +87,17 @@ fn bench(c: &mut Criterion) {
             server_infer_ms: 2.0,
             prev_total_ms: Some(3.0),
         };
-        plan.encode_openpi(&outputs, &timing, &mut out);
+        let mut scratch = vec![0u8; plan.scratch_bytes];
+        let chunk = plan.chunk(&cfg.pacing, 0);
+        let mut parts = ReplyParts {
+            outputs: &outputs,
+            scratch: &mut scratch,
+            chunk,
+        };
+        plan.encode_openpi(&mut parts, &timing, Some(1), &mut out);
         g.throughput(Throughput::Bytes(out.len() as u64));
         g.bench_function(format!("encode {} B reply", out.len()), |b| {
-            b.iter(|| plan.encode_openpi(&outputs, &timing, &mut out))
+            b.iter(|| plan.encode_openpi(&mut parts, &timing, Some(1), &mut out))
         });
         g.finish();
     }

@@ -46,6 +46,9 @@ pub struct Config {
     /// Engine output → reply key.
     #[serde(default)]
     pub outputs: Vec<OutputConfig>,
+    /// When replies are released and how action chunks are cut (see the README's pacing part).
+    #[serde(default)]
+    pub pacing: PacingConfig,
     /// Sent verbatim (as msgpack) in the metadata frame on connect.
     #[serde(default)]
     pub metadata: toml::Table,
@@ -101,6 +104,58 @@ impl Default for ServerConfig {
         }
     }
 }
+
+/// `[pacing]`: the latency budget, timed actions and the `observe` filters.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PacingConfig {
+    /// Control rate of the robot: action step i is `timestamp + i / fps`, and `delay_steps`
+    /// counts steps of `1 / fps`.
+    pub fps: f64,
+    /// Release every reply at `receive time + budget`, never earlier (0 = as soon as ready).
+    pub latency_budget_ms: f64,
+    /// Keep at most this many actions of each chunk (0 = all).
+    pub actions_per_chunk: usize,
+    /// Drop the first `delay_steps` actions of each chunk: they are stale on arrival.
+    pub skip_stale_actions: bool,
+    /// Add `delay_steps` to every dict reply (openpi replies and `observe` pushes).
+    pub reply_delay_steps: bool,
+    /// End-to-end latencies kept per session for `delay_steps` (its p95).
+    pub latency_window: usize,
+    /// Answer a skipped `observe` observation with `{"type": "skipped", …}`.
+    pub report_skipped: bool,
+    /// `observe`: skip an observation whose timestep was already predicted (or is running).
+    pub skip_predicted_timesteps: bool,
+    /// `observe`: skip an observation whose state is within this L2 distance (raw units) of
+    /// the last accepted one (0 = off, the default: LeRobot's filter starves clients).
+    pub similarity_atol: f64,
+    /// The observation key whose value the similarity filter compares (an input binding).
+    pub similarity_key: String,
+}
+
+impl Default for PacingConfig {
+    fn default() -> Self {
+        PacingConfig {
+            fps: 30.0,
+            latency_budget_ms: 0.0,
+            actions_per_chunk: 0,
+            skip_stale_actions: false,
+            reply_delay_steps: true,
+            latency_window: 100,
+            report_skipped: false,
+            skip_predicted_timesteps: true,
+            similarity_atol: 0.0,
+            similarity_key: String::new(),
+        }
+    }
+}
+
+/// Largest `engine.slots` (the scheduler's queue is a fixed array of this size).
+pub const MAX_SLOTS: usize = 64;
+/// Largest `pacing.latency_window` (the window is a fixed array per session).
+pub const MAX_LATENCY_WINDOW: usize = 256;
+/// Largest state vector the similarity filter keeps per session.
+pub const MAX_SIMILARITY_STATE: usize = 64;
 
 /// `[engine]`: which backend runs which model.
 #[derive(Clone, Debug, Deserialize)]
@@ -353,10 +408,10 @@ impl Config {
                 "missing: give the path of the ONNX model",
             ));
         }
-        if e.slots == 0 || e.slots > 64 {
+        if e.slots == 0 || e.slots > MAX_SLOTS {
             return Err(invalid(
                 "engine.slots",
-                format!("must be between 1 and 64, got {}", e.slots),
+                format!("must be between 1 and {MAX_SLOTS}, got {}", e.slots),
             ));
         }
         if e.warmup_runs > 1000 {
@@ -365,6 +420,8 @@ impl Config {
                 format!("must be at most 1000, got {}", e.warmup_runs),
             ));
         }
+
+        self.validate_pacing()?;
 
         if self.inputs.is_empty() {
             return Err(invalid(
@@ -569,6 +626,70 @@ fn check_norm(
         return Err(invalid(sk, "values must be finite and non-negative"));
     }
     Ok(())
+}
+
+impl Config {
+    fn validate_pacing(&self) -> Result<(), ConfigError> {
+        let p = &self.pacing;
+        if !p.fps.is_finite() || p.fps <= 0.0 || p.fps > 10_000.0 {
+            return Err(invalid(
+                "pacing.fps",
+                format!("must be a control rate in (0, 10000] Hz, got {}", p.fps),
+            ));
+        }
+        if !p.latency_budget_ms.is_finite()
+            || p.latency_budget_ms < 0.0
+            || p.latency_budget_ms > 60_000.0
+        {
+            return Err(invalid(
+                "pacing.latency_budget_ms",
+                format!(
+                    "must be between 0 (off) and 60000 ms, got {}",
+                    p.latency_budget_ms
+                ),
+            ));
+        }
+        if p.latency_window == 0 || p.latency_window > MAX_LATENCY_WINDOW {
+            return Err(invalid(
+                "pacing.latency_window",
+                format!(
+                    "must be between 1 and {MAX_LATENCY_WINDOW}, got {}",
+                    p.latency_window
+                ),
+            ));
+        }
+        if !p.similarity_atol.is_finite() || p.similarity_atol < 0.0 {
+            return Err(invalid(
+                "pacing.similarity_atol",
+                format!(
+                    "must be 0 (off) or a positive distance, got {}",
+                    p.similarity_atol
+                ),
+            ));
+        }
+        if p.similarity_atol > 0.0 {
+            let Some(b) = self.inputs.iter().find(|b| b.key == p.similarity_key) else {
+                return Err(invalid(
+                    "pacing.similarity_key",
+                    format!(
+                        "names no [[inputs]] key (got \"{}\"); the similarity filter needs the state's key, e.g. \"observation/state\"",
+                        p.similarity_key
+                    ),
+                ));
+            };
+            let n: usize = b.shape.iter().product();
+            if b.is_text() || n > MAX_SIMILARITY_STATE {
+                return Err(invalid(
+                    "pacing.similarity_key",
+                    format!(
+                        "must name a numeric input of at most {MAX_SIMILARITY_STATE} elements; '{}' has {n}",
+                        b.key
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
 }
 
 fn check_metadata(key: &str, v: &toml::Value) -> Result<(), ConfigError> {

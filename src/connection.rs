@@ -1,24 +1,37 @@
-//! One WebSocket connection: metadata frame, then request → reply, in order.
+//! One WebSocket connection: metadata frame, then requests, replies and pushes.
 //!
-//! The socket task never runs the model: it decodes into a slot, hands the slot to the engine
-//! worker and keeps reading the socket (so pings are answered while the model runs). A request
-//! that arrives while one is in flight waits in a one-frame buffer; past that the task stops
-//! reading, which is back-pressure on the client, not memory growth.
+//! The socket task never runs the model: it decodes a frame into a slot, queues the slot with
+//! the [scheduler](crate::scheduler) and keeps reading the socket (so pings are answered while
+//! the model runs). `infer` requests are answered strictly in order: a frame that arrives
+//! while an `infer` is in flight waits in a one-frame buffer, and past that the task stops
+//! reading, which is back-pressure on the client, not memory growth. `observe` frames go
+//! straight to their session's latest-wins slot; results are pushed when ready.
+//!
+//! A finished slot is released at once, or, with `pacing.latency_budget_ms`, held until
+//! `receive time + budget` and released when the [pacing clock](crate::pacing) wakes the
+//! task. The reply is encoded at release, so its timing fields are the real ones.
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use bytes::BytesMut;
 use futures_util::{SinkExt, StreamExt};
 use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::sync::Notify;
 use tokio_tungstenite::WebSocketStream;
 use tokio_tungstenite::tungstenite::protocol::CloseFrame;
 use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
 use tokio_tungstenite::tungstenite::{Bytes, Message};
 
+use crate::config::MAX_SLOTS;
 use crate::frame_guard::oversize_marker;
+use crate::plan::{Plan, ReplyParts};
+use crate::scheduler::{Filters, Kind, SessionKey, SkipReason};
 use crate::server::Shared;
 use crate::session::Sessions;
 use crate::wire::{self, Endpoint, Timing};
-use crate::worker::ReplyPort;
+use crate::worker::{Lease, ReplyPort, Ticket};
 
 /// Which protocol dialect a connection speaks (chosen by path).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -41,6 +54,9 @@ impl Dialect {
 /// openpi's close reason after an error text frame.
 const OPENPI_ERROR_REASON: &str = "Internal server error. Traceback included in previous frame.";
 
+/// Connection ids, for the scheduler's session keys.
+static NEXT_CONN: AtomicU64 = AtomicU64::new(1);
+
 /// What went wrong with a request.
 enum Failure {
     /// The request itself (vllm-omni: "Invalid request payload").
@@ -49,168 +65,529 @@ enum Failure {
     Inference(String),
 }
 
-/// A request being run by the engine.
-struct InFlight {
-    received: Instant,
+/// A reusable outgoing payload. tungstenite takes messages by value; handing it a clone of a
+/// shared buffer and taking the buffer back once the send has completed means steady-state
+/// sends allocate nothing.
+struct SendBuf {
+    spare: Option<BytesMut>,
+    sent: Option<Bytes>,
+}
+
+impl SendBuf {
+    fn new(capacity: usize) -> Self {
+        SendBuf {
+            spare: Some(BytesMut::with_capacity(capacity)),
+            sent: None,
+        }
+    }
+
+    fn message(&mut self, data: &[u8]) -> Message {
+        let mut buf = match self.sent.take().map(Bytes::try_into_mut) {
+            Some(Ok(b)) => b,
+            _ => self.spare.take().unwrap_or_default(),
+        };
+        buf.clear();
+        buf.extend_from_slice(data);
+        let bytes = buf.freeze();
+        self.sent = Some(bytes.clone());
+        Message::Binary(bytes)
+    }
+}
+
+/// Per-connection state the loop's helpers share.
+struct Conn<'a, S> {
+    ws: WebSocketStream<S>,
+    shared: &'a Shared,
+    dialect: Dialect,
+    id: u64,
+    sessions: Box<Sessions>,
+    port: ReplyPort,
+    /// Immediate replies (errors, reset, skipped notices).
+    out: Vec<u8>,
+    send: SendBuf,
+    /// Slots submitted and not yet back.
+    outstanding: usize,
+    /// An `infer` is queued, running or waiting for release: the next frame waits.
+    infer_busy: bool,
+    /// Finished slots waiting for their release time, earliest first.
+    releasing: heapless::Deque<Lease, MAX_SLOTS>,
+    wake: Arc<Notify>,
+    prev_total_ms: Option<f64>,
+    filters: Filters,
 }
 
 /// Serves a connection until it closes; returns why it ended.
-pub async fn serve<S>(mut ws: WebSocketStream<S>, shared: &Shared, dialect: Dialect) -> String
+pub async fn serve<S>(ws: WebSocketStream<S>, shared: &Shared, dialect: Dialect) -> String
 where
     S: AsyncRead + AsyncWrite + Unpin,
 {
-    let cfg = &shared.cfg.server;
-    let plan = &shared.plan;
-    if ws
-        .send(Message::Binary(shared.metadata.clone()))
-        .await
-        .is_err()
-    {
-        return "client left before the metadata frame".into();
-    }
-    let mut sessions = Sessions::new(cfg.max_sessions);
-    let mut port = ReplyPort::new(&shared.worker.pool);
-    let mut out: Vec<u8> = Vec::with_capacity(plan.reply_capacity.max(1024));
-    let mut pending: Option<(Bytes, Instant)> = None;
-    let mut in_flight: Option<InFlight> = None;
-    let mut prev_total_ms: Option<f64> = None;
-    let mut shutdown = shared.shutdown.clone();
-    let mut stopping = *shutdown.borrow();
+    let cfg = &shared.cfg;
+    let mut c = Conn {
+        ws,
+        shared,
+        dialect,
+        id: NEXT_CONN.fetch_add(1, Ordering::Relaxed),
+        sessions: Box::new(Sessions::new(
+            cfg.server.max_sessions,
+            cfg.pacing.latency_window,
+        )),
+        port: ReplyPort::new(&shared.worker.pool),
+        out: Vec::with_capacity(shared.plan.reply_capacity.max(1024)),
+        send: SendBuf::new(shared.plan.reply_capacity.max(1024)),
+        outstanding: 0,
+        infer_busy: false,
+        releasing: heapless::Deque::new(),
+        wake: Arc::new(Notify::new()),
+        prev_total_ms: None,
+        filters: Filters {
+            skip_predicted_timesteps: cfg.pacing.skip_predicted_timesteps,
+            similarity_atol: cfg.pacing.similarity_atol,
+        },
+    };
+    let why = c.run().await;
+    // Waiting entries of this connection go back to the pool now; running ones come back to
+    // the port, whose drop returns them.
+    shared
+        .worker
+        .scheduler
+        .remove_conn(c.id, |job| job.recycle());
+    why
+}
 
-    let ping_every =
-        (cfg.ping_interval_s > 0.0).then(|| Duration::from_secs_f64(cfg.ping_interval_s));
-    let pong_timeout = Duration::from_secs_f64(cfg.ping_timeout_s.max(0.001));
-    let mut ping = tokio::time::interval(ping_every.unwrap_or(Duration::from_secs(3600)));
-    ping.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    ping.reset();
-    let mut ping_sent: Option<Instant> = None;
-    let idle = (cfg.idle_timeout_s > 0.0).then(|| Duration::from_secs_f64(cfg.idle_timeout_s));
-    let mut last_activity = Instant::now();
-
-    loop {
-        // On shutdown, a request already read (in flight or waiting) is still answered.
-        if stopping && in_flight.is_none() && pending.is_none() {
-            close(&mut ws, CloseCode::Away, "server shutting down").await;
-            return "server shutdown (1001)".into();
-        }
-        // Start the next request if the engine is free for this connection.
-        if in_flight.is_none()
-            && let Some((frame, received)) = pending.take()
+impl<S> Conn<'_, S>
+where
+    S: AsyncRead + AsyncWrite + Unpin,
+{
+    async fn run(&mut self) -> String {
+        let shared = self.shared;
+        let cfg = &shared.cfg.server;
+        if self
+            .ws
+            .send(Message::Binary(shared.metadata.clone()))
+            .await
+            .is_err()
         {
-            match start(&frame, shared, &mut sessions, &port, &mut out).await {
-                Ok(Started::InFlight) => in_flight = Some(InFlight { received }),
-                Ok(Started::Replied(msg)) => {
-                    if ws.send(msg).await.is_err() {
-                        return "client went away".into();
+            return "client left before the metadata frame".into();
+        }
+        let mut pending: Option<(Bytes, Instant)> = None;
+        let mut shutdown = shared.shutdown.clone();
+        let mut stopping = *shutdown.borrow();
+
+        let ping_every =
+            (cfg.ping_interval_s > 0.0).then(|| Duration::from_secs_f64(cfg.ping_interval_s));
+        let pong_timeout = Duration::from_secs_f64(cfg.ping_timeout_s.max(0.001));
+        let mut ping = tokio::time::interval(ping_every.unwrap_or(Duration::from_secs(3600)));
+        ping.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        ping.reset();
+        let mut ping_sent: Option<Instant> = None;
+        let idle = (cfg.idle_timeout_s > 0.0).then(|| Duration::from_secs_f64(cfg.idle_timeout_s));
+        let mut last_activity = Instant::now();
+
+        loop {
+            // On shutdown, everything already read is still answered.
+            if stopping && self.outstanding == 0 && pending.is_none() && self.releasing.is_empty() {
+                close(&mut self.ws, CloseCode::Away, "server shutting down").await;
+                return "server shutdown (1001)".into();
+            }
+            // Start the next frame if no `infer` is ahead of it and a slot is free.
+            if !self.infer_busy && pending.is_some() {
+                let lease = shared.worker.pool.try_acquire();
+                if let Some(lease) = lease
+                    && let Some((frame, received)) = pending.take()
+                {
+                    if let Some(why) = self.start(&frame, received, lease).await {
+                        return why;
+                    }
+                    continue;
+                }
+            }
+            let idle_deadline = idle.map(|d| last_activity + d);
+            let release_backstop = self
+                .releasing
+                .front()
+                .and_then(|l| l.peek().ticket.release_at)
+                .map(|t| t + Duration::from_millis(2));
+            let quiet = self.outstanding == 0 && pending.is_none() && self.releasing.is_empty();
+            let wants_slot = !self.infer_busy && pending.is_some();
+            tokio::select! {
+                changed = shutdown.changed(), if !stopping => {
+                    if changed.is_err() || *shutdown.borrow() {
+                        stopping = true;
                     }
                 }
-                Err(f) => {
-                    if let Some(why) = fail(&mut ws, dialect, f, &mut out).await {
+                lease = shared.worker.pool.acquire(), if wants_slot => {
+                    if let Some((frame, received)) = pending.take()
+                        && let Some(why) = self.start(&frame, received, lease).await
+                    {
                         return why;
                     }
                 }
-            }
-            continue;
-        }
-        let idle_deadline = idle.map(|d| last_activity + d);
-        tokio::select! {
-            changed = shutdown.changed(), if !stopping => {
-                if changed.is_err() || *shutdown.borrow() {
-                    stopping = true;
+                lease = self.port.recv(), if self.outstanding > 0 => {
+                    self.outstanding -= 1;
+                    if let Some(why) = self.finished(lease).await {
+                        return why;
+                    }
+                    last_activity = Instant::now();
                 }
-            }
-            lease = port.recv(), if in_flight.is_some() => {
-                let Some(mut lease) = lease else {
-                    return "engine worker stopped".into();
-                };
-                let received = in_flight.take().map(|f| f.received).unwrap_or_else(Instant::now);
-                let slot = lease.slot();
-                let result = match slot.result.take() {
-                    Some(Ok(stats)) => match plan.non_finite_output(&slot.outputs) {
-                        Some(name) => Err(Failure::Inference(format!("the engine produced NaN or infinity in output '{name}'"))),
-                        None => Ok(stats),
-                    },
-                    Some(Err(e)) => Err(Failure::Inference(e.to_string())),
-                    None => Err(Failure::Inference("the engine returned no result".into())),
-                };
-                match result {
-                    Ok(stats) => {
-                        match dialect {
-                            Dialect::Openpi => {
-                                let timing = Timing {
-                                    policy_infer_ms: stats.compute.as_secs_f64() * 1e3,
-                                    server_infer_ms: received.elapsed().as_secs_f64() * 1e3,
-                                    prev_total_ms,
-                                };
-                                plan.encode_openpi(&slot.outputs, &timing, &mut out);
+                _ = self.wake.notified(), if !self.releasing.is_empty() => {
+                    if let Some(why) = self.release_due().await {
+                        return why;
+                    }
+                }
+                _ = sleep_until_opt(release_backstop), if release_backstop.is_some() => {
+                    if let Some(why) = self.release_due().await {
+                        return why;
+                    }
+                }
+                msg = self.ws.next(), if pending.is_none() && !stopping => {
+                    last_activity = Instant::now();
+                    match msg {
+                        None => return "client closed the connection".into(),
+                        Some(Ok(Message::Binary(b))) => match oversize_marker(&b) {
+                            None => pending = Some((b, Instant::now())),
+                            Some(size) => {
+                                let f = oversize(size, cfg.max_message_bytes);
+                                if let Some(why) = self.fail(f).await {
+                                    return why;
+                                }
                             }
-                            Dialect::Vllm => plan.encode_vllm(&slot.outputs, &mut out),
-                        }
-                        drop(lease);
-                        if ws.send(Message::Binary(Bytes::copy_from_slice(&out))).await.is_err() {
-                            return "client went away".into();
-                        }
-                        prev_total_ms = Some(received.elapsed().as_secs_f64() * 1e3);
-                    }
-                    Err(f) => {
-                        drop(lease);
-                        log::warn!("inference failed: {}", match &f { Failure::Request(m) | Failure::Inference(m) => m });
-                        if let Some(why) = fail(&mut ws, dialect, f, &mut out).await {
-                            return why;
-                        }
-                    }
-                }
-                last_activity = Instant::now();
-            }
-            msg = ws.next(), if pending.is_none() && !stopping => {
-                last_activity = Instant::now();
-                match msg {
-                    None => return "client closed the connection".into(),
-                    Some(Ok(Message::Binary(b))) => match oversize_marker(&b) {
-                        None => pending = Some((b, Instant::now())),
-                        Some(size) => {
-                            if let Some(why) = fail(&mut ws, dialect, oversize(size, cfg.max_message_bytes), &mut out).await {
+                        },
+                        Some(Ok(Message::Text(t))) => {
+                            let f = match oversize_marker(t.as_bytes()) {
+                                Some(size) => oversize(size, cfg.max_message_bytes),
+                                None => Failure::Request("text frames are not accepted; send the observation as a binary msgpack frame".into()),
+                            };
+                            if let Some(why) = self.fail(f).await {
                                 return why;
                             }
                         }
-                    },
-                    Some(Ok(Message::Text(t))) => {
-                        let f = match oversize_marker(t.as_bytes()) {
-                            Some(size) => oversize(size, cfg.max_message_bytes),
-                            None => Failure::Request("text frames are not accepted; send the observation as a binary msgpack frame".into()),
-                        };
-                        if let Some(why) = fail(&mut ws, dialect, f, &mut out).await {
-                            return why;
+                        Some(Ok(Message::Pong(_))) => ping_sent = None,
+                        Some(Ok(Message::Ping(_))) | Some(Ok(Message::Frame(_))) => {}
+                        Some(Ok(Message::Close(_))) => {
+                            // tungstenite answers the close; drive it to the end.
+                            while let Ok(Some(_)) = tokio::time::timeout(Duration::from_secs(1), self.ws.next()).await {}
+                            return "client closed the connection".into();
                         }
-                    }
-                    Some(Ok(Message::Pong(_))) => ping_sent = None,
-                    Some(Ok(Message::Ping(_))) | Some(Ok(Message::Frame(_))) => {}
-                    Some(Ok(Message::Close(_))) => {
-                        // tungstenite answers the close; drive it to the end.
-                        while let Ok(Some(_)) = tokio::time::timeout(Duration::from_secs(1), ws.next()).await {}
-                        return "client closed the connection".into();
-                    }
-                    Some(Err(e)) => return format!("protocol error: {e}"),
-                }
-            }
-            _ = ping.tick(), if ping_every.is_some() => {
-                match ping_sent {
-                    Some(t) if t.elapsed() >= pong_timeout => {
-                        close(&mut ws, CloseCode::Error, "keepalive ping timeout").await;
-                        return "keepalive ping timeout".into();
-                    }
-                    Some(_) => {}
-                    None => {
-                        if ws.send(Message::Ping(Bytes::new())).await.is_err() {
-                            return "client went away".into();
-                        }
-                        ping_sent = Some(Instant::now());
+                        Some(Err(e)) => return format!("protocol error: {e}"),
                     }
                 }
+                _ = ping.tick(), if ping_every.is_some() => {
+                    match ping_sent {
+                        Some(t) if t.elapsed() >= pong_timeout => {
+                            close(&mut self.ws, CloseCode::Error, "keepalive ping timeout").await;
+                            return "keepalive ping timeout".into();
+                        }
+                        Some(_) => {}
+                        None => {
+                            if self.ws.send(Message::Ping(Bytes::new())).await.is_err() {
+                                return "client went away".into();
+                            }
+                            ping_sent = Some(Instant::now());
+                        }
+                    }
+                }
+                _ = sleep_until_opt(idle_deadline), if idle_deadline.is_some() && quiet => {
+                    close(&mut self.ws, CloseCode::Normal, "idle timeout").await;
+                    return "idle timeout".into();
+                }
             }
-            _ = sleep_until_opt(idle_deadline), if idle_deadline.is_some() && in_flight.is_none() && pending.is_none() => {
-                close(&mut ws, CloseCode::Normal, "idle timeout").await;
-                return "idle timeout".into();
+        }
+    }
+
+    /// Decodes a frame into `lease`'s slot and queues it (or answers it directly).
+    async fn start(&mut self, frame: &[u8], received: Instant, mut lease: Lease) -> Option<String> {
+        let shared = self.shared;
+        let plan = &shared.plan;
+        let pacing = &shared.cfg.pacing;
+        let slot = lease.slot();
+        let meta = match plan.decode(frame, &mut slot.inputs, &mut slot.seen) {
+            Ok(m) => m,
+            Err(e) => return self.fail(Failure::Request(e.to_string())).await,
+        };
+        let release_at = (pacing.latency_budget_ms > 0.0)
+            .then(|| received + Duration::from_secs_f64(pacing.latency_budget_ms / 1e3));
+        match meta.endpoint {
+            Endpoint::Reset => {
+                drop(lease);
+                self.sessions.reset(meta.session_id.as_ref());
+                let key = self.key(self.sessions.current().clone());
+                let mut dropped = 0;
+                shared.worker.scheduler.remove_session(&key, |job| {
+                    dropped += 1;
+                    job.recycle();
+                });
+                self.outstanding -= dropped;
+                if shared.cfg.server.reset_reply == "text" {
+                    return self.send_msg(Message::text("reset successful")).await;
+                }
+                wire::encode_status(&mut self.out, "reset successful");
+                let msg = self.send.message(&self.out);
+                self.send_msg(msg).await
+            }
+            Endpoint::Infer => {
+                let (reset, _) = self.sessions.begin(meta.session_id.as_ref());
+                slot.reset = reset;
+                slot.result = None;
+                slot.ticket = Ticket {
+                    kind: Kind::Infer,
+                    session: self.sessions.current().clone(),
+                    received,
+                    release_at,
+                    timestep: 0,
+                    timestamp: 0.0,
+                };
+                let key = self.key(slot.ticket.session.clone());
+                match lease.submit(&shared.worker, &self.port, key) {
+                    Ok(_) => {
+                        self.outstanding += 1;
+                        self.infer_busy = true;
+                        None
+                    }
+                    Err(_) => {
+                        self.fail(Failure::Inference(
+                            "the engine worker is not running".into(),
+                        ))
+                        .await
+                    }
+                }
+            }
+            Endpoint::Observe => {
+                let (timestep, timestamp) = match meta.observed_at() {
+                    Ok(t) => t,
+                    Err(e) => return self.fail(Failure::Request(e.to_string())).await,
+                };
+                shared.stats.skips.observed.fetch_add(1, Ordering::Relaxed);
+                let mut state = [0f64; crate::config::MAX_SIMILARITY_STATE];
+                let state = plan.similarity_state(&mut slot.inputs, &mut state);
+                let (reset, session) = self.sessions.begin(meta.session_id.as_ref());
+                let must_go = meta.must_go.unwrap_or(false);
+                if let Err(why) = session.admit(&self.filters, timestep, must_go, state) {
+                    drop(lease);
+                    return self.skipped(timestep, why).await;
+                }
+                slot.reset = reset;
+                slot.result = None;
+                slot.ticket = Ticket {
+                    kind: Kind::Observe,
+                    session: self.sessions.current().clone(),
+                    received,
+                    release_at,
+                    timestep,
+                    timestamp,
+                };
+                let key = self.key(slot.ticket.session.clone());
+                match lease.submit(&shared.worker, &self.port, key) {
+                    Ok(None) => {
+                        self.outstanding += 1;
+                        None
+                    }
+                    Ok(Some(mut old)) => {
+                        // The session's waiting observation was replaced before it ran.
+                        let old_step = old.slot().ticket.timestep;
+                        let sid = old.slot().ticket.session.clone();
+                        drop(old);
+                        if let Some(p) = self.sessions.pacing(&sid) {
+                            p.forget(old_step);
+                        }
+                        self.skipped(old_step, SkipReason::Superseded).await
+                    }
+                    Err(_) => {
+                        self.fail(Failure::Inference(
+                            "the engine worker is not running".into(),
+                        ))
+                        .await
+                    }
+                }
+            }
+        }
+    }
+
+    fn key(&self, session: wire::SessionId) -> SessionKey {
+        SessionKey {
+            conn: self.id,
+            session,
+        }
+    }
+
+    /// Counts a skipped observation and, if configured, tells the client.
+    async fn skipped(&mut self, timestep: i64, why: SkipReason) -> Option<String> {
+        self.shared.stats.skips.count(why);
+        if !self.shared.cfg.pacing.report_skipped {
+            return None;
+        }
+        Plan::encode_skipped(timestep, why.as_str(), &mut self.out);
+        let msg = self.send.message(&self.out);
+        self.send_msg(msg).await
+    }
+
+    /// A slot came back from the engine: report a failure, or release the result (now, or at
+    /// its release time).
+    async fn finished(&mut self, mut lease: Lease) -> Option<String> {
+        let plan = &self.shared.plan;
+        let slot = lease.slot();
+        let failure = match slot.result.take() {
+            Some(Ok(stats)) => {
+                slot.result = Some(Ok(stats));
+                plan.non_finite_output(&slot.outputs).map(|name| {
+                    Failure::Inference(format!(
+                        "the engine produced NaN or infinity in output '{name}'"
+                    ))
+                })
+            }
+            Some(Err(e)) => Some(Failure::Inference(e.to_string())),
+            None => Some(Failure::Inference("the engine returned no result".into())),
+        };
+        if let Some(f) = failure {
+            if slot.ticket.kind == Kind::Infer {
+                self.infer_busy = false;
+            }
+            drop(lease);
+            let (Failure::Inference(m) | Failure::Request(m)) = &f;
+            log::warn!("inference failed: {m}");
+            return self.fail(f).await;
+        }
+        let now = Instant::now();
+        match slot.ticket.release_at {
+            Some(at) if at > now => {
+                // Keep the queue ordered by release time (it nearly always is already).
+                let pos = self
+                    .releasing
+                    .iter()
+                    .position(|l| l.peek().ticket.release_at.is_some_and(|t| t > at))
+                    .unwrap_or(self.releasing.len());
+                if pos == self.releasing.len() {
+                    if let Err(l) = self.releasing.push_back(lease) {
+                        return self.release(l, false).await;
+                    }
+                } else {
+                    let mut tail: heapless::Vec<Lease, MAX_SLOTS> = heapless::Vec::new();
+                    while self.releasing.len() > pos {
+                        if let Some(l) = self.releasing.pop_back() {
+                            let _ = tail.push(l);
+                        }
+                    }
+                    let _ = self.releasing.push_back(lease);
+                    while let Some(l) = tail.pop() {
+                        let _ = self.releasing.push_back(l);
+                    }
+                }
+                self.shared.pacer.wake_at(at, &self.wake);
+                None
+            }
+            Some(_) => {
+                self.shared.stats.release.missed();
+                self.release(lease, false).await
+            }
+            None => self.release(lease, false).await,
+        }
+    }
+
+    /// Releases every held result whose time has come.
+    async fn release_due(&mut self) -> Option<String> {
+        loop {
+            let now = Instant::now();
+            let due = self
+                .releasing
+                .front()
+                .is_some_and(|l| l.peek().ticket.release_at.is_none_or(|t| t <= now));
+            if !due {
+                return None;
+            }
+            let lease = self.releasing.pop_front()?;
+            if let Some(why) = self.release(lease, true).await {
+                return Some(why);
+            }
+        }
+    }
+
+    /// Encodes a result and sends it.
+    async fn release(&mut self, mut lease: Lease, paced: bool) -> Option<String> {
+        let shared = self.shared;
+        let plan = &shared.plan;
+        let pacing = &shared.cfg.pacing;
+        let now = Instant::now();
+        let slot = lease.slot();
+        let t = slot.ticket.clone();
+        if paced && let Some(at) = t.release_at {
+            shared.stats.release.on_time(at, now);
+        }
+        let latency = now.saturating_duration_since(t.received);
+        let delay_steps = match self.sessions.pacing(&t.session) {
+            Some(p) => {
+                p.record_latency(latency.as_secs_f64());
+                p.delay_steps(pacing.fps)
+            }
+            None => crate::scheduler::delay_steps(latency.as_secs_f64(), pacing.fps),
+        };
+        let compute = match &slot.result {
+            Some(Ok(s)) => s.compute,
+            _ => Duration::ZERO,
+        };
+        let mut parts = ReplyParts {
+            outputs: &slot.outputs,
+            scratch: &mut slot.scratch,
+            chunk: plan.chunk(pacing, delay_steps),
+        };
+        let vllm = self.dialect == Dialect::Vllm;
+        match t.kind {
+            Kind::Infer if vllm => plan.encode_vllm(&mut parts, &mut slot.reply),
+            Kind::Infer => {
+                let timing = Timing {
+                    policy_infer_ms: compute.as_secs_f64() * 1e3,
+                    server_infer_ms: latency.as_secs_f64() * 1e3,
+                    prev_total_ms: self.prev_total_ms,
+                };
+                let d = pacing.reply_delay_steps.then_some(delay_steps);
+                plan.encode_openpi(&mut parts, &timing, d, &mut slot.reply);
+            }
+            Kind::Observe => plan.encode_observe(
+                &mut parts,
+                (t.timestep, t.timestamp),
+                1.0 / pacing.fps,
+                delay_steps,
+                vllm,
+                &mut slot.reply,
+            ),
+        }
+        let msg = self.send.message(&slot.reply);
+        drop(lease);
+        if t.kind == Kind::Infer {
+            self.infer_busy = false;
+            self.prev_total_ms = Some(t.received.elapsed().as_secs_f64() * 1e3);
+        }
+        self.send_msg(msg).await
+    }
+
+    async fn send_msg(&mut self, msg: Message) -> Option<String> {
+        if self.ws.send(msg).await.is_err() {
+            return Some("client went away".into());
+        }
+        None
+    }
+
+    /// Reports a failure in the connection's dialect. Returns why the connection ended, if
+    /// it did.
+    async fn fail(&mut self, f: Failure) -> Option<String> {
+        match self.dialect {
+            Dialect::Openpi => {
+                let text = match &f {
+                    Failure::Request(m) => format!("policyd: invalid request: {m}"),
+                    Failure::Inference(m) => format!("policyd: inference failed: {m}"),
+                };
+                log::info!("closing after error: {text}");
+                let _ = self.ws.send(Message::text(text.clone())).await;
+                close(&mut self.ws, CloseCode::Error, OPENPI_ERROR_REASON).await;
+                Some(text)
+            }
+            Dialect::Vllm => {
+                let (message, detail) = match &f {
+                    Failure::Request(m) => ("Invalid request payload", m),
+                    Failure::Inference(m) => ("Internal inference error", m),
+                };
+                log::info!("request error: {detail}");
+                wire::encode_error_map(&mut self.out, message, detail);
+                let msg = self.send.message(&self.out);
+                self.send_msg(msg).await
             }
         }
     }
@@ -227,92 +604,6 @@ async fn sleep_until_opt(deadline: Option<Instant>) {
     match deadline {
         Some(d) => tokio::time::sleep_until(d.into()).await,
         None => std::future::pending().await,
-    }
-}
-
-enum Started {
-    /// Handed to the engine worker.
-    InFlight,
-    /// Answered without the engine (reset).
-    Replied(Message),
-}
-
-/// Decodes a request into a slot and hands it to the worker (or answers it directly).
-async fn start(
-    frame: &[u8],
-    shared: &Shared,
-    sessions: &mut Sessions,
-    port: &ReplyPort,
-    out: &mut Vec<u8>,
-) -> Result<Started, Failure> {
-    let mut lease = shared.worker.pool.acquire().await;
-    let slot = lease.slot();
-    let meta = shared
-        .plan
-        .decode(frame, &mut slot.inputs, &mut slot.seen)
-        .map_err(|e| Failure::Request(e.to_string()))?;
-    match meta.endpoint {
-        Endpoint::Reset => {
-            sessions.reset(meta.session_id.as_ref());
-            if shared.cfg.server.reset_reply == "text" {
-                return Ok(Started::Replied(Message::text("reset successful")));
-            }
-            wire::encode_status(out, "reset successful");
-            Ok(Started::Replied(Message::Binary(Bytes::copy_from_slice(
-                out,
-            ))))
-        }
-        Endpoint::Observe => Err(Failure::Request(
-            "endpoint 'observe' (streaming) is not available in this version; use 'infer'".into(),
-        )),
-        Endpoint::Infer => {
-            slot.reset = sessions.begin_infer(meta.session_id.as_ref());
-            slot.result = None;
-            lease
-                .submit(&shared.worker, port)
-                .map(|()| Started::InFlight)
-                .map_err(|_| Failure::Inference("the engine worker is not running".into()))
-        }
-    }
-}
-
-/// Reports a failure in the connection's dialect. Returns why the connection ended, if it did.
-async fn fail<S>(
-    ws: &mut WebSocketStream<S>,
-    dialect: Dialect,
-    f: Failure,
-    out: &mut Vec<u8>,
-) -> Option<String>
-where
-    S: AsyncRead + AsyncWrite + Unpin,
-{
-    match dialect {
-        Dialect::Openpi => {
-            let text = match &f {
-                Failure::Request(m) => format!("policyd: invalid request: {m}"),
-                Failure::Inference(m) => format!("policyd: inference failed: {m}"),
-            };
-            log::info!("closing after error: {text}");
-            let _ = ws.send(Message::text(text.clone())).await;
-            close(ws, CloseCode::Error, OPENPI_ERROR_REASON).await;
-            Some(text)
-        }
-        Dialect::Vllm => {
-            let (message, detail) = match &f {
-                Failure::Request(m) => ("Invalid request payload", m),
-                Failure::Inference(m) => ("Internal inference error", m),
-            };
-            log::info!("request error: {detail}");
-            wire::encode_error_map(out, message, detail);
-            if ws
-                .send(Message::Binary(Bytes::copy_from_slice(out)))
-                .await
-                .is_err()
-            {
-                return Some("client went away".into());
-            }
-            None
-        }
     }
 }
 

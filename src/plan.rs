@@ -27,6 +27,9 @@ pub struct InputBinding {
     pub fill: f64,
     /// A text binding: the string's UTF-8 bytes, one per element, then `fill`.
     pub text: bool,
+    /// For a one-element input: a transform from each storage type (indexed by `ElemType as
+    /// usize`), since scalars travel as native msgpack numbers of any type.
+    pub scalar: Vec<Transform>,
 }
 
 /// One engine output sent under one reply key.
@@ -53,6 +56,12 @@ pub struct Plan {
     pub metadata: Vec<u8>,
     /// Largest reply, in bytes (the reply buffer's capacity).
     pub reply_capacity: usize,
+    /// Bytes of a slot's scratch buffer: the largest output converted to a reply dtype.
+    pub scratch_bytes: usize,
+    /// Rows of the action chunk (the first axis of the first output of rank 2 or more).
+    pub horizon: usize,
+    /// Index of the binding the similarity filter reads, if it is on.
+    pub similarity_input: Option<usize>,
     pub budget: Budget,
 }
 
@@ -127,6 +136,7 @@ impl Plan {
                 ));
             }
             let affine = Affine::normalize(b.scale, b.offset, &b.mean, &b.std);
+            let inputs_affine = affine.clone();
             let accepted = b
                 .dtypes()
                 .into_iter()
@@ -149,6 +159,15 @@ impl Plan {
                 optional: b.optional,
                 fill: b.fill,
                 text: b.is_text(),
+                scalar: if spec.elements() == 1 && !b.is_text() {
+                    let affine = &inputs_affine;
+                    crate::dtype::ALL_ELEM_TYPES
+                        .iter()
+                        .map(|&t| Transform::elementwise(t, spec.dtype, 1, affine.clone()))
+                        .collect()
+                } else {
+                    Vec::new()
+                },
             });
         }
         for spec in &io.inputs {
@@ -235,8 +254,21 @@ impl Plan {
             &mut Encoder { buf: &mut metadata },
             &toml::Value::Table(cfg.metadata.clone()),
         );
+        let horizon = outputs
+            .iter()
+            .find(|o| o.shape.len() >= 2)
+            .map_or(1, |o| o.shape[0]);
+        let scratch_bytes = outputs
+            .iter()
+            .map(|o| o.openpi.dst_bytes().max(o.vllm.dst_bytes()))
+            .max()
+            .unwrap_or(0);
+        // Map header, timing, `delay_steps`, and an `observe` push's extra keys with its two
+        // [H] arrays of timesteps and timestamps.
+        let push_extras = 64 + 2 * Encoder::ndarray_size(&[horizon], 8 * horizon);
         let reply_capacity = 16
             + wire::TIMING_SIZE
+            + push_extras
             + outputs
                 .iter()
                 .map(|o| {
@@ -258,6 +290,15 @@ impl Plan {
             },
             metadata,
             reply_capacity,
+            scratch_bytes,
+            horizon,
+            similarity_input: (cfg.pacing.similarity_atol > 0.0)
+                .then(|| {
+                    cfg.inputs
+                        .iter()
+                        .position(|b| b.key == cfg.pacing.similarity_key)
+                })
+                .flatten(),
             budget,
         })
     }
@@ -277,7 +318,7 @@ impl Plan {
             seen,
         };
         let meta = wire::decode_request(frame, &self.limits, &mut w)?;
-        if meta.endpoint != wire::Endpoint::Infer {
+        if meta.endpoint == wire::Endpoint::Reset {
             return Ok(meta);
         }
         for (b, seen) in self.inputs.iter().zip(w.seen.iter()) {
@@ -312,23 +353,49 @@ impl Plan {
         })
     }
 
-    /// Encodes an openpi reply: `{key: ndarray, …, policy_timing, server_timing}`.
-    pub fn encode_openpi(&self, outputs: &[Vec<u8>], timing: &Timing, buf: &mut Vec<u8>) {
+    /// The rows of the action chunk a reply keeps: at most `pacing.actions_per_chunk`, and,
+    /// with `pacing.skip_stale_actions`, without the first `delay_steps` (which will have
+    /// elapsed on arrival). At least one row is always kept.
+    pub fn chunk(&self, pacing: &crate::config::PacingConfig, delay_steps: u32) -> Chunk {
+        let h = self.horizon;
+        let end = if pacing.actions_per_chunk > 0 {
+            pacing.actions_per_chunk.min(h)
+        } else {
+            h
+        };
+        let start = if pacing.skip_stale_actions {
+            (delay_steps as usize).min(end.saturating_sub(1))
+        } else {
+            0
+        };
+        Chunk { start, end }
+    }
+
+    /// Encodes an openpi reply: `{key: ndarray, …, policy_timing, server_timing}`, plus
+    /// `delay_steps` when given.
+    pub fn encode_openpi(
+        &self,
+        r: &mut ReplyParts<'_>,
+        timing: &Timing,
+        delay_steps: Option<u32>,
+        buf: &mut Vec<u8>,
+    ) {
         buf.clear();
         let mut e = Encoder { buf };
-        e.map(self.outputs.len() as u32 + 2);
+        e.map(self.outputs.len() as u32 + 2 + u32::from(delay_steps.is_some()));
         for o in &self.outputs {
             e.str(&o.key);
-            let src = &outputs[o.index];
-            e.ndarray(o.openpi.dst_type, &o.shape, o.openpi.dst_bytes(), |d| {
-                o.openpi.apply(src, crate::dtype::ByteOrder::Little, d);
-            });
+            self.write_output(&mut e, o, &o.openpi, r);
         }
         wire::encode_timing(&mut e, timing);
+        if let Some(d) = delay_steps {
+            e.str("delay_steps");
+            e.int(i64::from(d));
+        }
     }
 
     /// Encodes a vllm-omni reply: a bare float32 array, or a map of them for several outputs.
-    pub fn encode_vllm(&self, outputs: &[Vec<u8>], buf: &mut Vec<u8>) {
+    pub fn encode_vllm(&self, r: &mut ReplyParts<'_>, buf: &mut Vec<u8>) {
         buf.clear();
         let mut e = Encoder { buf };
         let several = self.outputs.len() > 1;
@@ -339,12 +406,135 @@ impl Plan {
             if several {
                 e.str(&o.key);
             }
-            let src = &outputs[o.index];
-            e.ndarray(ElemType::F32, &o.shape, o.vllm.dst_bytes(), |d| {
-                o.vllm.apply(src, crate::dtype::ByteOrder::Little, d);
-            });
+            self.write_output(&mut e, o, &o.vllm, r);
         }
     }
+
+    /// Encodes an `observe` push: `{"type": "actions", key: ndarray, …, "timesteps": int64[H],
+    /// "timestamps": float64[H], "obs_timestep", "delay_steps"}`, where step i of the kept
+    /// chunk is `timestep + i` at `timestamp + i·dt`.
+    pub fn encode_observe(
+        &self,
+        r: &mut ReplyParts<'_>,
+        obs: (i64, f64),
+        dt: f64,
+        delay_steps: u32,
+        vllm: bool,
+        buf: &mut Vec<u8>,
+    ) {
+        buf.clear();
+        let mut e = Encoder { buf };
+        e.map(self.outputs.len() as u32 + 5);
+        e.str("type");
+        e.str("actions");
+        for o in &self.outputs {
+            e.str(&o.key);
+            self.write_output(&mut e, o, if vllm { &o.vllm } else { &o.openpi }, r);
+        }
+        let (timestep, timestamp) = obs;
+        let Chunk { start, end } = r.chunk;
+        let n = end - start;
+        e.str("timesteps");
+        e.ndarray(ElemType::I64, &[n], 8 * n, |d| {
+            for (i, c) in d.chunks_exact_mut(8).enumerate() {
+                let step = timestep.saturating_add((start + i) as i64);
+                c.copy_from_slice(&step.to_le_bytes());
+            }
+        });
+        e.str("timestamps");
+        e.ndarray(ElemType::F64, &[n], 8 * n, |d| {
+            for (i, c) in d.chunks_exact_mut(8).enumerate() {
+                let t = timestamp + (start + i) as f64 * dt;
+                c.copy_from_slice(&t.to_le_bytes());
+            }
+        });
+        e.str("obs_timestep");
+        e.int(timestep);
+        e.str("delay_steps");
+        e.int(i64::from(delay_steps));
+    }
+
+    /// Encodes a `{"type": "skipped", "timestep", "reason"}` notice.
+    pub fn encode_skipped(timestep: i64, reason: &str, buf: &mut Vec<u8>) {
+        buf.clear();
+        let mut e = Encoder { buf };
+        e.map(3);
+        e.str("type");
+        e.str("skipped");
+        e.str("timestep");
+        e.int(timestep);
+        e.str("reason");
+        e.str(reason);
+    }
+
+    /// Writes one output as an ndarray, cut to the chunk's rows.
+    fn write_output(
+        &self,
+        e: &mut Encoder<'_>,
+        o: &OutputBinding,
+        tr: &Transform,
+        r: &mut ReplyParts<'_>,
+    ) {
+        let src: &[u8] = &r.outputs[o.index];
+        let bytes = tr.dst_bytes();
+        let rows = o.shape.first().copied().unwrap_or(1);
+        let Chunk { start, end } = r.chunk;
+        let whole = o.shape.len() < 2 || (start == 0 && end >= rows);
+        if whole || rows == 0 || bytes > r.scratch.len() {
+            e.ndarray(tr.dst_type, &o.shape, bytes, |d| {
+                tr.apply(src, crate::dtype::ByteOrder::Little, d);
+            });
+            return;
+        }
+        let end = end.min(rows);
+        let start = start.min(end);
+        let row = bytes / rows;
+        let scratch = &mut r.scratch[..bytes];
+        tr.apply(src, crate::dtype::ByteOrder::Little, scratch);
+        let mut shape: heapless::Vec<usize, { wire::MAX_RANK }> = heapless::Vec::new();
+        let _ = shape.extend_from_slice(&o.shape[..o.shape.len().min(wire::MAX_RANK)]);
+        shape[0] = end - start;
+        e.ndarray(tr.dst_type, &shape, (end - start) * row, |d| {
+            d.copy_from_slice(&scratch[start * row..end * row]);
+        });
+    }
+
+    /// The raw (pre-normalisation) values of the similarity filter's input, from a decoded
+    /// slot, into `out`. `None` when the filter is off.
+    pub fn similarity_state<'o>(
+        &self,
+        bufs: &mut [Box<dyn InputBuffer>],
+        out: &'o mut [f64; crate::config::MAX_SIMILARITY_STATE],
+    ) -> Option<&'o [f64]> {
+        let b = &self.inputs[self.similarity_input?];
+        let data = bufs[b.index].bytes_mut();
+        let n = (data.len() / b.engine_type.size()).min(out.len());
+        for (i, v) in out[..n].iter_mut().enumerate() {
+            let x = load_f64(b.engine_type, data, i);
+            *v = match &b.affine {
+                Affine::Scalar { a, b } => (x - b) / a,
+                Affine::Indexed { a, b } => {
+                    let k = i % a.len();
+                    (x - b[k]) / a[k]
+                }
+            };
+        }
+        Some(&out[..n])
+    }
+}
+
+/// The rows `start..end` of the action chunk that a reply carries.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Chunk {
+    pub start: usize,
+    pub end: usize,
+}
+
+/// What a reply is encoded from: a slot's outputs, its scratch buffer and the chunk to keep.
+pub struct ReplyParts<'a> {
+    pub outputs: &'a [Vec<u8>],
+    pub scratch: &'a mut [u8],
+    pub chunk: Chunk,
 }
 
 /// vllm-omni clients build their loop from `action_horizon`, `action_dim` and `action_keys`:
@@ -484,8 +674,10 @@ impl Visitor for SlotWriter<'_> {
             Some(p) if b.accepted[p].0 == a.storage => b.accepted[p].1.apply(a.data, a.order, dst),
             // A scalar whose value travels in another type (openpi sends a float32 scalar as a
             // msgpack float64, and plain msgpack numbers carry no dtype): convert from storage.
-            _ => Transform::elementwise(a.storage, b.engine_type, 1, b.affine.clone())
-                .apply(a.data, a.order, dst),
+            _ => b
+                .scalar
+                .get(a.storage as usize)
+                .is_some_and(|t| t.apply(a.data, a.order, dst)),
         };
         if !ok {
             return Err(WireError::BadArray {

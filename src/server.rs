@@ -44,8 +44,17 @@ pub enum ServerError {
     },
 }
 
+/// Counters shared by every connection (read by tests and, later, metrics).
+pub struct Stats {
+    pub release: crate::pacing::ReleaseStats,
+    pub skips: crate::scheduler::SkipStats,
+}
+
 /// Everything a connection needs, shared by all of them.
 pub struct Shared {
+    /// Wakes connections at their replies' release times.
+    pub pacer: crate::pacing::Pacer,
+    pub stats: Arc<Stats>,
     pub cfg: Config,
     pub plan: Plan,
     pub worker: WorkerHandle,
@@ -59,6 +68,7 @@ pub struct Shared {
 /// A loaded, checked and warmed engine with its plan: what the server serves.
 pub struct Loaded {
     pub plan: Plan,
+    pub stats: Arc<Stats>,
     pub worker: WorkerHandle,
     pub backend: &'static str,
     pub warmup: Duration,
@@ -86,13 +96,21 @@ pub fn open_engine(cfg: &Config) -> Result<Box<dyn Engine>, ServerError> {
 
 /// Loads the model, checks the config against it, allocates every buffer and warms up.
 pub fn load(cfg: &Config) -> Result<Loaded, ServerError> {
-    let engine = open_engine(cfg)?;
+    load_engine(cfg, open_engine(cfg)?)
+}
+
+/// [`load`] with an engine the caller opened (tests and benchmarks use a synthetic one).
+pub fn load_engine(cfg: &Config, engine: Box<dyn Engine>) -> Result<Loaded, ServerError> {
     let plan = Plan::compile(cfg, engine.io())?;
     let backend = engine.backend();
     let (worker, warmup) =
         WorkerHandle::start(engine, &plan, cfg.engine.slots, cfg.engine.warmup_runs)?;
     Ok(Loaded {
         plan,
+        stats: Arc::new(Stats {
+            release: crate::pacing::ReleaseStats::new(cfg.pacing.latency_budget_ms > 0.0),
+            skips: Default::default(),
+        }),
         worker,
         backend,
         warmup,
@@ -124,7 +142,14 @@ pub async fn serve(
         .max_frame_size(Some(s.max_message_bytes + MARKER_LEN))
         .write_buffer_size(0);
     let max = s.max_connections;
+    let pacer = crate::pacing::Pacer::start().map_err(|e| {
+        ServerError::Engine(EngineError::Run(format!(
+            "cannot start the pacing clock: {e}"
+        )))
+    })?;
     let shared = Arc::new(Shared {
+        pacer,
+        stats: loaded.stats,
         metadata: Bytes::from(loaded.plan.metadata.clone()),
         plan: loaded.plan,
         worker: loaded.worker,

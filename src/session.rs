@@ -4,6 +4,7 @@
 //! first after `endpoint: reset`) must reach the engine with `reset = true`. The table never
 //! grows: past its capacity the least recently used session is evicted.
 
+use crate::scheduler::SessionPacing;
 use crate::wire::SessionId;
 
 /// Compile-time capacity; `server.max_sessions` may lower it.
@@ -16,6 +17,8 @@ struct Entry {
     last_used: u64,
     /// Inferences since the session started or was reset.
     count: u64,
+    /// Filters and latency window of the session's `observe` stream.
+    pacing: SessionPacing,
 }
 
 /// Sessions of one connection.
@@ -26,10 +29,12 @@ pub struct Sessions {
     tick: u64,
     /// The session a request without `session_id` belongs to (the last one named).
     current: SessionId,
+    /// `pacing.latency_window` for new sessions.
+    window: usize,
 }
 
 impl Sessions {
-    pub fn new(limit: usize) -> Self {
+    pub fn new(limit: usize, window: usize) -> Self {
         let mut current = SessionId::new();
         let _ = current.push_str("default");
         Sessions {
@@ -37,12 +42,19 @@ impl Sessions {
             limit: limit.clamp(1, MAX_SESSIONS),
             tick: 0,
             current,
+            window,
         }
     }
 
     /// Records an inference for `id` (or the current session) and says whether the engine
     /// must reset: true for a session's first inference.
     pub fn begin_infer(&mut self, id: Option<&SessionId>) -> bool {
+        self.begin(id).0
+    }
+
+    /// Like [`Sessions::begin_infer`], also handing out the session's pacing state (cleared
+    /// when the session starts afresh). The session is then the current one.
+    pub fn begin(&mut self, id: Option<&SessionId>) -> (bool, &mut SessionPacing) {
         if let Some(id) = id {
             self.current.clone_from(id);
         }
@@ -51,10 +63,15 @@ impl Sessions {
         let e = self.entry(tick);
         e.last_used = tick;
         e.count += 1;
-        e.count == 1
+        let fresh = e.count == 1;
+        if fresh {
+            e.pacing.clear();
+        }
+        (fresh, &mut e.pacing)
     }
 
-    /// `endpoint: reset`: the session's next inference starts afresh.
+    /// `endpoint: reset`: the session's next inference starts afresh, and its filters and
+    /// latency window are cleared.
     pub fn reset(&mut self, id: Option<&SessionId>) {
         if let Some(id) = id {
             self.current.clone_from(id);
@@ -63,6 +80,20 @@ impl Sessions {
         let tick = self.tick;
         let e = self.entry(tick);
         e.count = 0;
+        e.pacing.clear();
+    }
+
+    /// The session requests without `session_id` go to.
+    pub fn current(&self) -> &SessionId {
+        &self.current
+    }
+
+    /// A live session's pacing state (`None` once evicted).
+    pub fn pacing(&mut self, id: &SessionId) -> Option<&mut SessionPacing> {
+        self.entries
+            .iter_mut()
+            .find(|e| e.id == *id)
+            .map(|e| &mut e.pacing)
     }
 
     pub fn len(&self) -> usize {
@@ -91,6 +122,7 @@ impl Sessions {
             id: self.current.clone(),
             last_used: tick,
             count: 0,
+            pacing: SessionPacing::new(self.window),
         });
         let last = self.entries.len() - 1;
         &mut self.entries[last]
@@ -109,7 +141,7 @@ mod tests {
 
     #[test]
     fn first_inference_and_after_reset_resets() {
-        let mut s = Sessions::new(4);
+        let mut s = Sessions::new(4, 100);
         assert!(s.begin_infer(None));
         assert!(!s.begin_infer(None));
         assert!(s.begin_infer(Some(&id("a"))));
@@ -125,7 +157,7 @@ mod tests {
 
     #[test]
     fn bounded_with_lru_eviction() {
-        let mut s = Sessions::new(2);
+        let mut s = Sessions::new(2, 100);
         assert!(s.begin_infer(Some(&id("a"))));
         assert!(s.begin_infer(Some(&id("b"))));
         assert!(!s.begin_infer(Some(&id("a"))));

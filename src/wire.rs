@@ -106,11 +106,13 @@ pub enum WireError {
     ExpectedText { key: String, got: String },
     #[error("key '{key}': the text is not valid {encoding}")]
     BadText { key: String, encoding: &'static str },
+    #[error("endpoint 'observe' {problem}")]
+    Observe { problem: &'static str },
     #[error("missing required key '{key}'")]
     MissingKey { key: String },
     #[error("key '{key}' appears twice")]
     DuplicateKey { key: String },
-    #[error("unknown endpoint '{got}'; expected one of: infer, reset")]
+    #[error("unknown endpoint '{got}'; expected one of: infer, observe, reset")]
     UnknownEndpoint { got: String },
     #[error("'{key}' must be {expected}, got {got}")]
     BadReserved {
@@ -118,6 +120,29 @@ pub enum WireError {
         expected: &'static str,
         got: String,
     },
+}
+
+impl RequestMeta {
+    /// An `observe` request's timestep and timestamp, checked.
+    pub fn observed_at(&self) -> Result<(i64, f64), WireError> {
+        let timestep = self.timestep.ok_or(WireError::Observe {
+            problem: "needs 'timestep' (an integer: the control step the observation was taken at)",
+        })?;
+        if timestep < 0 {
+            return Err(WireError::Observe {
+                problem: "needs a 'timestep' of 0 or more",
+            });
+        }
+        let timestamp = self.timestamp.ok_or(WireError::Observe {
+            problem: "needs 'timestamp' (a number: seconds on the robot's clock)",
+        })?;
+        if !timestamp.is_finite() || timestamp < 0.0 {
+            return Err(WireError::Observe {
+                problem: "needs a finite 'timestamp' of 0 or more",
+            });
+        }
+        Ok((timestep, timestamp))
+    }
 }
 
 /// What the client asked for (the `endpoint` key; absent means infer).

@@ -9,12 +9,42 @@
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use tokio::sync::{Semaphore, mpsc};
+use tokio::sync::{Notify, Semaphore};
 
+use crate::config::MAX_SLOTS;
 use crate::engine::{Engine, EngineError, InputBuffer, RunStats};
 use crate::plan::Plan;
+use crate::scheduler::{Kind, Pushed, Scheduler, SessionKey};
+use crate::wire::SessionId;
+
+/// What a request is, carried with its slot from decode to release.
+#[derive(Clone, Debug)]
+pub struct Ticket {
+    pub kind: Kind,
+    pub session: SessionId,
+    /// When the frame was read (the start of the end-to-end latency).
+    pub received: Instant,
+    /// Not before this instant, if a latency budget is set.
+    pub release_at: Option<Instant>,
+    /// `observe`: the observation's timestep and timestamp.
+    pub timestep: i64,
+    pub timestamp: f64,
+}
+
+impl Default for Ticket {
+    fn default() -> Self {
+        Ticket {
+            kind: Kind::Infer,
+            session: SessionId::new(),
+            received: Instant::now(),
+            release_at: None,
+            timestep: 0,
+            timestamp: 0.0,
+        }
+    }
+}
 
 /// One request's buffers.
 pub struct Slot {
@@ -24,6 +54,9 @@ pub struct Slot {
     pub seen: Vec<bool>,
     /// The encoded reply.
     pub reply: Vec<u8>,
+    /// Outputs converted to their reply dtype, when a chunk is cut (see `pacing`).
+    pub scratch: Vec<u8>,
+    pub ticket: Ticket,
     /// Tell the engine to drop its history before this run.
     pub reset: bool,
     /// The worker's result for the last run.
@@ -53,6 +86,8 @@ impl SlotPool {
                     .collect(),
                 seen: vec![false; plan.inputs.len()],
                 reply: Vec::with_capacity(plan.reply_capacity),
+                scratch: vec![0u8; plan.scratch_bytes],
+                ticket: Ticket::default(),
                 reset: false,
                 result: None,
             }));
@@ -107,25 +142,38 @@ pub struct Lease {
 }
 
 impl Lease {
+    pub fn peek(&self) -> &Slot {
+        self.slot.as_deref().expect("lease without a slot")
+    }
+
     pub fn slot(&mut self) -> &mut Slot {
         // A lease holds its slot from creation until `submit` consumes the lease.
         self.slot.as_deref_mut().expect("lease without a slot")
     }
 
-    /// Hands the slot to the worker; it comes back on `port`.
-    pub fn submit(mut self, worker: &WorkerHandle, port: &ReplyPort) -> Result<(), Lease> {
+    /// Queues the slot for the engine; it comes back on `port`. An `observe` slot may take
+    /// the place of its session's waiting one, which is handed back.
+    pub fn submit(
+        mut self,
+        worker: &WorkerHandle,
+        port: &ReplyPort,
+        key: SessionKey,
+    ) -> Result<Option<Lease>, Lease> {
         let Some(slot) = self.slot.take() else {
             return Err(self);
         };
-        match worker.tx.try_send(Job {
+        let kind = slot.ticket.kind;
+        let job = Job {
             slot,
-            reply_to: port.tx.clone(),
-        }) {
-            Ok(()) => Ok(()),
-            Err(
-                std::sync::mpsc::TrySendError::Full(job)
-                | std::sync::mpsc::TrySendError::Disconnected(job),
-            ) => {
+            reply_to: port.mailbox.clone(),
+        };
+        match worker.scheduler.push(key, kind, job) {
+            Ok(Pushed::Queued) => Ok(None),
+            Ok(Pushed::Replaced(old)) => Ok(Some(Lease {
+                slot: Some(old.slot),
+                pool: self.pool.clone(),
+            })),
+            Err(job) => {
                 self.slot = Some(job.slot);
                 Err(self)
             }
@@ -141,47 +189,92 @@ impl Drop for Lease {
     }
 }
 
-/// Where the worker returns a connection's slot. Dropping it returns any slot still in
-/// flight or unread to the pool.
-pub struct ReplyPort {
-    tx: mpsc::Sender<Box<Slot>>,
-    rx: mpsc::Receiver<Box<Slot>>,
+/// Where the worker leaves a connection's finished slots: a fixed deque and a [`Notify`], so
+/// delivering a reply allocates nothing.
+pub struct Mailbox {
+    /// Finished slots, and whether the connection is gone.
+    inbox: Mutex<(heapless::Deque<Box<Slot>, MAX_SLOTS>, bool)>,
+    ready: Notify,
     pool: Arc<SlotPool>,
+}
+
+impl Mailbox {
+    fn deliver(&self, slot: Box<Slot>) {
+        let mut inbox = self.inbox.lock().unwrap_or_else(|e| e.into_inner());
+        if inbox.1 {
+            drop(inbox);
+            self.pool.put(slot);
+            return;
+        }
+        // There are at most MAX_SLOTS slots, so the deque cannot be full.
+        if let Err(slot) = inbox.0.push_back(slot) {
+            drop(inbox);
+            self.pool.put(slot);
+            return;
+        }
+        drop(inbox);
+        self.ready.notify_one();
+    }
+}
+
+/// A connection's side of its [`Mailbox`]. Dropping it returns every slot delivered later,
+/// or not yet read, to the pool.
+pub struct ReplyPort {
+    mailbox: Arc<Mailbox>,
 }
 
 impl ReplyPort {
     pub fn new(pool: &Arc<SlotPool>) -> Self {
-        // A connection has at most one request in flight.
-        let (tx, rx) = mpsc::channel(1);
         ReplyPort {
-            tx,
-            rx,
-            pool: pool.clone(),
+            mailbox: Arc::new(Mailbox {
+                inbox: Mutex::new((heapless::Deque::new(), false)),
+                ready: Notify::new(),
+                pool: pool.clone(),
+            }),
         }
     }
 
-    /// Waits for the slot to come back from the worker.
-    pub async fn recv(&mut self) -> Option<Lease> {
-        let slot = self.rx.recv().await?;
-        Some(Lease {
-            slot: Some(slot),
-            pool: self.pool.clone(),
-        })
+    /// Waits for a slot to come back from the worker.
+    pub async fn recv(&self) -> Lease {
+        loop {
+            let slot = self
+                .mailbox
+                .inbox
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .0
+                .pop_front();
+            if let Some(slot) = slot {
+                return Lease {
+                    slot: Some(slot),
+                    pool: self.mailbox.pool.clone(),
+                };
+            }
+            self.mailbox.ready.notified().await;
+        }
     }
 }
 
 impl Drop for ReplyPort {
     fn drop(&mut self) {
-        self.rx.close();
-        while let Ok(slot) = self.rx.try_recv() {
-            self.pool.put(slot);
+        let mut inbox = self.mailbox.inbox.lock().unwrap_or_else(|e| e.into_inner());
+        inbox.1 = true;
+        while let Some(slot) = inbox.0.pop_front() {
+            self.mailbox.pool.put(slot);
         }
     }
 }
 
-struct Job {
+pub struct Job {
     slot: Box<Slot>,
-    reply_to: mpsc::Sender<Box<Slot>>,
+    reply_to: Arc<Mailbox>,
+}
+
+impl Job {
+    /// A job taken back before it ran: its slot returns to the pool.
+    pub fn recycle(self) {
+        self.reply_to.pool.put(self.slot);
+    }
 }
 
 /// Progress and health of the worker, shared with the server.
@@ -195,7 +288,8 @@ pub struct WorkerState {
 
 /// The engine worker thread.
 pub struct WorkerHandle {
-    tx: std::sync::mpsc::SyncSender<Job>,
+    /// Work waiting for the engine; the worker thread pulls from it.
+    pub scheduler: Arc<Scheduler<Job>>,
     pub state: Arc<WorkerState>,
     pub pool: Arc<SlotPool>,
     thread: Option<std::thread::JoinHandle<()>>,
@@ -227,29 +321,23 @@ impl WorkerHandle {
             runs: AtomicU64::new(warmup as u64),
             healthy: AtomicBool::new(true),
         });
-        let (tx, rx) = std::sync::mpsc::sync_channel::<Job>(slots);
+        let scheduler: Arc<Scheduler<Job>> = Arc::new(Scheduler::default());
         let st = state.clone();
-        let p = pool.clone();
+        let sched = scheduler.clone();
         let thread = std::thread::Builder::new()
             .name("policyd-engine".into())
             .spawn(move || {
-                while let Ok(mut job) = rx.recv() {
+                while let Some(mut job) = sched.pop_blocking() {
                     let slot = &mut *job.slot;
                     slot.result = Some(engine.run(&mut slot.inputs, &mut slot.outputs, slot.reset));
                     st.runs.fetch_add(1, Ordering::Relaxed);
-                    if let Err(
-                        mpsc::error::TrySendError::Closed(s) | mpsc::error::TrySendError::Full(s),
-                    ) = job.reply_to.try_send(job.slot)
-                    {
-                        // The connection is gone: the slot goes back to the pool.
-                        p.put(s);
-                    }
+                    job.reply_to.deliver(job.slot);
                 }
             })
             .map_err(|e| EngineError::Run(format!("cannot start the engine thread: {e}")))?;
         Ok((
             WorkerHandle {
-                tx,
+                scheduler,
                 state,
                 pool,
                 thread: Some(thread),
@@ -261,9 +349,8 @@ impl WorkerHandle {
 
 impl Drop for WorkerHandle {
     fn drop(&mut self) {
-        // Closing the job channel ends the thread once in-flight jobs are done.
-        let (dead, _) = std::sync::mpsc::sync_channel(0);
-        drop(std::mem::replace(&mut self.tx, dead));
+        // The thread finishes what is queued, then ends.
+        self.scheduler.stop();
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }

@@ -104,7 +104,9 @@ def test_infer_matches_onnxruntime(server):
         assert reply["actions"].dtype == np.dtype(dtype)
         assert reply["actions"].shape == want.shape
         assert np.max(np.abs(reply["actions"] - want)) <= 1e-4
-        assert set(reply) == {"actions", "policy_timing", "server_timing"}
+        # openpi's keys, plus policyd's delay_steps (pacing.reply_delay_steps, on by default).
+        assert set(reply) == {"actions", "policy_timing", "server_timing", "delay_steps"}
+        assert isinstance(reply["delay_steps"], int) and reply["delay_steps"] >= 0
         assert reply["policy_timing"]["infer_ms"] > 0
         assert reply["server_timing"]["infer_ms"] >= reply["policy_timing"]["infer_ms"]
         assert ("prev_total_ms" in reply["server_timing"]) == (i > 0)
