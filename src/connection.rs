@@ -471,7 +471,9 @@ where
                         let _ = self.releasing.push_back(l);
                     }
                 }
-                self.shared.pacer.wake_at(at, &self.wake);
+                self.shared
+                    .pacer
+                    .wake_at(at - crate::pacing::WAKE_LEAD, &self.wake);
                 None
             }
             Some(_) => {
@@ -485,13 +487,14 @@ where
     /// Releases every held result whose time has come.
     async fn release_due(&mut self) -> Option<String> {
         loop {
-            let now = Instant::now();
+            let soon = Instant::now() + crate::pacing::WAKE_LEAD;
             let due = self
                 .releasing
                 .front()
-                .is_some_and(|l| l.peek().ticket.release_at.is_none_or(|t| t <= now));
-            if !due {
-                return None;
+                .map(|l| l.peek().ticket.release_at)
+                .filter(|t| t.is_none_or(|t| t <= soon));
+            if let Some(at) = due? {
+                crate::pacing::spin_until(at);
             }
             let lease = self.releasing.pop_front()?;
             if let Some(why) = self.release(lease, true).await {

@@ -21,6 +21,17 @@ use crate::config::MAX_SLOTS;
 
 /// How long before a release time the clock stops sleeping and spins.
 pub const SPIN: Duration = Duration::from_micros(250);
+/// How much earlier than a release time a connection is woken: about the time an async task
+/// takes to be scheduled after a wake-up. The connection spins the rest (see
+/// [`spin_until`]), so the release lands on time instead of one wake-up late.
+pub const WAKE_LEAD: Duration = Duration::from_micros(150);
+
+/// Busy-waits until `at` (a few tens of microseconds at most on the release path).
+pub fn spin_until(at: Instant) {
+    while Instant::now() < at {
+        std::hint::spin_loop();
+    }
+}
 
 struct Wake {
     at: Instant,
@@ -83,7 +94,8 @@ impl Pacer {
     }
 
     /// Wakes `notify` at `at` (at once if it has passed). Returns false, waking at once, if
-    /// the heap is full (which the slot bound rules out).
+    /// the heap is full (which the slot bound rules out). Callers wanting to act *at* a time
+    /// pass `time - WAKE_LEAD` and [`spin_until`] the time.
     pub fn wake_at(&self, at: Instant, notify: &Arc<Notify>) -> bool {
         let mut s = self.inner.state.lock().unwrap_or_else(|e| e.into_inner());
         s.seq += 1;

@@ -5,6 +5,7 @@
 //! GPU backend), and runs. The engine worker thread owns it; nothing async ever waits on it.
 
 pub mod cpu;
+pub mod synthetic;
 
 use std::any::Any;
 use std::time::Duration;

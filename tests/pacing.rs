@@ -1,0 +1,493 @@
+//! Pacing and streaming over real WebSockets, with a synthetic engine whose outputs say which
+//! observation it ran (every action element is `state[0] + k / 1000`).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures_util::{SinkExt, StreamExt};
+use policyd::config::Config;
+use policyd::dtype::ElemType;
+use policyd::engine::synthetic::{Behaviour, SyntheticEngine};
+use policyd::engine::{IoSpec, TensorSpec};
+use policyd::server::{self, Stats};
+use policyd::wire::Encoder;
+use rmpv::Value;
+use tokio::net::TcpStream;
+use tokio::sync::oneshot;
+use tokio_tungstenite::tungstenite::Message;
+
+const H: usize = 10;
+const D: usize = 7;
+
+fn config(pacing: &str) -> Config {
+    let text = format!(
+        r#"
+[server]
+host = "127.0.0.1"
+port = 0
+[engine]
+model = "synthetic"
+slots = 4
+warmup_runs = 1
+[pacing]
+{pacing}
+[[inputs]]
+key = "state"
+tensor = "state"
+dtypes = ["float64", "float32"]
+shape = [8]
+[[outputs]]
+tensor = "actions"
+"#
+    );
+    Config::parse(&text, "test", None).expect("test config")
+}
+
+fn io() -> IoSpec {
+    IoSpec {
+        inputs: vec![TensorSpec {
+            name: "state".into(),
+            dtype: ElemType::F32,
+            shape: vec![1, 8],
+        }],
+        outputs: vec![TensorSpec {
+            name: "actions".into(),
+            dtype: ElemType::F32,
+            shape: vec![1, H, D],
+        }],
+    }
+}
+
+struct Running {
+    addr: std::net::SocketAddr,
+    stats: Arc<Stats>,
+    stop: Option<oneshot::Sender<()>>,
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+    }
+}
+
+async fn start(pacing: &str, behaviour: Behaviour) -> Running {
+    let cfg = config(pacing);
+    let engine = Box::new(SyntheticEngine::new(io(), behaviour));
+    let loaded = server::load_engine(&cfg, engine).expect("loads");
+    let stats = loaded.stats.clone();
+    let listener = server::bind(&cfg).await.expect("bind");
+    let addr = listener.local_addr().unwrap();
+    let (tx, rx) = oneshot::channel::<()>();
+    tokio::spawn(async move {
+        let _ = server::serve(cfg, loaded, listener, async {
+            let _ = rx.await;
+        })
+        .await;
+    });
+    Running {
+        addr,
+        stats,
+        stop: Some(tx),
+    }
+}
+
+type Ws = tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<TcpStream>>;
+
+async fn connect(srv: &Running, path: &str) -> Ws {
+    let (mut ws, _) = tokio_tungstenite::connect_async(format!("ws://{}{path}", srv.addr))
+        .await
+        .expect("connects");
+    assert!(matches!(ws.next().await, Some(Ok(Message::Binary(_)))));
+    ws
+}
+
+/// A request: `state` = [x0, 0, …], plus extra `(key, writer)` entries.
+fn request(x0: f64, extra: &[(&str, &dyn Fn(&mut Encoder<'_>))]) -> Vec<u8> {
+    let mut buf = Vec::new();
+    let mut e = Encoder { buf: &mut buf };
+    e.map(1 + extra.len() as u32);
+    e.str("state");
+    e.ndarray(ElemType::F64, &[8], 64, |d| {
+        d[..8].copy_from_slice(&x0.to_le_bytes());
+        d[8..].fill(0);
+    });
+    for (k, w) in extra {
+        e.str(k);
+        w(&mut e);
+    }
+    buf
+}
+
+fn observe(x0: f64, timestep: i64, timestamp: f64, must_go: bool) -> Vec<u8> {
+    request(
+        x0,
+        &[
+            ("endpoint", &|e| e.str("observe")),
+            ("timestep", &move |e| e.int(timestep)),
+            ("timestamp", &move |e| e.f64(timestamp)),
+            ("must_go", &move |e| e.bool(must_go)),
+        ],
+    )
+}
+
+async fn send(ws: &mut Ws, frame: Vec<u8>) {
+    ws.send(Message::Binary(frame.into())).await.unwrap();
+}
+
+/// The next data message, decoded.
+async fn recv(ws: &mut Ws) -> Value {
+    loop {
+        match tokio::time::timeout(Duration::from_secs(10), ws.next()).await {
+            Ok(Some(Ok(Message::Binary(b)))) => {
+                return rmpv::decode::read_value(&mut &b[..]).expect("msgpack");
+            }
+            Ok(Some(Ok(Message::Ping(_)))) => continue,
+            other => panic!("expected a binary message, got {other:?}"),
+        }
+    }
+}
+
+/// `recv`, but `None` if nothing comes within `wait`.
+async fn recv_within(ws: &mut Ws, wait: Duration) -> Option<Value> {
+    tokio::time::timeout(wait, recv(ws)).await.ok()
+}
+
+fn get<'a>(v: &'a Value, key: &str) -> &'a Value {
+    v.as_map()
+        .and_then(|m| {
+            m.iter()
+                .find(|(k, _)| k.as_str() == Some(key) || k.as_slice() == Some(key.as_bytes()))
+        })
+        .map(|(_, v)| v)
+        .unwrap_or_else(|| panic!("no key {key} in {v}"))
+}
+
+/// An openpi ndarray marker: (dtype, shape, data).
+fn ndarray(v: &Value) -> (String, Vec<usize>, Vec<u8>) {
+    let dtype = get(v, "dtype").as_str().unwrap().to_string();
+    let shape = get(v, "shape")
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| d.as_u64().unwrap() as usize)
+        .collect();
+    let data = get(v, "data").as_slice().unwrap().to_vec();
+    (dtype, shape, data)
+}
+
+fn f32s(b: &[u8]) -> Vec<f32> {
+    b.chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn observe_pushes_timed_actions() {
+    let srv = start("fps = 10.0", Behaviour::default()).await;
+    let mut ws = connect(&srv, "/").await;
+    send(&mut ws, observe(2.5, 5, 100.0, false)).await;
+    let push = recv(&mut ws).await;
+    assert_eq!(get(&push, "type").as_str(), Some("actions"));
+    let (dtype, shape, data) = ndarray(get(&push, "actions"));
+    assert_eq!((dtype.as_str(), shape), ("<f4", vec![H, D]));
+    let a = f32s(&data);
+    assert!(
+        (a[0] - 2.5).abs() < 1e-6 && (a[8] - 2.508).abs() < 1e-6,
+        "{a:?}"
+    );
+    let (dtype, shape, data) = ndarray(get(&push, "timesteps"));
+    assert_eq!((dtype.as_str(), shape), ("<i8", vec![H]));
+    let steps: Vec<i64> = data
+        .chunks_exact(8)
+        .map(|c| i64::from_le_bytes(c.try_into().unwrap()))
+        .collect();
+    assert_eq!(steps, (5..15).collect::<Vec<i64>>());
+    let (dtype, _, data) = ndarray(get(&push, "timestamps"));
+    assert_eq!(dtype, "<f8");
+    for (i, c) in data.chunks_exact(8).enumerate() {
+        let t = f64::from_le_bytes(c.try_into().unwrap());
+        assert!((t - (100.0 + i as f64 * 0.1)).abs() < 1e-9, "{t}");
+    }
+    assert_eq!(get(&push, "obs_timestep").as_i64(), Some(5));
+    assert!(get(&push, "delay_steps").as_u64().is_some());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_newest_observation_wins_and_skips_are_reported() {
+    let srv = start(
+        "report_skipped = true",
+        Behaviour {
+            compute: Duration::from_millis(150),
+            ..Default::default()
+        },
+    )
+    .await;
+    let mut ws = connect(&srv, "/").await;
+    // 1 starts at once; 2 waits and is replaced by 3, which is replaced by 4.
+    send(&mut ws, observe(1.0, 1, 0.0, false)).await;
+    tokio::time::sleep(Duration::from_millis(30)).await;
+    for t in 2..=4 {
+        send(&mut ws, observe(t as f64, t, t as f64 * 0.1, false)).await;
+    }
+    let mut skipped = Vec::new();
+    let mut ran = Vec::new();
+    while ran.len() < 2 {
+        let m = recv(&mut ws).await;
+        match get(&m, "type").as_str() {
+            Some("skipped") => {
+                assert_eq!(get(&m, "reason").as_str(), Some("superseded"));
+                skipped.push(get(&m, "timestep").as_i64().unwrap());
+            }
+            Some("actions") => {
+                let step = get(&m, "obs_timestep").as_i64().unwrap();
+                let x0 = f32s(&ndarray(get(&m, "actions")).2)[0];
+                assert_eq!(
+                    x0, step as f32,
+                    "the push carries its own observation's result"
+                );
+                ran.push(step);
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    assert_eq!(ran, [1, 4]);
+    assert_eq!(skipped, [2, 3]);
+    assert!(
+        recv_within(&mut ws, Duration::from_millis(300))
+            .await
+            .is_none()
+    );
+    let s = &srv.stats.skips;
+    use std::sync::atomic::Ordering::Relaxed;
+    assert_eq!(
+        (s.observed.load(Relaxed), s.superseded.load(Relaxed)),
+        (4, 2)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn predicted_timesteps_are_filtered_must_go_bypasses_and_reset_clears() {
+    let srv = start("report_skipped = true", Behaviour::default()).await;
+    let mut ws = connect(&srv, "/v1/realtime/robot/openpi").await;
+    send(&mut ws, observe(1.0, 7, 0.7, false)).await;
+    assert_eq!(get(&recv(&mut ws).await, "type").as_str(), Some("actions"));
+    send(&mut ws, observe(1.0, 7, 0.7, false)).await;
+    let m = recv(&mut ws).await;
+    assert_eq!(get(&m, "type").as_str(), Some("skipped"));
+    assert_eq!(get(&m, "reason").as_str(), Some("already_predicted"));
+    send(&mut ws, observe(1.0, 7, 0.7, true)).await;
+    assert_eq!(get(&recv(&mut ws).await, "type").as_str(), Some("actions"));
+    // A reset forgets the session's predicted timesteps.
+    let mut reset = Vec::new();
+    let mut e = Encoder { buf: &mut reset };
+    e.map(1);
+    e.str("endpoint");
+    e.str("reset");
+    send(&mut ws, reset).await;
+    assert_eq!(
+        get(&recv(&mut ws).await, "status").as_str(),
+        Some("reset successful")
+    );
+    send(&mut ws, observe(1.0, 7, 0.7, false)).await;
+    assert_eq!(get(&recv(&mut ws).await, "type").as_str(), Some("actions"));
+    // Sessions are separate: "b" has predicted nothing yet.
+    send(
+        &mut ws,
+        request(
+            1.0,
+            &[
+                ("endpoint", &|e| e.str("observe")),
+                ("timestep", &|e| e.int(7)),
+                ("timestamp", &|e| e.f64(0.7)),
+                ("session_id", &|e| e.str("b")),
+            ],
+        ),
+    )
+    .await;
+    assert_eq!(get(&recv(&mut ws).await, "type").as_str(), Some("actions"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_observe_requests_get_clear_errors_and_the_socket_stays() {
+    let srv = start("", Behaviour::default()).await;
+    let mut ws = connect(&srv, "/v1/realtime/robot/openpi").await;
+    let long = "x".repeat(1000);
+    let cases: Vec<(&str, Vec<u8>)> = vec![
+        (
+            "timestep",
+            request(0.0, &[("endpoint", &|e| e.str("observe"))]),
+        ),
+        ("timestep", {
+            request(
+                0.0,
+                &[
+                    ("endpoint", &|e| e.str("observe")),
+                    ("timestep", &|e| e.int(-3)),
+                    ("timestamp", &|e| e.f64(1.0)),
+                ],
+            )
+        }),
+        ("timestamp", {
+            request(
+                0.0,
+                &[
+                    ("endpoint", &|e| e.str("observe")),
+                    ("timestep", &|e| e.int(3)),
+                ],
+            )
+        }),
+        ("timestamp", observe(0.0, 1, -1.0, false)),
+        ("timestamp", observe(0.0, 1, f64::NAN, false)),
+        ("timestamp", observe(0.0, 1, f64::INFINITY, false)),
+        (
+            "unknown endpoint",
+            request(0.0, &[("endpoint", &|e| e.str("teleport"))]),
+        ),
+        (
+            "session_id",
+            // Integers are accepted (vllm-omni takes str(session_id)); a map is not.
+            request(0.0, &[("session_id", &|e| e.map(0))]),
+        ),
+        (
+            "session_id",
+            request(0.0, &[("session_id", &|e| e.str(&long))]),
+        ),
+        (
+            "timestep",
+            request(0.0, &[("timestep", &|e| e.str("soon"))]),
+        ),
+    ];
+    for (needle, frame) in cases {
+        send(&mut ws, frame).await;
+        let err = recv(&mut ws).await;
+        assert!(
+            matches!(&err, Value::Map(m) if m.iter().any(|(k, _)| k.as_str() == Some("type"))),
+            "{needle}: accepted: {}",
+            err.to_string().len()
+        );
+        assert_eq!(get(&err, "type").as_str(), Some("error"));
+        let detail = get(&err, "detail").as_str().unwrap().to_string();
+        assert!(detail.contains(needle), "{needle}: {detail}");
+    }
+    // Nothing was lost: the socket still serves.
+    send(&mut ws, request(3.0, &[])).await;
+    let (dtype, shape, data) = match recv(&mut ws).await {
+        v @ Value::Map(_) => ndarray(&v),
+        other => panic!("{other}"),
+    };
+    assert_eq!((dtype.as_str(), shape), ("<f4", vec![H, D]));
+    assert_eq!(f32s(&data)[0], 3.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_latency_budget_releases_replies_on_schedule_never_early() {
+    let budget = Duration::from_millis(25);
+    let srv = start(
+        "latency_budget_ms = 25.0",
+        Behaviour {
+            compute: Duration::from_millis(3),
+            ..Default::default()
+        },
+    )
+    .await;
+    let mut ws = connect(&srv, "/").await;
+    let n = 80;
+    for i in 0..n {
+        let t0 = Instant::now();
+        send(&mut ws, request(i as f64, &[])).await;
+        let reply = recv(&mut ws).await;
+        let rtt = t0.elapsed();
+        assert!(rtt >= budget, "released early: {rtt:?}");
+        let server_ms = get(get(&reply, "server_timing"), "infer_ms")
+            .as_f64()
+            .unwrap();
+        assert!(server_ms >= 25.0, "{server_ms}");
+        // 25 ms at 30 Hz is one step.
+        assert_eq!(get(&reply, "delay_steps").as_u64(), Some(1));
+    }
+    let s = srv.stats.release.summary();
+    println!(
+        "release error over {} paced replies: p50 {} µs, p99 {} µs, max {} µs, misses {}",
+        s.paced, s.p50_us, s.p99_us, s.max_us, s.misses
+    );
+    assert_eq!(s.paced, n);
+    // Misses need the 3 ms engine to take 25 ms: only a badly stalled machine does that.
+    assert!(s.misses <= 2, "{s:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reply_ready_after_its_deadline_goes_out_at_once_and_counts_as_a_miss() {
+    let srv = start(
+        "latency_budget_ms = 2.0",
+        Behaviour {
+            compute: Duration::from_millis(20),
+            ..Default::default()
+        },
+    )
+    .await;
+    let mut ws = connect(&srv, "/").await;
+    for i in 0..5 {
+        send(&mut ws, request(i as f64, &[])).await;
+        recv(&mut ws).await;
+    }
+    let s = srv.stats.release.summary();
+    assert_eq!((s.paced, s.misses), (5, 5));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chunks_are_capped_and_stale_steps_dropped() {
+    // 100 ms budget at 30 Hz: delay_steps = ceil(0.1 · 30) = 3 (4 when the release is late).
+    let srv = start(
+        "latency_budget_ms = 100.0\nactions_per_chunk = 6\nskip_stale_actions = true",
+        Behaviour::default(),
+    )
+    .await;
+    let mut ws = connect(&srv, "/").await;
+    send(&mut ws, request(1.0, &[])).await;
+    let reply = recv(&mut ws).await;
+    let d = get(&reply, "delay_steps").as_u64().unwrap() as usize;
+    assert!((3..=4).contains(&d), "{d}");
+    let (_, shape, data) = ndarray(get(&reply, "actions"));
+    assert_eq!(shape, [6 - d, D]);
+    // The first row kept is row d of the chunk.
+    let first = f32s(&data)[0];
+    assert!(
+        (first - (1.0 + (d * D) as f32 / 1000.0)).abs() < 1e-6,
+        "{first}"
+    );
+
+    // Observe pushes are cut the same way, and their timesteps follow the kept rows.
+    send(&mut ws, observe(1.0, 40, 4.0, false)).await;
+    let push = recv(&mut ws).await;
+    let d = get(&push, "delay_steps").as_u64().unwrap() as usize;
+    let steps: Vec<i64> = ndarray(get(&push, "timesteps"))
+        .2
+        .chunks_exact(8)
+        .map(|c| i64::from_le_bytes(c.try_into().unwrap()))
+        .collect();
+    assert_eq!(steps, (40 + d as i64..46).collect::<Vec<_>>());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engine_failures_are_reported_and_serving_goes_on() {
+    let srv = start(
+        "",
+        Behaviour {
+            fail_every: 2,
+            ..Default::default()
+        },
+    )
+    .await;
+    let mut ws = connect(&srv, "/v1/realtime/robot/openpi").await;
+    // Run 1 was the warm-up; run 2 fails, run 3 succeeds, …
+    send(&mut ws, request(1.0, &[])).await;
+    let err = recv(&mut ws).await;
+    assert_eq!(
+        get(&err, "message").as_str(),
+        Some("Internal inference error")
+    );
+    send(&mut ws, request(1.0, &[])).await;
+    assert!(matches!(recv(&mut ws).await, Value::Map(_)));
+}
