@@ -104,7 +104,10 @@ async fn connect(srv: &Running, path: &str) -> Ws {
 }
 
 /// A request: `state` = [x0, 0, …], plus extra `(key, writer)` entries.
-fn request(x0: f64, extra: &[(&str, &dyn Fn(&mut Encoder<'_>))]) -> Vec<u8> {
+/// An extra request entry: its key and how to write its value.
+type Extra<'a> = (&'a str, &'a dyn Fn(&mut Encoder<'_>));
+
+fn request(x0: f64, extra: &[Extra<'_>]) -> Vec<u8> {
     let mut buf = Vec::new();
     let mut e = Encoder { buf: &mut buf };
     e.map(1 + extra.len() as u32);
