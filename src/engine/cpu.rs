@@ -18,6 +18,8 @@ use crate::dtype::ElemType;
 /// The tract backend.
 pub struct CpuEngine {
     plan: Arc<TypedRunnableModel>,
+    /// Kept across runs so tract reuses its buffers (and any op state, which `reset` drops).
+    state: TypedSimpleState,
     io: IoSpec,
     /// One value per input, reused for every run (no per-run TVec growth beyond tract's own).
     datum: Vec<DatumType>,
@@ -157,7 +159,13 @@ impl CpuEngine {
             .into_optimized()
             .and_then(|m| m.into_runnable())
             .map_err(|e| load_err(model, e))?;
-        Ok(CpuEngine { plan, io, datum })
+        let state = plan.spawn().map_err(|e| load_err(model, e))?;
+        Ok(CpuEngine {
+            plan,
+            state,
+            io,
+            datum,
+        })
     }
 }
 
@@ -189,9 +197,15 @@ impl Engine for CpuEngine {
         &mut self,
         inputs: &mut [Box<dyn InputBuffer>],
         outputs: &mut [Vec<u8>],
-        _reset: bool,
+        reset: bool,
     ) -> Result<RunStats, EngineError> {
         let start = Instant::now();
+        if reset {
+            self.state = self
+                .plan
+                .spawn()
+                .map_err(|e| EngineError::Run(format!("{e:#}")))?;
+        }
         let mut values: TVec<TValue> = TVec::new();
         for b in inputs.iter_mut() {
             let t = b
@@ -201,7 +215,7 @@ impl Engine for CpuEngine {
             values.push(TValue::from_const(t.0.clone()));
         }
         let result = self
-            .plan
+            .state
             .run(values)
             .map_err(|e| EngineError::Run(format!("{e:#}")))?;
         let compute = start.elapsed();

@@ -1,0 +1,338 @@
+//! Steady-state heap allocations, counted by a global allocator.
+//!
+//! - policyd's own request path (decode → session and filters → scheduler → engine worker →
+//!   mailbox → encode), with an allocation-free synthetic engine: must be zero.
+//! - The CPU engine (tract) and the whole server over a real socket (tungstenite and tokio
+//!   included) are measured and printed per request, for the notes; they are not policyd's
+//!   own code. Run with `--nocapture` to see the numbers.
+//!
+//! One test function, so that nothing else runs in this process while it counts.
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use policyd::config::Config;
+use policyd::dtype::ElemType;
+use policyd::engine::synthetic::{Behaviour, SyntheticEngine};
+use policyd::engine::{Engine, IoSpec, TensorSpec};
+use policyd::pacing::Pacer;
+use policyd::plan::ReplyParts;
+use policyd::scheduler::{Filters, Kind, SessionKey};
+use policyd::session::Sessions;
+use policyd::wire::{Encoder, SessionId, Timing};
+use policyd::worker::{ReplyPort, Ticket};
+use policyd::{demo, server};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+struct Counting;
+
+static ALLOCS: AtomicU64 = AtomicU64::new(0);
+
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
+        ALLOCS.fetch_add(1, Ordering::Relaxed);
+        unsafe { System.alloc(l) }
+    }
+    unsafe fn alloc_zeroed(&self, l: Layout) -> *mut u8 {
+        ALLOCS.fetch_add(1, Ordering::Relaxed);
+        unsafe { System.alloc_zeroed(l) }
+    }
+    unsafe fn realloc(&self, p: *mut u8, l: Layout, n: usize) -> *mut u8 {
+        ALLOCS.fetch_add(1, Ordering::Relaxed);
+        unsafe { System.realloc(p, l, n) }
+    }
+    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
+        unsafe { System.dealloc(p, l) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
+
+fn allocs() -> u64 {
+    ALLOCS.load(Ordering::Relaxed)
+}
+
+const CONFIG: &str = r#"
+[server]
+host = "127.0.0.1"
+port = 0
+[engine]
+model = "synthetic"
+slots = 2
+warmup_runs = 1
+[pacing]
+similarity_atol = 0.001
+similarity_key = "state"
+[[inputs]]
+key = "state"
+tensor = "state"
+dtypes = ["float64", "float32"]
+shape = [8]
+[[inputs]]
+key = "gripper"
+tensor = "gripper"
+dtypes = ["float64", "float32"]
+shape = []
+optional = true
+[[outputs]]
+tensor = "actions"
+mean = [0.5]
+std = [2.0]
+"#;
+
+fn io() -> IoSpec {
+    let t = |name: &str, shape: &[usize]| TensorSpec {
+        name: name.into(),
+        dtype: ElemType::F32,
+        shape: shape.to_vec(),
+    };
+    IoSpec {
+        inputs: vec![t("state", &[1, 8]), t("gripper", &[1])],
+        outputs: vec![t("actions", &[1, 10, 7])],
+    }
+}
+
+/// An observation: `state` as an f64 array, `gripper` as a native msgpack float, a prompt,
+/// and, for `observe`, its timing keys.
+fn frame(i: usize, observe: bool) -> Vec<u8> {
+    let mut buf = Vec::new();
+    let mut e = Encoder { buf: &mut buf };
+    e.map(if observe { 6 } else { 3 });
+    e.str("state");
+    e.ndarray(ElemType::F64, &[8], 64, |d| {
+        for (k, c) in d.chunks_exact_mut(8).enumerate() {
+            c.copy_from_slice(&((i * 8 + k) as f64).to_le_bytes());
+        }
+    });
+    e.str("gripper");
+    e.f64(0.25);
+    e.str("prompt");
+    e.str("pick up the cube");
+    if observe {
+        e.str("endpoint");
+        e.str("observe");
+        e.str("timestep");
+        e.int(i as i64);
+        e.str("timestamp");
+        e.f64(i as f64 / 30.0);
+    }
+    buf
+}
+
+/// policyd's own path, driven the way a connection drives it.
+async fn own_path(n: usize) -> u64 {
+    let cfg = Config::parse(CONFIG, "test", None).unwrap();
+    let engine = Box::new(SyntheticEngine::new(io(), Behaviour::default()));
+    let loaded = server::load_engine(&cfg, engine).unwrap();
+    let (plan, worker) = (&loaded.plan, &loaded.worker);
+    let port = ReplyPort::new(&worker.pool);
+    let pacer = Pacer::start().unwrap();
+    let wake = std::sync::Arc::new(tokio::sync::Notify::new());
+    let mut sessions = Box::new(Sessions::new(16, 100));
+    let filters = Filters {
+        skip_predicted_timesteps: true,
+        similarity_atol: cfg.pacing.similarity_atol,
+    };
+    let frames: Vec<(Vec<u8>, bool)> = (0..64)
+        .map(|i| (frame(i, i % 2 == 1), i % 2 == 1))
+        .collect();
+    let mut sids = Vec::new();
+    for name in ["left", "right", "default"] {
+        let mut s = SessionId::new();
+        s.push_str(name).unwrap();
+        sids.push(s);
+    }
+    let mut run = async |count: usize, timestep_base: usize| {
+        for i in 0..count {
+            let (bytes, observe) = &frames[i % frames.len()];
+            let mut lease = worker.pool.acquire().await;
+            let (pacer, wake, port) = (&pacer, &wake, &port);
+            let slot = lease.slot();
+            let meta = plan
+                .decode(bytes, &mut slot.inputs, &mut slot.seen)
+                .unwrap();
+            let sid = &sids[i % sids.len()];
+            let (reset, pacing) = sessions.begin(Some(sid));
+            if *observe {
+                let mut state = [0f64; policyd::config::MAX_SIMILARITY_STATE];
+                let state = plan.similarity_state(&mut slot.inputs, &mut state);
+                let ts = (timestep_base + i) as i64;
+                let _ = pacing.admit(&filters, ts, false, state);
+                meta.observed_at().unwrap();
+            }
+            slot.reset = reset;
+            slot.ticket = Ticket {
+                kind: if *observe { Kind::Observe } else { Kind::Infer },
+                session: sessions.current().clone(),
+                received: Instant::now(),
+                release_at: None,
+                timestep: i as i64,
+                timestamp: 0.0,
+            };
+            let key = SessionKey {
+                conn: 1,
+                session: slot.ticket.session.clone(),
+            };
+            assert!(lease.submit(worker, port, key).is_ok());
+            let mut back = port.recv().await;
+            pacer.wake_at(Instant::now(), wake);
+            let slot = back.slot();
+            let t = slot.ticket.clone();
+            let pacing = sessions.pacing(&t.session).unwrap();
+            pacing.record_latency(t.received.elapsed().as_secs_f64());
+            let d = pacing.delay_steps(30.0);
+            let mut parts = ReplyParts {
+                outputs: &slot.outputs,
+                scratch: &mut slot.scratch,
+                chunk: plan.chunk(&cfg.pacing, d),
+            };
+            if *observe {
+                plan.encode_observe(
+                    &mut parts,
+                    (t.timestep, 0.5),
+                    1.0 / 30.0,
+                    d,
+                    false,
+                    &mut slot.reply,
+                );
+            } else {
+                let timing = Timing {
+                    policy_infer_ms: 1.0,
+                    server_infer_ms: 2.0,
+                    prev_total_ms: Some(3.0),
+                };
+                plan.encode_openpi(&mut parts, &timing, Some(d), &mut slot.reply);
+            }
+            assert!(slot.reply.len() > 100);
+        }
+    };
+    run(200, 0).await;
+    let before = allocs();
+    run(n, 1_000_000).await;
+    allocs() - before
+}
+
+/// Allocations of one tract run of the ALOHA demo, after warm-up.
+fn cpu_engine_per_run(n: u64) -> f64 {
+    let cfg = demo::config().unwrap();
+    let mut engine = server::open_engine(&cfg).unwrap();
+    let mut inputs = engine.alloc_inputs().unwrap();
+    let mut outputs: Vec<Vec<u8>> = engine
+        .io()
+        .outputs
+        .iter()
+        .map(|s| vec![0u8; s.bytes()])
+        .collect();
+    for _ in 0..3 {
+        engine.run(&mut inputs, &mut outputs, false).unwrap();
+    }
+    let before = allocs();
+    for _ in 0..n {
+        engine.run(&mut inputs, &mut outputs, false).unwrap();
+    }
+    (allocs() - before) as f64 / n as f64
+}
+
+/// A masked client frame.
+fn client_frame(payload: &[u8]) -> Vec<u8> {
+    let mask = [1u8, 2, 3, 4];
+    let mut f = vec![0x82];
+    if payload.len() < 126 {
+        f.push(0x80 | payload.len() as u8);
+    } else {
+        f.push(0x80 | 126);
+        f.extend_from_slice(&(payload.len() as u16).to_be_bytes());
+    }
+    f.extend_from_slice(&mask);
+    f.extend(payload.iter().enumerate().map(|(i, b)| b ^ mask[i % 4]));
+    f
+}
+
+/// Reads one server frame into `buf` (preallocated; allocation-free); returns its length.
+async fn read_frame(tcp: &mut tokio::net::TcpStream, buf: &mut [u8]) -> usize {
+    let mut h = [0u8; 2];
+    tcp.read_exact(&mut h).await.unwrap();
+    let len = match h[1] & 0x7f {
+        126 => {
+            let mut e = [0u8; 2];
+            tcp.read_exact(&mut e).await.unwrap();
+            u16::from_be_bytes(e) as usize
+        }
+        127 => {
+            let mut e = [0u8; 8];
+            tcp.read_exact(&mut e).await.unwrap();
+            u64::from_be_bytes(e) as usize
+        }
+        n => n as usize,
+    };
+    tcp.read_exact(&mut buf[..len]).await.unwrap();
+    len
+}
+
+/// Allocations per request of the whole server (policyd, tungstenite, tokio) over loopback,
+/// with an allocation-free raw client.
+async fn server_per_request(n: u64) -> f64 {
+    let cfg = Config::parse(CONFIG, "test", None).unwrap();
+    let engine = Box::new(SyntheticEngine::new(io(), Behaviour::default()));
+    let loaded = server::load_engine(&cfg, engine).unwrap();
+    let listener = server::bind(&cfg).await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let srv = tokio::spawn(async move {
+        let _ = server::serve(cfg, loaded, listener, async {
+            let _ = rx.await;
+        })
+        .await;
+    });
+    let mut tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+    tcp.set_nodelay(true).unwrap();
+    tcp.write_all(
+        b"GET / HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\
+          Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n",
+    )
+    .await
+    .unwrap();
+    let mut head = Vec::new();
+    let mut byte = [0u8; 1];
+    while !head.ends_with(b"\r\n\r\n") {
+        tcp.read_exact(&mut byte).await.unwrap();
+        head.push(byte[0]);
+    }
+    let mut buf = vec![0u8; 1 << 16];
+    read_frame(&mut tcp, &mut buf).await; // metadata
+    let requests: Vec<Vec<u8>> = (0..8).map(|i| client_frame(&frame(i, false))).collect();
+    let mut go = async |count: u64| {
+        for i in 0..count {
+            tcp.write_all(&requests[i as usize % requests.len()])
+                .await
+                .unwrap();
+            let len = read_frame(&mut tcp, &mut buf).await;
+            assert!(len > 100);
+        }
+    };
+    go(200).await;
+    let before = allocs();
+    go(n).await;
+    let per = (allocs() - before) as f64 / n as f64;
+    let _ = tx.send(());
+    let _ = tokio::time::timeout(Duration::from_secs(5), srv).await;
+    per
+}
+
+#[test]
+fn steady_state_allocations() {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let own = rt.block_on(own_path(1000));
+    println!("policyd's own path: {own} allocations over 1000 requests");
+    let tract = cpu_engine_per_run(50);
+    println!("CPU engine (tract, ALOHA demo): {tract:.1} allocations per run");
+    let whole = rt.block_on(server_per_request(1000));
+    println!("whole server over a socket (synthetic engine): {whole:.2} allocations per request");
+    assert_eq!(own, 0, "policyd's own request path allocated");
+}
