@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use policyd::config::Config;
 use policyd::dtype::ElemType;
 use policyd::engine::synthetic::{Behaviour, SyntheticEngine};
-use policyd::engine::{Engine, IoSpec, TensorSpec};
+use policyd::engine::{IoSpec, TensorSpec};
 use policyd::pacing::Pacer;
 use policyd::plan::ReplyParts;
 use policyd::scheduler::{Filters, Kind, SessionKey};
