@@ -131,6 +131,9 @@ pub struct PacingConfig {
     pub similarity_atol: f64,
     /// The observation key whose value the similarity filter compares (an input binding).
     pub similarity_key: String,
+    /// How long before a release time the pacing clock stops sleeping and busy-waits, in µs.
+    /// More costs CPU and absorbs a noisier scheduler's wake-up delays.
+    pub spin_us: u64,
 }
 
 impl Default for PacingConfig {
@@ -146,6 +149,7 @@ impl Default for PacingConfig {
             skip_predicted_timesteps: true,
             similarity_atol: 0.0,
             similarity_key: String::new(),
+            spin_us: 500,
         }
     }
 }
@@ -656,6 +660,12 @@ impl Config {
                     "must be between 1 and {MAX_LATENCY_WINDOW}, got {}",
                     p.latency_window
                 ),
+            ));
+        }
+        if p.spin_us > 20_000 {
+            return Err(invalid(
+                "pacing.spin_us",
+                format!("must be at most 20000 µs, got {}", p.spin_us),
             ));
         }
         if !p.similarity_atol.is_finite() || p.similarity_atol < 0.0 {

@@ -3,8 +3,9 @@
 //! tokio's timer wheel has millisecond granularity, so a budget-paced reply released by
 //! `tokio::time::sleep_until` would jitter by up to 1 ms. One dedicated thread instead sleeps
 //! on a condvar until shortly before the earliest release time (the kernel's timer slack is
-//! ~50 µs), spins the rest, and wakes the connection's [`Notify`]. The spin is short
-//! ([`SPIN`]) so the CPU cost is a fraction of a percent at robot control rates.
+//! ~50 µs), spins the rest (`pacing.spin_us`), and wakes the connection's [`Notify`]
+//! [`WAKE_LEAD`] early; the connection spins to the exact instant. At 30 Hz the default spin
+//! costs about 2 % of a core.
 //!
 //! Entries live in a fixed-capacity heap: each belongs to a slot waiting for release, and there
 //! are at most [`MAX_SLOTS`] slots. [`ReleaseStats`] records how far each release landed from
@@ -19,12 +20,14 @@ use tokio::sync::Notify;
 
 use crate::config::MAX_SLOTS;
 
-/// How long before a release time the clock stops sleeping and spins.
-pub const SPIN: Duration = Duration::from_micros(250);
+/// How long before a release time the clock stops sleeping and spins, by default
+/// (`pacing.spin_us`): a sleeping thread's wake-up overshoot is ~60 µs on a quiet Linux box, but
+/// reaches milliseconds on a busy or virtualised one.
+pub const DEFAULT_SPIN: Duration = Duration::from_micros(500);
 /// How much earlier than a release time a connection is woken: about the time an async task
 /// takes to be scheduled after a wake-up. The connection spins the rest (see
 /// [`spin_until`]), so the release lands on time instead of one wake-up late.
-pub const WAKE_LEAD: Duration = Duration::from_micros(150);
+pub const WAKE_LEAD: Duration = Duration::from_micros(300);
 
 /// Busy-waits until `at` (a few tens of microseconds at most on the release path).
 pub fn spin_until(at: Instant) {
@@ -65,6 +68,7 @@ struct State {
 struct Inner {
     state: Mutex<State>,
     changed: Condvar,
+    spin: Duration,
 }
 
 /// The pacing clock thread; dropping the handle stops it.
@@ -74,7 +78,8 @@ pub struct Pacer {
 }
 
 impl Pacer {
-    pub fn start() -> std::io::Result<Pacer> {
+    /// Starts the clock thread; it spins for the last `spin` before each wake-up.
+    pub fn start(spin: Duration) -> std::io::Result<Pacer> {
         let inner = Arc::new(Inner {
             state: Mutex::new(State {
                 heap: heapless::BinaryHeap::new(),
@@ -82,6 +87,7 @@ impl Pacer {
                 stop: false,
             }),
             changed: Condvar::new(),
+            spin,
         });
         let i = inner.clone();
         let thread = std::thread::Builder::new()
@@ -147,11 +153,11 @@ fn run(inner: &Inner) {
             continue;
         };
         let now = Instant::now();
-        if at > now + SPIN {
+        if at > now + inner.spin {
             // Re-checked on wake: an earlier entry may have arrived.
             s = inner
                 .changed
-                .wait_timeout(s, at - now - SPIN)
+                .wait_timeout(s, at - now - inner.spin)
                 .unwrap_or_else(|e| e.into_inner())
                 .0;
             continue;
@@ -257,7 +263,7 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn wakes_in_order_and_never_early() {
-        let pacer = Pacer::start().unwrap();
+        let pacer = Pacer::start(DEFAULT_SPIN).unwrap();
         let base = Instant::now() + Duration::from_millis(20);
         let notes: Vec<Arc<Notify>> = (0..4).map(|_| Arc::new(Notify::new())).collect();
         // Registered out of order.

@@ -279,7 +279,7 @@ impl Plan {
                         )
                 })
                 .sum::<usize>();
-        let budget = Budget::compute(cfg, io, reply_capacity, metadata.len());
+        let budget = Budget::compute(cfg, io, reply_capacity, scratch_bytes, metadata.len());
         Ok(Plan {
             inputs,
             outputs,
@@ -793,26 +793,28 @@ pub struct Budget {
 const WS_READ_BUFFER: u64 = 128 * 1024;
 
 impl Budget {
-    fn compute(cfg: &Config, io: &IoSpec, reply: usize, metadata: usize) -> Budget {
+    fn compute(cfg: &Config, io: &IoSpec, reply: usize, scratch: usize, metadata: usize) -> Budget {
         let inputs: u64 = io.inputs.iter().map(|s| s.bytes() as u64).sum();
         let outputs: u64 = io.outputs.iter().map(|s| s.bytes() as u64).sum();
         let reply = reply as u64;
+        let scratch = scratch as u64;
         let slots = cfg.engine.slots as u64;
         let conns = cfg.server.max_connections as u64;
         let msg = cfg.server.max_message_bytes as u64;
         let model = cfg.model.as_ref().map(|m| m.size()).unwrap_or(0);
         let guard = crate::frame_guard::INBUF as u64;
-        let per_conn = msg + WS_READ_BUFFER + guard + 2 * reply + metadata as u64;
+        let sessions = std::mem::size_of::<crate::session::Sessions>() as u64;
+        let per_conn = msg + WS_READ_BUFFER + guard + 2 * reply + metadata as u64 + sessions;
         let lines = vec![
             (
                 format!(
-                    "slots        {slots} × (inputs {inputs} + outputs {outputs} + reply {reply})"
+                    "slots        {slots} × (inputs {inputs} + outputs {outputs} + reply {reply} + scratch {scratch})"
                 ),
-                slots * (inputs + outputs + reply),
+                slots * (inputs + outputs + reply + scratch),
             ),
             (
                 format!(
-                    "connections  {conns} × (max_message_bytes {msg} + read buffer {WS_READ_BUFFER} + frame guard {guard} + 2 × reply {reply} + metadata {metadata})"
+                    "connections  {conns} × (max_message_bytes {msg} + read buffer {WS_READ_BUFFER} + frame guard {guard} + 2 × reply {reply} + metadata {metadata} + session table {sessions})"
                 ),
                 conns * per_conn,
             ),

@@ -142,7 +142,8 @@ pub async fn serve(
         .max_frame_size(Some(s.max_message_bytes + MARKER_LEN))
         .write_buffer_size(0);
     let max = s.max_connections;
-    let pacer = crate::pacing::Pacer::start().map_err(|e| {
+    let spin = Duration::from_micros(cfg.pacing.spin_us);
+    let pacer = crate::pacing::Pacer::start(spin).map_err(|e| {
         ServerError::Engine(EngineError::Run(format!(
             "cannot start the pacing clock: {e}"
         )))
@@ -193,6 +194,17 @@ pub async fn serve(
     let drained = tokio::time::timeout(Duration::from_secs(10), all.acquire_many(max as u32)).await;
     if drained.is_err() {
         log::warn!("some connections did not close within 10 s");
+    }
+    let r = shared.stats.release.summary();
+    if r.paced > 0 {
+        log::info!(
+            "paced replies: {}, deadline misses: {}, release error p50 {} µs, p99 {} µs, max {} µs",
+            r.paced,
+            r.misses,
+            r.p50_us,
+            r.p99_us,
+            r.max_us
+        );
     }
     Ok(())
 }

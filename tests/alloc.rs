@@ -128,7 +128,7 @@ async fn own_path(n: usize) -> u64 {
     let loaded = server::load_engine(&cfg, engine).unwrap();
     let (plan, worker) = (&loaded.plan, &loaded.worker);
     let port = ReplyPort::new(&worker.pool);
-    let pacer = Pacer::start().unwrap();
+    let pacer = Pacer::start(policyd::pacing::DEFAULT_SPIN).unwrap();
     let wake = std::sync::Arc::new(tokio::sync::Notify::new());
     let mut sessions = Box::new(Sessions::new(16, 100));
     let filters = Filters {

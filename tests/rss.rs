@@ -93,14 +93,18 @@ fn rss_bytes() -> u64 {
 
 /// One client: alternates infer and observe over three sessions; `n` requests.
 async fn client(url: String, n: u64, seed: u64) {
-    let (mut ws, _) = tokio_tungstenite::connect_async(url).await.expect("connect");
+    let (mut ws, _) = tokio_tungstenite::connect_async(url)
+        .await
+        .expect("connect");
     ws.next().await.expect("metadata").expect("metadata");
     for i in 0..n {
         let session = ["a", "b", "c", "d", "e"][((i + seed) % 5) as usize];
         let observe = i % 2 == 1;
-        ws.send(Message::Binary(request(seed * 1_000_000 + i, session, observe).into()))
-            .await
-            .expect("send");
+        ws.send(Message::Binary(
+            request(seed * 1_000_000 + i, session, observe).into(),
+        ))
+        .await
+        .expect("send");
         loop {
             match tokio::time::timeout(Duration::from_secs(10), ws.next()).await {
                 Ok(Some(Ok(Message::Binary(b)))) => {
