@@ -26,6 +26,7 @@ use tokio_tungstenite::tungstenite::{Bytes, Message};
 
 use crate::config::MAX_SLOTS;
 use crate::frame_guard::oversize_marker;
+use crate::pacing::Release;
 use crate::plan::{Plan, ReplyParts};
 use crate::scheduler::{Filters, Kind, SessionKey, SkipReason};
 use crate::server::Shared;
@@ -304,8 +305,7 @@ where
             Ok(m) => m,
             Err(e) => return self.fail(Failure::Request(e.to_string())).await,
         };
-        let release_at = (pacing.latency_budget_ms > 0.0)
-            .then(|| received + Duration::from_secs_f64(pacing.latency_budget_ms / 1e3));
+        let release_at = crate::pacing::release_target(received, pacing.latency_budget_ms);
         match meta.endpoint {
             Endpoint::Reset => {
                 drop(lease);
@@ -446,9 +446,8 @@ where
             log::warn!("inference failed: {m}");
             return self.fail(f).await;
         }
-        let now = Instant::now();
-        match slot.ticket.release_at {
-            Some(at) if at > now => {
+        match crate::pacing::release(Instant::now(), slot.ticket.release_at) {
+            Release::At(at) => {
                 // Keep the queue ordered by release time (it nearly always is already).
                 let pos = self
                     .releasing
@@ -476,11 +475,11 @@ where
                     .wake_at(at - crate::pacing::WAKE_LEAD, &self.wake);
                 None
             }
-            Some(_) => {
+            Release::Late => {
                 self.shared.stats.release.missed();
                 self.release(lease, false).await
             }
-            None => self.release(lease, false).await,
+            Release::Now => self.release(lease, false).await,
         }
     }
 

@@ -36,6 +36,31 @@ pub fn spin_until(at: Instant) {
     }
 }
 
+/// When a finished reply goes out.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Release {
+    /// No budget: as soon as it is ready.
+    Now,
+    /// Held until its release time.
+    At(Instant),
+    /// Ready after its release time: out at once, counted as a deadline miss.
+    Late,
+}
+
+/// The release time of a request received at `received` under a budget (0 = none).
+pub fn release_target(received: Instant, budget_ms: f64) -> Option<Instant> {
+    (budget_ms > 0.0).then(|| received + Duration::from_secs_f64(budget_ms / 1e3))
+}
+
+/// What to do with a reply ready at `ready` whose release time is `target`.
+pub fn release(ready: Instant, target: Option<Instant>) -> Release {
+    match target {
+        None => Release::Now,
+        Some(t) if t > ready => Release::At(t),
+        Some(_) => Release::Late,
+    }
+}
+
 struct Wake {
     at: Instant,
     seq: u64,
@@ -284,6 +309,22 @@ mod tests {
         tokio::time::timeout(Duration::from_secs(1), n.notified())
             .await
             .expect("immediate wake");
+    }
+
+    #[test]
+    fn replies_are_held_until_receipt_plus_budget_and_late_ones_go_at_once() {
+        // A made-up clock: instants relative to t0.
+        let t0 = Instant::now();
+        let ms = |v: u64| t0 + Duration::from_millis(v);
+        assert_eq!(release_target(ms(0), 0.0), None);
+        let target = release_target(ms(10), 25.0);
+        assert_eq!(target, Some(ms(35)));
+        assert_eq!(release(ms(12), None), Release::Now);
+        assert_eq!(release(ms(12), target), Release::At(ms(35)));
+        assert_eq!(release(ms(35), target), Release::Late);
+        assert_eq!(release(ms(50), target), Release::Late);
+        let sub_ms = release_target(ms(0), 0.25).unwrap();
+        assert_eq!(sub_ms - t0, Duration::from_micros(250));
     }
 
     #[test]

@@ -437,14 +437,14 @@ impl Plan {
         e.str("timesteps");
         e.ndarray(ElemType::I64, &[n], 8 * n, |d| {
             for (i, c) in d.chunks_exact_mut(8).enumerate() {
-                let step = timestep.saturating_add((start + i) as i64);
+                let (step, _) = crate::scheduler::timed_step(timestep, timestamp, dt, start + i);
                 c.copy_from_slice(&step.to_le_bytes());
             }
         });
         e.str("timestamps");
         e.ndarray(ElemType::F64, &[n], 8 * n, |d| {
             for (i, c) in d.chunks_exact_mut(8).enumerate() {
-                let t = timestamp + (start + i) as f64 * dt;
+                let (_, t) = crate::scheduler::timed_step(timestep, timestamp, dt, start + i);
                 c.copy_from_slice(&t.to_le_bytes());
             }
         });

@@ -329,6 +329,12 @@ impl SessionPacing {
     }
 }
 
+/// Timed action `i` of a chunk predicted from an observation taken at `(timestep,
+/// timestamp)`: step `timestep + i` at `timestamp + i·dt`.
+pub fn timed_step(timestep: i64, timestamp: f64, dt: f64, i: usize) -> (i64, f64) {
+    (timestep.saturating_add(i as i64), timestamp + i as f64 * dt)
+}
+
 /// `ceil(latency / dt)` with `dt = 1 / fps`, as LeRobot's RTC computes it.
 pub fn delay_steps(latency_s: f64, fps: f64) -> u32 {
     let steps = latency_s * fps;
@@ -552,6 +558,15 @@ mod tests {
         assert_eq!(s.delay_steps(30.0), 6);
         assert_eq!(delay_steps(1.0 / 30.0, 30.0), 1);
         assert_eq!(delay_steps(0.0, 30.0), 0);
+    }
+
+    #[test]
+    fn timed_actions_advance_by_one_step_and_dt() {
+        assert_eq!(timed_step(5, 100.0, 0.1, 0), (5, 100.0));
+        let (step, t) = timed_step(5, 100.0, 0.1, 9);
+        assert_eq!(step, 14);
+        assert!((t - 100.9).abs() < 1e-9);
+        assert_eq!(timed_step(i64::MAX, 0.0, 0.1, 3).0, i64::MAX, "saturates");
     }
 
     #[test]
