@@ -1,7 +1,10 @@
 //! Memory stays flat while serving: 20,000 requests over several connections, sessions, both
 //! dialects and both endpoints, after a warm-up, grow the resident set by less than 1 MiB.
 
+use std::sync::Arc;
 use std::time::Duration;
+
+use tokio::sync::Barrier;
 
 use futures_util::{SinkExt, StreamExt};
 use policyd::config::Config;
@@ -91,13 +94,28 @@ fn rss_bytes() -> u64 {
     pages * 4096
 }
 
-/// One client: alternates infer and observe over three sessions; `n` requests.
-async fn client(url: String, n: u64, seed: u64) {
+/// One client: alternates infer and observe over five sessions (more than `max_sessions`, so
+/// sessions are evicted and recreated); `warm` requests, then the barrier twice (while the
+/// resident set is read), then `n` more, and the barrier twice again.
+async fn client(url: String, warm: u64, n: u64, seed: u64, barrier: Arc<Barrier>) {
     let (mut ws, _) = tokio_tungstenite::connect_async(url)
         .await
         .expect("connect");
     ws.next().await.expect("metadata").expect("metadata");
-    for i in 0..n {
+    requests(&mut ws, 0, warm, seed).await;
+    barrier.wait().await;
+    barrier.wait().await;
+    requests(&mut ws, warm, warm + n, seed).await;
+    // Still connected while the resident set is read again.
+    barrier.wait().await;
+    barrier.wait().await;
+}
+
+type Ws =
+    tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>;
+
+async fn requests(ws: &mut Ws, from: u64, to: u64, seed: u64) {
+    for i in from..to {
         let session = ["a", "b", "c", "d", "e"][((i + seed) % 5) as usize];
         let observe = i % 2 == 1;
         ws.send(Message::Binary(
@@ -118,23 +136,28 @@ async fn client(url: String, n: u64, seed: u64) {
     }
 }
 
-async fn round(addr: std::net::SocketAddr, per_client: u64) {
-    let mut tasks = Vec::new();
-    for c in 0..4u64 {
-        let path = if c % 2 == 0 {
-            "/"
-        } else {
-            "/v1/realtime/robot/openpi"
-        };
-        tasks.push(tokio::spawn(client(
-            format!("ws://{addr}{path}"),
-            per_client,
-            c,
-        )));
-    }
-    for t in tasks {
-        t.await.expect("client");
-    }
+fn clients(
+    addr: std::net::SocketAddr,
+    warm: u64,
+    n: u64,
+    barrier: &Arc<Barrier>,
+) -> Vec<tokio::task::JoinHandle<()>> {
+    (0..4u64)
+        .map(|c| {
+            let path = if c % 2 == 0 {
+                "/"
+            } else {
+                "/v1/realtime/robot/openpi"
+            };
+            tokio::spawn(client(
+                format!("ws://{addr}{path}"),
+                warm,
+                n,
+                c,
+                barrier.clone(),
+            ))
+        })
+        .collect()
 }
 
 #[test]
@@ -157,12 +180,20 @@ fn resident_memory_stays_flat_over_20000_requests() {
             })
             .await;
         });
-        // Warm-up: connections, sessions, allocator arenas and socket buffers reach their
-        // working size.
-        round(addr, 500).await;
+        // Connections stay open: what they allocate when they connect is the budget's
+        // per-connection part. Warm-up lets sessions, allocator arenas and socket buffers
+        // reach their working size; then the resident set must stay put.
+        let barrier = Arc::new(Barrier::new(5));
+        let tasks = clients(addr, 1_000, 5_000, &barrier);
+        barrier.wait().await;
         let before = rss_bytes();
-        round(addr, 5_000).await;
+        barrier.wait().await;
+        barrier.wait().await;
         let after = rss_bytes();
+        barrier.wait().await;
+        for t in tasks {
+            t.await.expect("client");
+        }
         let growth = after as i64 - before as i64;
         println!(
             "RSS {:.1} MiB before, {:.1} MiB after 20,000 requests: growth {} KiB",
