@@ -5,6 +5,7 @@
 //! worker runs the model ([`engine`]); the reply is encoded into a reused buffer and sent
 //! ([`connection`]). [`server`] owns the listener, the handshake and shutdown.
 
+pub mod appliance;
 pub mod config;
 pub mod connection;
 pub mod demo;

@@ -103,38 +103,16 @@ fn run(cli: Cli) -> Result<(), String> {
 }
 
 fn serve(cfg: Config) -> Result<(), String> {
-    let origin = cfg.model.as_ref().map(|m| m.describe()).unwrap_or_default();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
         .map_err(|e| format!("cannot start the async runtime: {e}"))?;
-    rt.block_on(async move {
-        // Listen first: while the engine loads and warms up, /healthz answers 503.
-        let listener = server::bind(&cfg).await.map_err(|e| e.to_string())?;
-        let addr = listener.local_addr().map_err(|e| e.to_string())?;
-        let t0 = std::time::Instant::now();
-        let load_cfg = cfg.clone();
-        let loading = tokio::task::spawn_blocking(move || server::load(&load_cfg));
-        let timeout = std::time::Duration::from_secs_f64(cfg.server.handshake_timeout_s);
-        let loaded = server::while_loading(&listener, timeout, loading)
-            .await
-            .map_err(|e| format!("engine loading stopped: {e}"))?
-            .map_err(|e| e.to_string())?;
-        log::info!(
-            "engine ready: {} backend, model {origin}, loaded in {:.0} ms (warm-up {:.1} ms)",
-            loaded.backend,
-            t0.elapsed().as_secs_f64() * 1e3,
-            loaded.warmup.as_secs_f64() * 1e3
-        );
-        log::info!(
-            "serving on ws://{addr} (openpi on any path, vllm-omni on {}, health on /healthz)",
-            server::VLLM_PATH
-        );
-        server::serve(cfg, loaded, listener, shutdown_signal())
-            .await
-            .map_err(|e| e.to_string())
-    })
+    rt.block_on(policyd::appliance::run(
+        cfg,
+        |c| server::open_engine(c),
+        shutdown_signal(),
+    ))
 }
 
 async fn shutdown_signal() {

@@ -161,6 +161,30 @@ impl<T> Scheduler<T> {
         }
     }
 
+    /// Like [`Scheduler::pop_blocking`], but gives up after `timeout`: `Err(())` once
+    /// stopped and drained, `Ok(None)` on timeout (so an idle worker can prove it is alive).
+    pub fn pop_timeout(&self, timeout: std::time::Duration) -> Result<Option<T>, ()> {
+        let deadline = std::time::Instant::now() + timeout;
+        let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            if let Some(item) = s.0.pop() {
+                return Ok(Some(item));
+            }
+            if s.1 {
+                return Err(());
+            }
+            let now = std::time::Instant::now();
+            if now >= deadline {
+                return Ok(None);
+            }
+            s = self
+                .ready
+                .wait_timeout(s, deadline - now)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
+
     /// Takes back a closed connection's waiting entries.
     pub fn remove_conn(&self, conn: u64, f: impl FnMut(T)) {
         let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());

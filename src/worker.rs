@@ -277,11 +277,17 @@ impl Job {
     }
 }
 
+/// How often an idle engine worker shows it is alive.
+pub const BEAT: Duration = Duration::from_millis(100);
+
 /// Progress and health of the worker, shared with the server.
 #[derive(Default)]
 pub struct WorkerState {
-    /// Runs completed (warm-up included): a heartbeat proves this moves.
+    /// Runs completed (warm-up included).
     pub runs: AtomicU64,
+    /// Bumped after every run and every idle [`BEAT`]: it stops moving only when the engine
+    /// is stuck inside a run, which is what the systemd watchdog must catch.
+    pub beats: AtomicU64,
     /// False after the engine failed in a way that needs a restart.
     pub healthy: AtomicBool,
 }
@@ -319,6 +325,7 @@ impl WorkerHandle {
         let warm = t0.elapsed();
         let state = Arc::new(WorkerState {
             runs: AtomicU64::new(warmup as u64),
+            beats: AtomicU64::new(0),
             healthy: AtomicBool::new(true),
         });
         let scheduler: Arc<Scheduler<Job>> = Arc::new(Scheduler::default());
@@ -327,11 +334,15 @@ impl WorkerHandle {
         let thread = std::thread::Builder::new()
             .name("policyd-engine".into())
             .spawn(move || {
-                while let Some(mut job) = sched.pop_blocking() {
-                    let slot = &mut *job.slot;
-                    slot.result = Some(engine.run(&mut slot.inputs, &mut slot.outputs, slot.reset));
-                    st.runs.fetch_add(1, Ordering::Relaxed);
-                    job.reply_to.deliver(job.slot);
+                while let Ok(next) = sched.pop_timeout(BEAT) {
+                    if let Some(mut job) = next {
+                        let slot = &mut *job.slot;
+                        slot.result =
+                            Some(engine.run(&mut slot.inputs, &mut slot.outputs, slot.reset));
+                        st.runs.fetch_add(1, Ordering::Relaxed);
+                        job.reply_to.deliver(job.slot);
+                    }
+                    st.beats.fetch_add(1, Ordering::Relaxed);
                 }
             })
             .map_err(|e| EngineError::Run(format!("cannot start the engine thread: {e}")))?;

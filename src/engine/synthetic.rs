@@ -16,6 +16,9 @@ pub struct Behaviour {
     pub compute: Duration,
     /// Fail every n-th run (0 = never).
     pub fail_every: u64,
+    /// Hang for `stall` on this run (0 = never), as a stuck accelerator would.
+    pub stall_on_run: u64,
+    pub stall: Duration,
 }
 
 pub struct SyntheticEngine {
@@ -77,6 +80,9 @@ impl Engine for SyntheticEngine {
         }
         while t0.elapsed() < c {
             std::hint::spin_loop();
+        }
+        if self.runs == self.behaviour.stall_on_run {
+            std::thread::sleep(self.behaviour.stall);
         }
         if self.behaviour.fail_every > 0 && self.runs.is_multiple_of(self.behaviour.fail_every) {
             return Err(EngineError::Run(format!(
