@@ -120,6 +120,10 @@ impl<T> Queue<T> {
     }
 }
 
+/// The scheduler was stopped and has nothing left.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Stopped;
+
 /// The queue shared by connections (which push) and the engine worker (which pulls).
 pub struct Scheduler<T> {
     state: Mutex<(Queue<T>, bool)>,
@@ -161,9 +165,9 @@ impl<T> Scheduler<T> {
         }
     }
 
-    /// Like [`Scheduler::pop_blocking`], but gives up after `timeout`: `Err(())` once
+    /// Like [`Scheduler::pop_blocking`], but gives up after `timeout`: `Err(Stopped)` once
     /// stopped and drained, `Ok(None)` on timeout (so an idle worker can prove it is alive).
-    pub fn pop_timeout(&self, timeout: std::time::Duration) -> Result<Option<T>, ()> {
+    pub fn pop_timeout(&self, timeout: std::time::Duration) -> Result<Option<T>, Stopped> {
         let deadline = std::time::Instant::now() + timeout;
         let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
         loop {
@@ -171,7 +175,7 @@ impl<T> Scheduler<T> {
                 return Ok(Some(item));
             }
             if s.1 {
-                return Err(());
+                return Err(Stopped);
             }
             let now = std::time::Instant::now();
             if now >= deadline {
