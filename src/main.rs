@@ -110,7 +110,7 @@ fn serve(cfg: Config) -> Result<(), String> {
         .map_err(|e| format!("cannot start the async runtime: {e}"))?;
     rt.block_on(policyd::appliance::run(
         cfg,
-        |c| server::open_engine(c),
+        server::open_engine,
         shutdown_signal(),
     ))
 }
