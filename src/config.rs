@@ -836,4 +836,29 @@ tensor = "actions"
         .to_string();
         assert!(e.contains("port"), "{e}");
     }
+
+    #[test]
+    fn the_packaged_default_config_serves_the_demo_bindings() {
+        let packaged = Config::parse(
+            include_str!("../systemd/policyd.toml"),
+            "systemd/policyd.toml",
+            None,
+        )
+        .unwrap();
+        let demo = Config::parse(include_str!("../configs/aloha.toml"), "aloha", None).unwrap();
+        assert_eq!(
+            format!("{:?}", packaged.inputs),
+            format!("{:?}", demo.inputs)
+        );
+        assert_eq!(
+            format!("{:?}", packaged.outputs),
+            format!("{:?}", demo.outputs)
+        );
+        assert_eq!(packaged.metadata, demo.metadata);
+        assert_eq!(packaged.server.host, "0.0.0.0");
+        assert_eq!(
+            packaged.engine.model.as_deref(),
+            Some(std::path::Path::new("/usr/share/policyd/models/aloha.onnx"))
+        );
+    }
 }
