@@ -75,8 +75,6 @@ pub struct FrameGuard<S> {
     message: u64,
     /// The message in progress crossed the limit; its further fragments are dropped.
     dropping: bool,
-    /// Messages dropped so far on this connection.
-    dropped: u64,
 }
 
 impl<S> FrameGuard<S> {
@@ -103,13 +101,7 @@ impl<S> FrameGuard<S> {
             out_end: 0,
             message: 0,
             dropping: false,
-            dropped: 0,
         })
-    }
-
-    /// How many messages were dropped for size on this connection.
-    pub fn dropped(&self) -> u64 {
-        self.dropped
     }
 
     /// Handles the complete header at the front of `inbuf` (of `len` bytes).
@@ -151,7 +143,6 @@ impl<S> FrameGuard<S> {
         let first = !self.dropping;
         self.dropping = !fin;
         if first {
-            self.dropped += 1;
             log::info!(
                 "dropping a message of more than {} bytes (server.max_message_bytes)",
                 self.limit

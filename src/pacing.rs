@@ -12,7 +12,7 @@
 //! its target, and the deadline misses.
 
 use std::cmp::Ordering as CmpOrdering;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -214,8 +214,6 @@ pub struct ReleaseStats {
     pub misses: AtomicU64,
     /// Replies released on a budget (on time or missed).
     pub paced: AtomicU64,
-    /// Whether any budget is in force (for reports).
-    pub enabled: AtomicBool,
 }
 
 /// A summary of [`ReleaseStats`].
@@ -228,8 +226,14 @@ pub struct ReleaseSummary {
     pub max_us: u64,
 }
 
+impl Default for ReleaseStats {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
 impl ReleaseStats {
-    pub fn new(enabled: bool) -> ReleaseStats {
+    pub fn new() -> ReleaseStats {
         ReleaseStats {
             // 1 µs to 60 s at 3 significant digits: allocated once, never resized.
             error_us: Mutex::new(
@@ -238,7 +242,6 @@ impl ReleaseStats {
             ),
             misses: AtomicU64::new(0),
             paced: AtomicU64::new(0),
-            enabled: AtomicBool::new(enabled),
         }
     }
 
@@ -329,7 +332,7 @@ mod tests {
 
     #[test]
     fn stats_summarise_errors_and_misses() {
-        let s = ReleaseStats::new(true);
+        let s = ReleaseStats::new();
         let t = Instant::now();
         for us in [10u64, 20, 30, 40, 1000] {
             s.on_time(t, t + Duration::from_micros(us));

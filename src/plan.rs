@@ -842,17 +842,7 @@ impl Budget {
 mod tests {
     use super::*;
     use crate::engine::TensorSpec;
-    use std::any::Any;
-
-    struct Buf(Vec<u8>);
-    impl InputBuffer for Buf {
-        fn bytes_mut(&mut self) -> &mut [u8] {
-            &mut self.0
-        }
-        fn as_any_mut(&mut self) -> &mut dyn Any {
-            self
-        }
-    }
+    use crate::engine::synthetic::HostBuffer as Buf;
 
     const CFG: &str = r#"
 [engine]

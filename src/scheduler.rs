@@ -151,22 +151,8 @@ impl<T> Scheduler<T> {
         r
     }
 
-    /// Blocks until there is work, or returns `None` once stopped and drained.
-    pub fn pop_blocking(&self) -> Option<T> {
-        let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        loop {
-            if let Some(item) = s.0.pop() {
-                return Some(item);
-            }
-            if s.1 {
-                return None;
-            }
-            s = self.ready.wait(s).unwrap_or_else(|e| e.into_inner());
-        }
-    }
-
-    /// Like [`Scheduler::pop_blocking`], but gives up after `timeout`: `Err(Stopped)` once
-    /// stopped and drained, `Ok(None)` on timeout (so an idle worker can prove it is alive).
+    /// Waits up to `timeout` for work: `Ok(None)` on timeout (so an idle worker can prove it
+    /// is alive), `Err(Stopped)` once stopped and drained.
     pub fn pop_timeout(&self, timeout: std::time::Duration) -> Result<Option<T>, Stopped> {
         let deadline = std::time::Instant::now() + timeout;
         let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
@@ -201,7 +187,7 @@ impl<T> Scheduler<T> {
         s.0.remove_where(|k| k == key, f);
     }
 
-    /// Refuses new work; the worker finishes what is queued, then `pop_blocking` ends.
+    /// Refuses new work; the worker finishes what is queued, then `pop_timeout` says stopped.
     pub fn stop(&self) {
         self.state.lock().unwrap_or_else(|e| e.into_inner()).1 = true;
         self.ready.notify_all();
@@ -612,8 +598,8 @@ mod tests {
         let s2 = s.clone();
         let worker = std::thread::spawn(move || {
             let mut got = Vec::new();
-            while let Some(i) = s2.pop_blocking() {
-                got.push(i);
+            while let Ok(next) = s2.pop_timeout(std::time::Duration::from_millis(5)) {
+                got.extend(next);
             }
             got
         });

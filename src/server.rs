@@ -108,7 +108,7 @@ pub fn load_engine(cfg: &Config, engine: Box<dyn Engine>) -> Result<Loaded, Serv
     Ok(Loaded {
         plan,
         stats: Arc::new(Stats {
-            release: crate::pacing::ReleaseStats::new(cfg.pacing.latency_budget_ms > 0.0),
+            release: crate::pacing::ReleaseStats::new(),
             skips: Default::default(),
         }),
         worker,

@@ -27,7 +27,8 @@ pub struct SyntheticEngine {
     runs: u64,
 }
 
-struct HostBuffer(Vec<u8>);
+/// A plain host buffer (also what tests decode into).
+pub struct HostBuffer(pub Vec<u8>);
 
 impl InputBuffer for HostBuffer {
     fn bytes_mut(&mut self) -> &mut [u8] {
