@@ -154,6 +154,13 @@ impl Default for PacingConfig {
     }
 }
 
+/// The backends compiled into this build, for messages.
+pub const BACKENDS: &str = if cfg!(feature = "tensorrt") {
+    "cpu, tensorrt"
+} else {
+    "cpu"
+};
+
 /// Largest `engine.slots` (the scheduler's queue is a fixed array of this size).
 pub const MAX_SLOTS: usize = 64;
 /// Largest `pacing.latency_window` (the window is a fixed array per session).
@@ -165,11 +172,28 @@ pub const MAX_SIMILARITY_STATE: usize = 64;
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct EngineConfig {
-    /// `cpu` (tract-onnx).
+    /// `cpu` (tract-onnx) or `tensorrt` (builds with the `tensorrt` feature).
     #[serde(default = "default_backend")]
     pub backend: String,
-    /// Model file, relative to the config file's folder.
+    /// Model file, relative to the config file's folder: ONNX for `cpu`, a TensorRT plan
+    /// (built on the device with `trtexec`) for `tensorrt`.
     pub model: Option<PathBuf>,
+    /// `tensorrt`: the CUDA device ordinal.
+    #[serde(default)]
+    pub device: Option<u32>,
+    /// `tensorrt`: run on this DLA core (Jetson AGX/NX) instead of the GPU.
+    #[serde(default)]
+    pub dla_core: Option<u32>,
+    /// `tensorrt`: replay copy-in → enqueue → copy-out as one CUDA graph after warm-up.
+    #[serde(default)]
+    pub cuda_graph: Option<bool>,
+    /// `tensorrt`: `auto` (on for integrated GPUs such as Jetson's), `on` or `off`: engine
+    /// inputs and outputs live in mapped page-locked host memory, so no copy is made.
+    #[serde(default)]
+    pub zero_copy: Option<String>,
+    /// `tensorrt`: libnvinfer to open (default: the sonames of TensorRT 11, 10, 8).
+    #[serde(default)]
+    pub tensorrt_library: Option<PathBuf>,
     /// Requests in flight at once (each has its own input and output buffers).
     #[serde(default = "default_slots")]
     pub slots: usize,
@@ -400,10 +424,64 @@ impl Config {
         }
 
         let e = &self.engine;
-        if e.backend != "cpu" {
+        match e.backend.as_str() {
+            "cpu" => {}
+            "tensorrt" if cfg!(feature = "tensorrt") => {}
+            "tensorrt" => {
+                return Err(invalid(
+                    "engine.backend",
+                    "\"tensorrt\" is not in this build; build policyd with \
+                     `--features tensorrt` (see docs/tensorrt.md)",
+                ));
+            }
+            other => {
+                return Err(invalid(
+                    "engine.backend",
+                    format!("unknown backend \"{other}\"; this build has: {BACKENDS}"),
+                ));
+            }
+        }
+        if e.backend != "tensorrt" {
+            for (key, set) in [
+                ("engine.device", e.device.is_some()),
+                ("engine.dla_core", e.dla_core.is_some()),
+                ("engine.cuda_graph", e.cuda_graph.is_some()),
+                ("engine.zero_copy", e.zero_copy.is_some()),
+                ("engine.tensorrt_library", e.tensorrt_library.is_some()),
+            ] {
+                if set {
+                    return Err(invalid(
+                        key,
+                        format!(
+                            "applies to the tensorrt backend only; engine.backend is \"{}\"",
+                            e.backend
+                        ),
+                    ));
+                }
+            }
+        }
+        if let Some(d) = e.device
+            && d > 63
+        {
             return Err(invalid(
-                "engine.backend",
-                format!("unknown backend \"{}\"; this build has: cpu", e.backend),
+                "engine.device",
+                format!("must be a CUDA device ordinal (0-63), got {d}"),
+            ));
+        }
+        if let Some(d) = e.dla_core
+            && d > 7
+        {
+            return Err(invalid(
+                "engine.dla_core",
+                format!("must be a DLA core number (0 or 1 on Jetson AGX Orin), got {d}"),
+            ));
+        }
+        if let Some(z) = &e.zero_copy
+            && crate::engine::ZeroCopy::parse(z).is_none()
+        {
+            return Err(invalid(
+                "engine.zero_copy",
+                format!("must be \"auto\", \"on\" or \"off\", got \"{z}\""),
             ));
         }
         if self.model.is_none() && e.model.is_none() {

@@ -77,8 +77,9 @@ fn run(cli: Cli) -> Result<(), String> {
         Some(Command::CheckConfig { file }) => {
             let cfg = load_config(Some(file), &cli)?;
             let engine = server::open_engine(&cfg).map_err(|e| e.to_string())?;
-            let plan =
+            let mut plan =
                 policyd::plan::Plan::compile(&cfg, engine.io()).map_err(|e| e.to_string())?;
+            plan.budget.add(engine.working_memory());
             println!(
                 "{}: OK ({} backend, {} inputs, {} outputs)",
                 file.display(),

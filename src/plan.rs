@@ -824,6 +824,14 @@ impl Budget {
         Budget { lines, total }
     }
 
+    /// Adds the engine's own memory (see [`crate::engine::Engine::working_memory`]).
+    pub fn add(&mut self, lines: Vec<(String, u64)>) {
+        for (what, v) in lines {
+            self.total += v;
+            self.lines.push((what, v));
+        }
+    }
+
     pub fn render(&self) -> String {
         let mut s = String::from("memory budget (bytes):\n");
         for (what, v) in &self.lines {

@@ -86,6 +86,34 @@ pub fn open_engine(cfg: &Config) -> Result<Box<dyn Engine>, ServerError> {
         .collect();
     match cfg.engine.backend.as_str() {
         "cpu" => Ok(Box::new(CpuEngine::load(&model, &hints)?)),
+        #[cfg(feature = "tensorrt")]
+        "tensorrt" => {
+            let crate::engine::ModelSource::File(path) = &model else {
+                return Err(crate::config::invalid(
+                    "engine.model",
+                    "the tensorrt backend needs a plan file (built with trtexec on the device)",
+                )
+                .into());
+            };
+            let e = &cfg.engine;
+            let opts = crate::engine::tensorrt::Options {
+                model: model.describe(),
+                dla_core: e.dla_core,
+                cuda_graph: e.cuda_graph.unwrap_or(true),
+                zero_copy: e
+                    .zero_copy
+                    .as_deref()
+                    .and_then(crate::engine::ZeroCopy::parse)
+                    .unwrap_or(crate::engine::ZeroCopy::Auto),
+                shapes: hints,
+            };
+            Ok(Box::new(crate::engine::tensorrt::open(
+                path,
+                e.device.unwrap_or(0),
+                e.tensorrt_library.as_deref(),
+                &opts,
+            )?))
+        }
         other => Err(crate::config::invalid(
             "engine.backend",
             format!("unknown backend \"{other}\""),
@@ -101,7 +129,8 @@ pub fn load(cfg: &Config) -> Result<Loaded, ServerError> {
 
 /// [`load`] with an engine the caller opened (tests and benchmarks use a synthetic one).
 pub fn load_engine(cfg: &Config, engine: Box<dyn Engine>) -> Result<Loaded, ServerError> {
-    let plan = Plan::compile(cfg, engine.io())?;
+    let mut plan = Plan::compile(cfg, engine.io())?;
+    plan.budget.add(engine.working_memory());
     let backend = engine.backend();
     let (worker, warmup) =
         WorkerHandle::start(engine, &plan, cfg.engine.slots, cfg.engine.warmup_runs)?;

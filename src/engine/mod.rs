@@ -6,6 +6,7 @@
 
 pub mod cpu;
 pub mod synthetic;
+pub mod tensorrt;
 
 use std::any::Any;
 use std::time::Duration;
@@ -100,6 +101,31 @@ pub trait Engine: Send {
         outputs: &mut [Vec<u8>],
         reset: bool,
     ) -> Result<RunStats, EngineError>;
+    /// Memory the backend allocated for itself at load, outside the slots (device buffers,
+    /// staging, an accelerator's scratch), for the memory budget: `(what, bytes)`.
+    fn working_memory(&self) -> Vec<(String, u64)> {
+        Vec::new()
+    }
+}
+
+/// Whether a GPU backend keeps engine inputs and outputs in mapped host memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ZeroCopy {
+    /// On for integrated GPUs (Jetson: CPU and GPU share DRAM), off for discrete ones.
+    Auto,
+    On,
+    Off,
+}
+
+impl ZeroCopy {
+    pub fn parse(s: &str) -> Option<ZeroCopy> {
+        Some(match s {
+            "auto" => ZeroCopy::Auto,
+            "on" => ZeroCopy::On,
+            "off" => ZeroCopy::Off,
+            _ => return None,
+        })
+    }
 }
 
 /// Where a model comes from.

@@ -1,0 +1,328 @@
+//! The CUDA side of the TensorRT backend: one context, one stream, memory, copies, events and
+//! CUDA graphs, behind a small trait.
+//!
+//! The engine works on raw device addresses (TensorRT takes `void*` per tensor), so the trait
+//! speaks addresses rather than typed slices. [`CudaDevice`] implements it with cudarc (built
+//! with dynamic loading, so policyd compiles and starts with no CUDA present); the tests'
+//! stand-in implements it on host memory.
+
+use std::ffi::c_void;
+use std::time::Duration;
+
+/// A device address (`CUdeviceptr`).
+pub type DevicePtr = u64;
+
+#[derive(Debug, thiserror::Error)]
+#[error("{op}: {msg}")]
+pub struct GpuError {
+    pub op: &'static str,
+    pub msg: String,
+}
+
+impl GpuError {
+    pub fn new(op: &'static str, msg: impl std::fmt::Display) -> Self {
+        GpuError {
+            op,
+            msg: msg.to_string(),
+        }
+    }
+}
+
+/// Page-locked host memory; `device` is its address as the GPU sees it when it was mapped
+/// (zero-copy), 0 otherwise.
+#[derive(Clone, Copy, Debug)]
+pub struct HostAlloc {
+    pub ptr: *mut u8,
+    pub len: usize,
+    pub device: DevicePtr,
+}
+
+/// An instantiated CUDA graph.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Graph(pub u64);
+
+/// What the TensorRT engine needs from CUDA. Methods take `&self`: the device is shared (by
+/// `Arc`) between the engine and the page-locked buffers it hands to the slots, which free
+/// themselves through it; stream work happens on the engine worker thread only.
+pub trait Device: Send + Sync {
+    /// Name and kind, for the log.
+    fn describe(&self) -> String;
+    /// An integrated GPU (Jetson) shares DRAM with the CPU and can map host memory.
+    fn integrated(&self) -> bool;
+    /// Makes the context current on the calling thread.
+    fn bind(&self) -> Result<(), GpuError>;
+    fn alloc_device(&self, bytes: usize) -> Result<DevicePtr, GpuError>;
+    /// # Safety
+    /// `ptr` came from [`Device::alloc_device`] and is not used afterwards.
+    unsafe fn free_device(&self, ptr: DevicePtr);
+    /// `mapped`: also map it into the device's address space.
+    fn alloc_host(&self, bytes: usize, mapped: bool) -> Result<HostAlloc, GpuError>;
+    /// # Safety
+    /// `ptr` came from [`Device::alloc_host`] and is not used afterwards.
+    unsafe fn free_host(&self, ptr: *mut u8);
+    /// The stream every operation goes on (a `CUstream`, which TensorRT takes as its
+    /// `cudaStream_t`).
+    fn stream(&self) -> *mut c_void;
+    /// # Safety
+    /// `src` is page-locked host memory of `bytes` bytes that lives until the copy has run.
+    unsafe fn copy_htod(&self, dst: DevicePtr, src: *const u8, bytes: usize)
+    -> Result<(), GpuError>;
+    /// # Safety
+    /// `dst` is page-locked host memory of `bytes` bytes that lives until the copy has run.
+    unsafe fn copy_dtoh(&self, dst: *mut u8, src: DevicePtr, bytes: usize)
+    -> Result<(), GpuError>;
+    /// Records the start (`false`) or end (`true`) timing event on the stream.
+    fn mark(&self, end: bool) -> Result<(), GpuError>;
+    /// Waits for the end event; the device time between the two events.
+    fn finish(&self) -> Result<Duration, GpuError>;
+    fn begin_capture(&self) -> Result<(), GpuError>;
+    /// Ends a capture and instantiates the graph.
+    fn end_capture(&self) -> Result<Graph, GpuError>;
+    fn launch(&self, graph: Graph) -> Result<(), GpuError>;
+    /// # Safety
+    /// `graph` came from [`Device::end_capture`] and is not launched afterwards.
+    unsafe fn destroy_graph(&self, graph: Graph);
+}
+
+#[cfg(feature = "tensorrt")]
+pub use cuda::CudaDevice;
+
+#[cfg(feature = "tensorrt")]
+mod cuda {
+    use std::ffi::c_void;
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use cudarc::driver::result;
+    use cudarc::driver::safe::CudaContext;
+    use cudarc::driver::sys;
+
+    use super::{Device, DevicePtr, GpuError, Graph, HostAlloc};
+
+    /// Whether libcuda can be opened. cudarc panics on any call when it cannot, so this is
+    /// asked before anything else.
+    pub fn driver_present() -> bool {
+        // SAFETY: only tries to open the library.
+        unsafe { sys::is_culib_present() }
+    }
+
+    /// The CUDA driver through cudarc: the device's primary context (the one TensorRT uses
+    /// too), a non-blocking stream and two timing events.
+    pub struct CudaDevice {
+        ctx: Arc<CudaContext>,
+        stream: sys::CUstream,
+        start: sys::CUevent,
+        end: sys::CUevent,
+        name: String,
+        integrated: bool,
+    }
+
+    // SAFETY: the raw handles belong to `ctx`'s context, and CUDA driver handles may be used
+    // from any thread once that context is current (`bind`).
+    unsafe impl Send for CudaDevice {}
+    unsafe impl Sync for CudaDevice {}
+
+    fn err(op: &'static str) -> impl Fn(result::DriverError) -> GpuError {
+        move |e| GpuError::new(op, format!("{e:?}"))
+    }
+
+    impl CudaDevice {
+        /// Opens device `ordinal`. Call [`driver_present`] first.
+        pub fn open(ordinal: usize) -> Result<CudaDevice, GpuError> {
+            let ctx = CudaContext::new(ordinal).map_err(err("cuInit/cuDevicePrimaryCtxRetain"))?;
+            let name = ctx.name().unwrap_or_else(|_| format!("CUDA device {ordinal}"));
+            let attr = |a| ctx.attribute(a).unwrap_or(0);
+            let integrated =
+                attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_INTEGRATED) != 0
+                    && attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_CAN_MAP_HOST_MEMORY)
+                        != 0;
+            let stream = result::stream::create(result::stream::StreamKind::NonBlocking)
+                .map_err(err("cuStreamCreate"))?;
+            let start = result::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT)
+                .map_err(err("cuEventCreate"))?;
+            // The worker sleeps on the end event rather than spinning a core: on a Jetson the
+            // CPU is shared with the robot's own stack.
+            let end = result::event::create(sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC)
+                .map_err(err("cuEventCreate"))?;
+            Ok(CudaDevice {
+                ctx,
+                stream,
+                start,
+                end,
+                name,
+                integrated,
+            })
+        }
+    }
+
+    impl Device for CudaDevice {
+        fn describe(&self) -> String {
+            format!(
+                "{} (device {}, {})",
+                self.name,
+                self.ctx.ordinal(),
+                if self.integrated {
+                    "integrated: shares DRAM with the CPU"
+                } else {
+                    "discrete"
+                }
+            )
+        }
+
+        fn integrated(&self) -> bool {
+            self.integrated
+        }
+
+        fn bind(&self) -> Result<(), GpuError> {
+            self.ctx.bind_to_thread().map_err(err("cuCtxSetCurrent"))
+        }
+
+        fn alloc_device(&self, bytes: usize) -> Result<DevicePtr, GpuError> {
+            self.bind()?;
+            // SAFETY: plain allocation; the memory is written before it is read.
+            unsafe { result::malloc_sync(bytes.max(1)) }.map_err(err("cuMemAlloc"))
+        }
+
+        unsafe fn free_device(&self, ptr: DevicePtr) {
+            if self.bind().is_ok() {
+                // SAFETY: the caller passes a live allocation once.
+                let _ = unsafe { result::free_sync(ptr) };
+            }
+        }
+
+        fn alloc_host(&self, bytes: usize, mapped: bool) -> Result<HostAlloc, GpuError> {
+            self.bind()?;
+            let mut flags = sys::CU_MEMHOSTALLOC_PORTABLE;
+            if mapped {
+                flags |= sys::CU_MEMHOSTALLOC_DEVICEMAP;
+            }
+            // SAFETY: plain allocation, zeroed below before anyone reads it.
+            let ptr = unsafe { result::malloc_host(bytes.max(1), flags) }
+                .map_err(err("cuMemHostAlloc"))?
+                .cast::<u8>();
+            // SAFETY: just allocated, `bytes` long.
+            unsafe { std::ptr::write_bytes(ptr, 0, bytes) };
+            let mut device: DevicePtr = 0;
+            if mapped {
+                // SAFETY: `ptr` was allocated with DEVICEMAP in the current context.
+                let r = unsafe {
+                    sys::cuMemHostGetDevicePointer_v2(&mut device, ptr.cast::<c_void>(), 0)
+                };
+                if let Err(e) = r.result() {
+                    // SAFETY: allocated above and not handed out.
+                    let _ = unsafe { result::free_host(ptr.cast()) };
+                    return Err(err("cuMemHostGetDevicePointer")(e));
+                }
+            }
+            Ok(HostAlloc {
+                ptr,
+                len: bytes,
+                device,
+            })
+        }
+
+        unsafe fn free_host(&self, ptr: *mut u8) {
+            if self.bind().is_ok() {
+                // SAFETY: the caller passes a live allocation once.
+                let _ = unsafe { result::free_host(ptr.cast()) };
+            }
+        }
+
+        fn stream(&self) -> *mut c_void {
+            self.stream.cast()
+        }
+
+        unsafe fn copy_htod(
+            &self,
+            dst: DevicePtr,
+            src: *const u8,
+            bytes: usize,
+        ) -> Result<(), GpuError> {
+            // SAFETY: the caller guarantees `src` is valid, page-locked and outlives the copy.
+            let src = unsafe { std::slice::from_raw_parts(src, bytes) };
+            unsafe { result::memcpy_htod_async(dst, src, self.stream) }
+                .map_err(err("cuMemcpyHtoDAsync"))
+        }
+
+        unsafe fn copy_dtoh(
+            &self,
+            dst: *mut u8,
+            src: DevicePtr,
+            bytes: usize,
+        ) -> Result<(), GpuError> {
+            // SAFETY: the caller guarantees `dst` is valid, page-locked and outlives the copy.
+            let dst = unsafe { std::slice::from_raw_parts_mut(dst, bytes) };
+            unsafe { result::memcpy_dtoh_async(dst, src, self.stream) }
+                .map_err(err("cuMemcpyDtoHAsync"))
+        }
+
+        fn mark(&self, end: bool) -> Result<(), GpuError> {
+            let ev = if end { self.end } else { self.start };
+            // SAFETY: live event and stream of this context.
+            unsafe { result::event::record(ev, self.stream) }.map_err(err("cuEventRecord"))
+        }
+
+        fn finish(&self) -> Result<Duration, GpuError> {
+            // SAFETY: live events, both recorded on the stream.
+            unsafe { result::event::synchronize(self.end) }.map_err(err("cuEventSynchronize"))?;
+            let ms = unsafe { result::event::elapsed(self.start, self.end) }
+                .map_err(err("cuEventElapsedTime"))?;
+            Ok(Duration::from_secs_f64(f64::from(ms.max(0.0)) / 1000.0))
+        }
+
+        fn begin_capture(&self) -> Result<(), GpuError> {
+            // SAFETY: live stream; thread-local mode so other threads' CUDA calls are unaffected.
+            unsafe {
+                result::stream::begin_capture(
+                    self.stream,
+                    sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+                )
+            }
+            .map_err(err("cuStreamBeginCapture"))
+        }
+
+        fn end_capture(&self) -> Result<Graph, GpuError> {
+            // SAFETY: live stream in capture mode; the template is destroyed once instantiated.
+            unsafe {
+                let graph =
+                    result::stream::end_capture(self.stream).map_err(err("cuStreamEndCapture"))?;
+                if graph.is_null() {
+                    return Err(GpuError::new("cuStreamEndCapture", "no graph was captured"));
+                }
+                let exec = result::graph::instantiate(graph, sys::CUgraphInstantiate_flags(0));
+                let _ = result::graph::destroy(graph);
+                let exec = exec.map_err(err("cuGraphInstantiate"))?;
+                result::graph::upload(exec, self.stream).map_err(err("cuGraphUpload"))?;
+                Ok(Graph(exec as u64))
+            }
+        }
+
+        fn launch(&self, graph: Graph) -> Result<(), GpuError> {
+            // SAFETY: `graph` is a live executable graph of this context.
+            unsafe { result::graph::launch(graph.0 as sys::CUgraphExec, self.stream) }
+                .map_err(err("cuGraphLaunch"))
+        }
+
+        unsafe fn destroy_graph(&self, graph: Graph) {
+            // SAFETY: the caller passes a live graph once.
+            let _ = unsafe { result::graph::exec_destroy(graph.0 as sys::CUgraphExec) };
+        }
+    }
+
+    impl Drop for CudaDevice {
+        fn drop(&mut self) {
+            if self.bind().is_ok() {
+                // SAFETY: owned handles, destroyed once, after the stream's work is done.
+                unsafe {
+                    let _ = result::stream::synchronize(self.stream);
+                    let _ = result::event::destroy(self.start);
+                    let _ = result::event::destroy(self.end);
+                    let _ = result::stream::destroy(self.stream);
+                }
+            }
+        }
+    }
+}
+
+#[cfg(feature = "tensorrt")]
+pub use cuda::driver_present;

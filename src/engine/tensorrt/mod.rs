@@ -1,0 +1,632 @@
+//! The TensorRT backend (Jetson): a TensorRT plan run through policyd's C++ shim, with CUDA
+//! owned by cudarc.
+//!
+//! Everything is allocated at load: one device buffer per engine tensor, page-locked host
+//! buffers that the wire decoder writes into directly (one set per slot), and page-locked
+//! output staging. On an integrated GPU (Jetson: CPU and GPU share DRAM) the host buffers are
+//! mapped into the GPU's address space and TensorRT reads and writes them in place, so no copy
+//! is made at all. After the first run, copy-in → enqueue → copy-out is captured as one CUDA
+//! graph per slot (each slot's buffers have fixed addresses), and later runs replay it; an
+//! engine that cannot be captured falls back to plain enqueues, with one log line.
+//! `RunStats.compute` is device time between two CUDA events, not dispatch time.
+//!
+//! The engine code depends only on the [`ShimApi`] table and the [`Device`] trait, so the tests
+//! run it against stand-ins of both (`standin.rs`); the real ones need the `tensorrt` feature.
+
+pub mod device;
+pub mod shim;
+#[cfg(test)]
+mod standin;
+
+use std::any::Any;
+use std::ffi::CString;
+use std::sync::{Arc, Mutex};
+
+use device::{Device, DevicePtr, Graph, HostAlloc};
+use shim::{Handle, ShimApi};
+
+use super::{Engine, EngineError, InputBuffer, IoSpec, RunStats, TensorSpec, ZeroCopy};
+use crate::dtype::ElemType;
+
+/// How the engine is set up (from `[engine]`).
+#[derive(Clone, Debug)]
+pub struct Options {
+    /// For messages: the plan file.
+    pub model: String,
+    pub dla_core: Option<u32>,
+    pub cuda_graph: bool,
+    pub zero_copy: ZeroCopy,
+    /// Fixed shapes for inputs with dynamic dimensions (`[[inputs]] engine_shape`).
+    pub shapes: Vec<(String, Vec<usize>)>,
+}
+
+fn elem_type(code: i32) -> Option<ElemType> {
+    Some(match code {
+        shim::TRT_FLOAT => ElemType::F32,
+        shim::TRT_HALF => ElemType::F16,
+        shim::TRT_INT8 => ElemType::I8,
+        shim::TRT_INT32 => ElemType::I32,
+        shim::TRT_BOOL => ElemType::Bool,
+        shim::TRT_UINT8 => ElemType::U8,
+        shim::TRT_INT64 => ElemType::I64,
+        _ => return None,
+    })
+}
+
+/// Page-locked host memory, freed through the device that allocated it.
+struct Pinned {
+    alloc: HostAlloc,
+    device: Arc<dyn Device>,
+}
+
+// SAFETY: the allocation is owned by this value alone; CUDA host memory may be used from any
+// thread.
+unsafe impl Send for Pinned {}
+
+impl Pinned {
+    fn new(device: &Arc<dyn Device>, bytes: usize, mapped: bool) -> Result<Pinned, EngineError> {
+        let alloc = device
+            .alloc_host(bytes, mapped)
+            .map_err(|e| EngineError::Run(format!("cannot allocate page-locked memory: {e}")))?;
+        Ok(Pinned {
+            alloc,
+            device: device.clone(),
+        })
+    }
+
+    fn bytes(&self) -> &[u8] {
+        // SAFETY: `alloc.ptr` is valid for `alloc.len` bytes while `self` lives.
+        unsafe { std::slice::from_raw_parts(self.alloc.ptr, self.alloc.len) }
+    }
+
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as above, and `&mut self` makes the access unique.
+        unsafe { std::slice::from_raw_parts_mut(self.alloc.ptr, self.alloc.len) }
+    }
+}
+
+impl Drop for Pinned {
+    fn drop(&mut self) {
+        // SAFETY: allocated by `device`, freed once.
+        unsafe { self.device.free_host(self.alloc.ptr) }
+    }
+}
+
+/// One slot's input tensor: page-locked, so the decoder's bytes go to the GPU without a
+/// staging copy (or, mapped, are read by the GPU in place).
+struct SlotInput {
+    mem: Pinned,
+    /// Which slot's set this is: its CUDA graph is the one that reads these addresses.
+    slot: usize,
+}
+
+impl InputBuffer for SlotInput {
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        self.mem.bytes_mut()
+    }
+    fn as_any_mut(&mut self) -> &mut dyn Any {
+        self
+    }
+}
+
+/// Addresses of one slot's input buffers: (host, device view when mapped). Plain numbers:
+/// the buffers themselves belong to the slot.
+type SlotAddrs = Vec<(usize, DevicePtr)>;
+
+struct Tensor {
+    name: CString,
+    bytes: usize,
+    /// The engine's own device buffer (copy mode), 0 in zero-copy mode.
+    device: DevicePtr,
+}
+
+struct Output {
+    t: Tensor,
+    /// Where results land on the host (mapped in zero-copy mode).
+    staging: Pinned,
+}
+
+/// The TensorRT backend.
+pub struct TensorRtEngine {
+    /// `None` only while dropping, so the context goes before the memory it points at.
+    handle: Option<Handle>,
+    device: Arc<dyn Device>,
+    io: IoSpec,
+    inputs: Vec<Tensor>,
+    outputs: Vec<Output>,
+    zero_copy: bool,
+    use_graphs: bool,
+    /// Set when a capture failed: plain enqueues from then on.
+    graphs_failed: bool,
+    /// Input addresses of every slot handed out by `alloc_inputs`, by slot number.
+    slots: Arc<Mutex<Vec<SlotAddrs>>>,
+    /// One graph per slot, once captured.
+    graphs: Vec<Option<Graph>>,
+    /// Zero-copy: the slot whose input addresses TensorRT holds now.
+    bound_slot: Option<usize>,
+    runs: u64,
+    scratch: u64,
+    device_bytes: u64,
+    /// Plain runs and graph launches, for tests and the log.
+    pub(crate) counts: Counts,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Counts {
+    pub plain: u64,
+    pub graph: u64,
+    pub captured: u64,
+}
+
+fn load_err(model: &str, reason: impl std::fmt::Display) -> EngineError {
+    EngineError::Load {
+        model: model.to_string(),
+        reason: reason.to_string(),
+    }
+}
+
+fn run_err(what: &str, e: impl std::fmt::Display) -> EngineError {
+    EngineError::Run(format!("{what}: {e}"))
+}
+
+impl TensorRtEngine {
+    /// Deserializes `plan`, fixes dynamic input shapes, checks every tensor's type and shape,
+    /// and allocates the engine's device buffers and output staging.
+    pub fn new(
+        api: &'static ShimApi,
+        device: Arc<dyn Device>,
+        plan: &[u8],
+        opts: &Options,
+    ) -> Result<TensorRtEngine, EngineError> {
+        let model = opts.model.as_str();
+        device.bind().map_err(|e| load_err(model, e))?;
+        let mut handle = Handle::load(api, plan, opts.dla_core).map_err(|e| load_err(model, e))?;
+        let raw = handle.tensors().map_err(|e| load_err(model, e))?;
+        let zero_copy = match opts.zero_copy {
+            ZeroCopy::On => true,
+            ZeroCopy::Off => false,
+            ZeroCopy::Auto => device.integrated(),
+        };
+
+        // Inputs first: their shapes decide the outputs' (dynamic-shape engines).
+        let mut io = IoSpec::default();
+        for t in raw.iter().filter(|t| t.is_input) {
+            let name = t.name.to_string_lossy().into_owned();
+            let dtype = elem_type(t.dtype).ok_or_else(|| EngineError::UnsupportedType {
+                side: "input",
+                name: name.clone(),
+                dtype: shim::dtype_name(t.dtype),
+            })?;
+            let hint = opts.shapes.iter().find(|(n, _)| *n == name).map(|(_, s)| s);
+            let shape = fix_shape(&name, &t.dims, hint, model)?;
+            if t.dims.iter().any(|&d| d < 0) {
+                let dims: Vec<i64> = shape.iter().map(|&d| d as i64).collect();
+                handle
+                    .set_input_shape(&t.name, &dims)
+                    .map_err(|e| load_err(model, format!("input '{name}' shape {shape:?}: {e}")))?;
+            }
+            io.inputs.push(TensorSpec { name, dtype, shape });
+        }
+        for t in raw.iter().filter(|t| !t.is_input) {
+            let name = t.name.to_string_lossy().into_owned();
+            let dtype = elem_type(t.dtype).ok_or_else(|| EngineError::UnsupportedType {
+                side: "output",
+                name: name.clone(),
+                dtype: shim::dtype_name(t.dtype),
+            })?;
+            let dims = if t.dims.iter().any(|&d| d < 0) {
+                handle
+                    .context_shape(&t.name)
+                    .map_err(|e| load_err(model, format!("output '{name}': {e}")))?
+            } else {
+                t.dims.clone()
+            };
+            if dims.iter().any(|&d| d < 0) {
+                return Err(load_err(
+                    model,
+                    format!(
+                        "output '{name}' has a dynamic shape {dims:?} even with every input \
+                         shape fixed; policyd needs fixed output sizes"
+                    ),
+                ));
+            }
+            let shape = dims.iter().map(|&d| d as usize).collect();
+            io.outputs.push(TensorSpec { name, dtype, shape });
+        }
+        if io.inputs.is_empty() || io.outputs.is_empty() {
+            return Err(load_err(model, "the engine has no inputs or no outputs"));
+        }
+
+        let mut engine = TensorRtEngine {
+            handle: None,
+            device: device.clone(),
+            io,
+            inputs: Vec::new(),
+            outputs: Vec::new(),
+            zero_copy,
+            use_graphs: opts.cuda_graph,
+            graphs_failed: false,
+            slots: Arc::new(Mutex::new(Vec::new())),
+            graphs: Vec::new(),
+            bound_slot: None,
+            runs: 0,
+            scratch: handle.scratch_size(),
+            device_bytes: 0,
+            counts: Counts::default(),
+        };
+        let alloc_err = |e| load_err(model, format!("cannot allocate device memory: {e}"));
+        for (spec, t) in engine.io.inputs.iter().zip(raw.iter().filter(|t| t.is_input)) {
+            let bytes = spec.bytes();
+            let mut dev = 0;
+            if !zero_copy {
+                dev = device.alloc_device(bytes).map_err(alloc_err)?;
+                engine.device_bytes += bytes as u64;
+                handle
+                    .set_tensor_address(&t.name, dev)
+                    .map_err(|e| load_err(model, format!("input '{}': {e}", spec.name)))?;
+            }
+            engine.inputs.push(Tensor {
+                name: t.name.clone(),
+                bytes,
+                device: dev,
+            });
+        }
+        for (spec, t) in engine.io.outputs.iter().zip(raw.iter().filter(|t| !t.is_input)) {
+            let bytes = spec.bytes();
+            let staging = Pinned::new(&device, bytes, zero_copy)?;
+            let dev = if zero_copy {
+                staging.alloc.device
+            } else {
+                let d = device.alloc_device(bytes).map_err(alloc_err)?;
+                engine.device_bytes += bytes as u64;
+                d
+            };
+            handle
+                .set_tensor_address(&t.name, dev)
+                .map_err(|e| load_err(model, format!("output '{}': {e}", spec.name)))?;
+            engine.outputs.push(Output {
+                t: Tensor {
+                    name: t.name.clone(),
+                    bytes,
+                    device: if zero_copy { 0 } else { dev },
+                },
+                staging,
+            });
+        }
+        engine.handle = Some(handle);
+        log::info!(
+            "tensorrt: {} on {}; {} in device buffers, {} TensorRT scratch; {}; CUDA graphs {}",
+            model,
+            device.describe(),
+            engine.device_bytes,
+            engine.scratch,
+            if zero_copy {
+                "zero-copy (mapped host memory)"
+            } else {
+                "copies through page-locked staging"
+            },
+            if opts.cuda_graph { "on" } else { "off" }
+        );
+        Ok(engine)
+    }
+
+    /// Whether inputs and outputs live in mapped host memory.
+    pub fn zero_copy(&self) -> bool {
+        self.zero_copy
+    }
+
+    /// Queues one run for `slot` on the stream: copy in, enqueue, copy out (or, zero-copy,
+    /// point TensorRT at the slot's mapped buffers and enqueue).
+    fn enqueue_slot(&mut self, slot: usize, addrs: &SlotAddrs) -> Result<(), EngineError> {
+        let handle = self
+            .handle
+            .as_mut()
+            .ok_or_else(|| EngineError::Run("the TensorRT engine is closed".into()))?;
+        let stream = self.device.stream();
+        if self.zero_copy {
+            if self.bound_slot != Some(slot) {
+                self.bound_slot = None;
+                for (t, (_, dev)) in self.inputs.iter().zip(addrs) {
+                    handle
+                        .set_tensor_address(&t.name, *dev)
+                        .map_err(|e| run_err("setTensorAddress", e))?;
+                }
+                self.bound_slot = Some(slot);
+            }
+        } else {
+            for (t, (host, _)) in self.inputs.iter().zip(addrs) {
+                // SAFETY: `host` is a live page-locked slot buffer of `t.bytes` bytes: slot
+                // buffers outlive the engine's use of them (the pool drops after the worker).
+                unsafe { self.device.copy_htod(t.device, *host as *const u8, t.bytes) }
+                    .map_err(|e| run_err("copy in", e))?;
+            }
+        }
+        handle
+            .enqueue(stream)
+            .map_err(|e| run_err("enqueueV3", e))?;
+        if !self.zero_copy {
+            for o in &self.outputs {
+                // SAFETY: the staging buffer is page-locked, `bytes` long, owned by the engine.
+                unsafe {
+                    self.device
+                        .copy_dtoh(o.staging.alloc.ptr, o.t.device, o.t.bytes)
+                }
+                .map_err(|e| run_err("copy out", e))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Captures one graph per known slot. A failure ends capture for good and logs why.
+    fn capture_all(&mut self) {
+        let slots: Vec<SlotAddrs> = self.slots.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        self.graphs.resize(slots.len(), None);
+        for (s, addrs) in slots.iter().enumerate() {
+            if self.graphs[s].is_some() {
+                continue;
+            }
+            match self.capture(s, addrs) {
+                Ok(g) => {
+                    self.graphs[s] = Some(g);
+                    self.counts.captured += 1;
+                }
+                Err(e) => {
+                    log::warn!(
+                        "tensorrt: CUDA graph capture failed, running without graphs: {e}"
+                    );
+                    self.graphs_failed = true;
+                    self.drop_graphs();
+                    return;
+                }
+            }
+        }
+    }
+
+    fn capture(&mut self, slot: usize, addrs: &SlotAddrs) -> Result<Graph, EngineError> {
+        self.device
+            .begin_capture()
+            .map_err(|e| run_err("capture", e))?;
+        let queued = self.enqueue_slot(slot, addrs);
+        // End the capture whatever happened, so the stream leaves capture mode.
+        let ended = self.device.end_capture();
+        queued?;
+        ended.map_err(|e| run_err("capture", e))
+    }
+
+    fn drop_graphs(&mut self) {
+        for g in self.graphs.iter_mut().filter_map(Option::take) {
+            // SAFETY: captured by this device, dropped once, never launched again.
+            unsafe { self.device.destroy_graph(g) };
+        }
+    }
+}
+
+/// The shape an input runs with: the engine's, with dynamic dims taken from `engine_shape`.
+fn fix_shape(
+    name: &str,
+    dims: &[i64],
+    hint: Option<&Vec<usize>>,
+    model: &str,
+) -> Result<Vec<usize>, EngineError> {
+    let dynamic = dims.iter().any(|&d| d < 0);
+    match hint {
+        None if dynamic => Err(EngineError::DynamicShape {
+            name: name.to_string(),
+            shape: format!("{dims:?}"),
+        }),
+        None => Ok(dims.iter().map(|&d| d as usize).collect()),
+        Some(h) => {
+            let fits = h.len() == dims.len()
+                && h.iter().zip(dims).all(|(&h, &d)| d < 0 || h as i64 == d);
+            if !fits || h.contains(&0) {
+                return Err(load_err(
+                    model,
+                    format!(
+                        "engine_shape {h:?} for input '{name}' does not fit the engine's shape \
+                         {dims:?} (-1 marks a dimension you may choose)"
+                    ),
+                ));
+            }
+            Ok(h.clone())
+        }
+    }
+}
+
+impl Engine for TensorRtEngine {
+    fn backend(&self) -> &'static str {
+        "tensorrt"
+    }
+
+    fn io(&self) -> &IoSpec {
+        &self.io
+    }
+
+    fn alloc_inputs(&self) -> Result<Vec<Box<dyn InputBuffer>>, EngineError> {
+        let mut slots = self.slots.lock().unwrap_or_else(|e| e.into_inner());
+        let slot = slots.len();
+        let mut bufs: Vec<Box<dyn InputBuffer>> = Vec::with_capacity(self.inputs.len());
+        let mut addrs = Vec::with_capacity(self.inputs.len());
+        for t in &self.inputs {
+            let mem = Pinned::new(&self.device, t.bytes, self.zero_copy)?;
+            addrs.push((mem.alloc.ptr as usize, mem.alloc.device));
+            bufs.push(Box::new(SlotInput { mem, slot }));
+        }
+        slots.push(addrs);
+        Ok(bufs)
+    }
+
+    fn run(
+        &mut self,
+        inputs: &mut [Box<dyn InputBuffer>],
+        outputs: &mut [Vec<u8>],
+        _reset: bool,
+    ) -> Result<RunStats, EngineError> {
+        // A TensorRT plan keeps no state between runs, so `reset` has nothing to drop.
+        self.device.bind().map_err(|e| run_err("bind", e))?;
+        let mut slot = None;
+        for b in inputs.iter_mut() {
+            let s = b
+                .as_any_mut()
+                .downcast_mut::<SlotInput>()
+                .ok_or_else(|| EngineError::Run("input buffer from another backend".into()))?
+                .slot;
+            if slot.is_some_and(|x| x != s) {
+                return Err(EngineError::Run("input buffers from different slots".into()));
+            }
+            slot = Some(s);
+        }
+        let slot = slot.ok_or_else(|| EngineError::Run("no input buffers".into()))?;
+        if inputs.len() != self.inputs.len() || outputs.len() != self.outputs.len() {
+            return Err(EngineError::Run(format!(
+                "expected {} inputs and {} outputs, got {} and {}",
+                self.inputs.len(),
+                self.outputs.len(),
+                inputs.len(),
+                outputs.len()
+            )));
+        }
+        // TensorRT wants one ordinary enqueue before a capture (it sets up lazily there).
+        if self.use_graphs && !self.graphs_failed && self.runs > 0 {
+            let known = self.slots.lock().unwrap_or_else(|e| e.into_inner()).len();
+            if self.graphs.get(slot).is_none_or(Option::is_none) && slot < known {
+                self.capture_all();
+            }
+        }
+        let graph = self.graphs.get(slot).copied().flatten();
+        self.device
+            .mark(false)
+            .map_err(|e| run_err("event", e))?;
+        match graph {
+            Some(g) => {
+                self.device.launch(g).map_err(|e| run_err("graph launch", e))?;
+                self.counts.graph += 1;
+            }
+            None => {
+                let slots = self.slots.clone();
+                let slots = slots.lock().unwrap_or_else(|e| e.into_inner());
+                let addrs = slots
+                    .get(slot)
+                    .ok_or_else(|| EngineError::Run("unknown slot".into()))?;
+                self.enqueue_slot(slot, addrs)?;
+                self.counts.plain += 1;
+            }
+        }
+        self.device.mark(true).map_err(|e| run_err("event", e))?;
+        let compute = self.device.finish().map_err(|e| run_err("sync", e))?;
+        self.runs += 1;
+        for (o, out) in self.outputs.iter().zip(outputs.iter_mut()) {
+            let bytes = o.staging.bytes();
+            if bytes.len() != out.len() {
+                return Err(EngineError::OutputSize {
+                    name: o.t.name.to_string_lossy().into_owned(),
+                    got: bytes.len(),
+                    expected: out.len(),
+                });
+            }
+            out.copy_from_slice(bytes);
+        }
+        Ok(RunStats { compute })
+    }
+
+    fn working_memory(&self) -> Vec<(String, u64)> {
+        let staging: u64 = self.outputs.iter().map(|o| o.t.bytes as u64).sum();
+        vec![
+            (
+                "tensorrt     device buffers (one per engine tensor)".to_string(),
+                self.device_bytes,
+            ),
+            (
+                "tensorrt     page-locked output staging".to_string(),
+                staging,
+            ),
+            (
+                "tensorrt     execution context scratch (device)".to_string(),
+                self.scratch,
+            ),
+        ]
+    }
+}
+
+impl Drop for TensorRtEngine {
+    fn drop(&mut self) {
+        let _ = self.device.bind();
+        self.drop_graphs();
+        // The context may still reference the buffers: it goes first.
+        self.handle = None;
+        for d in self
+            .inputs
+            .iter()
+            .map(|t| t.device)
+            .chain(self.outputs.iter().map(|o| o.t.device))
+            .filter(|&d| d != 0)
+        {
+            // SAFETY: allocated by this engine, freed once.
+            unsafe { self.device.free_device(d) };
+        }
+    }
+}
+
+/// Opens the real backend: probes for the CUDA driver and libnvinfer first (cudarc panics
+/// without libcuda), then loads the plan on the device.
+#[cfg(feature = "tensorrt")]
+pub fn open(
+    plan_path: &std::path::Path,
+    ordinal: u32,
+    library: Option<&std::path::Path>,
+    opts: &Options,
+) -> Result<TensorRtEngine, EngineError> {
+    let api = &shim::linked::API;
+    let mut missing = Vec::new();
+    if !device::driver_present() {
+        missing.push(
+            "no CUDA driver: libcuda.so.1 cannot be opened (on a Jetson it comes with JetPack's \
+             L4T driver in /usr/lib/aarch64-linux-gnu/tegra; elsewhere with the NVIDIA driver)"
+                .to_string(),
+        );
+    }
+    let lib_version = match shim::open_library(api, library) {
+        Ok(v) => Some(v),
+        Err(e) => {
+            missing.push(format!(
+                "no TensorRT runtime: libnvinfer cannot be opened ({e}); install JetPack's \
+                 `tensorrt` package or set engine.tensorrt_library"
+            ));
+            None
+        }
+    };
+    if !missing.is_empty() {
+        return Err(EngineError::Unavailable {
+            backend: "tensorrt",
+            reason: missing.join("; "),
+        });
+    }
+    // SAFETY: no arguments.
+    let header = unsafe { (api.header_version)() };
+    if let Some(v) = lib_version
+        && shim::version_string(v).split('.').next() != shim::version_string(header).split('.').next()
+    {
+        return Err(EngineError::Unavailable {
+            backend: "tensorrt",
+            reason: format!(
+                "libnvinfer is TensorRT {} but policyd was compiled against TensorRT {}'s \
+                 headers; build policyd on the board (docs/tensorrt.md)",
+                shim::version_string(v),
+                shim::version_string(header)
+            ),
+        });
+    }
+    let dev = device::CudaDevice::open(ordinal as usize).map_err(|e| EngineError::Unavailable {
+        backend: "tensorrt",
+        reason: format!("CUDA device {ordinal} cannot be used: {e}"),
+    })?;
+    let plan = std::fs::read(plan_path).map_err(|source| EngineError::ReadModel {
+        path: plan_path.display().to_string(),
+        source,
+    })?;
+    log::info!(
+        "tensorrt: TensorRT {} (compiled against {})",
+        shim::version_string(lib_version.unwrap_or(-1)),
+        shim::version_string(header)
+    );
+    TensorRtEngine::new(api, Arc::new(dev), &plan, opts)
+}

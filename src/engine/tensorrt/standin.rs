@@ -1,0 +1,572 @@
+//! Test stand-ins for the shim's C ABI and for CUDA, so the TensorRT engine's Rust side runs
+//! where there is no GPU: binding tensors, buffer sizes, shape checks, error propagation, and
+//! the graph and no-graph paths.
+//!
+//! The stand-in "device" is host memory: device addresses are host addresses, copies are
+//! `memcpy`, and the stream runs each operation at once, unless it is capturing, when it
+//! records them as a graph to replay (with the addresses of capture time, as CUDA does). The
+//! stand-in "TensorRT" reads a plan written as text:
+//!
+//! ```text
+//! input <name> <nvinfer1::DataType> <dims, -1 = dynamic>
+//! output <name> <DataType> <dims; -1 = the first input's first dim>
+//! fail_enqueue <n>      # the n-th enqueue fails
+//! no_capture            # enqueue refuses to run while the stream captures
+//! ```
+//!
+//! and computes, for every float32 output element k, `x0 + k / 1000`, where x0 is the first
+//! input's first element (float32 or uint8): so a test sees which observation ran.
+
+use std::alloc::Layout;
+use std::collections::HashMap;
+use std::ffi::{CStr, CString, c_char, c_void};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use super::device::{Device, DevicePtr, GpuError, Graph, HostAlloc};
+use super::shim::{LogFn, OK, RawEngine, ShimApi};
+
+const ERR: i32 = -1;
+
+// ---------------------------------------------------------------------------------------------
+// The device.
+
+/// An operation on the stand-in stream.
+#[derive(Clone, Copy)]
+enum Op {
+    Copy {
+        dst: usize,
+        src: usize,
+        bytes: usize,
+    },
+    /// Run the stand-in engine with the addresses it had when this was queued.
+    Compute {
+        engine: usize,
+        addrs: [usize; 8],
+    },
+}
+
+#[derive(Default)]
+struct Stream {
+    capturing: Option<Vec<Op>>,
+    graphs: Vec<Option<Vec<Op>>>,
+}
+
+/// Host memory posing as a GPU.
+pub struct HostDevice {
+    pub integrated: bool,
+    /// `end_capture` fails, as on a driver that cannot instantiate the graph.
+    pub fail_instantiate: bool,
+    live: Mutex<HashMap<usize, Layout>>,
+    stream: Mutex<Stream>,
+    /// Operations run (not recorded), for tests.
+    pub executed: Mutex<u64>,
+}
+
+impl HostDevice {
+    pub fn new(integrated: bool) -> HostDevice {
+        HostDevice {
+            integrated,
+            fail_instantiate: false,
+            live: Mutex::new(HashMap::new()),
+            stream: Mutex::new(Stream::default()),
+            executed: Mutex::new(0),
+        }
+    }
+
+    /// Allocations not yet freed.
+    pub fn live(&self) -> usize {
+        self.live.lock().unwrap().len()
+    }
+
+    fn alloc(&self, bytes: usize) -> *mut u8 {
+        let layout = Layout::from_size_align(bytes.max(1), 256).unwrap();
+        // SAFETY: non-zero size.
+        let p = unsafe { std::alloc::alloc_zeroed(layout) };
+        assert!(!p.is_null());
+        self.live.lock().unwrap().insert(p as usize, layout);
+        p
+    }
+
+    fn free(&self, p: usize) {
+        let layout = self
+            .live
+            .lock()
+            .unwrap()
+            .remove(&p)
+            .expect("free of memory this device did not allocate (or a double free)");
+        // SAFETY: allocated above with this layout.
+        unsafe { std::alloc::dealloc(p as *mut u8, layout) };
+    }
+
+    fn submit(&self, op: Op) {
+        let mut s = self.stream.lock().unwrap();
+        if let Some(ops) = s.capturing.as_mut() {
+            ops.push(op);
+            return;
+        }
+        drop(s);
+        self.execute(op);
+    }
+
+    fn is_capturing(&self) -> bool {
+        self.stream.lock().unwrap().capturing.is_some()
+    }
+
+    fn execute(&self, op: Op) {
+        *self.executed.lock().unwrap() += 1;
+        match op {
+            Op::Copy { dst, src, bytes } => {
+                let live = self.live.lock().unwrap();
+                for (p, what) in [(dst, "destination"), (src, "source")] {
+                    assert!(
+                        live.iter().any(|(&a, l)| p >= a && p + bytes <= a + l.size()),
+                        "copy {what} {p:#x} (+{bytes}) is not live device or host memory"
+                    );
+                }
+                drop(live);
+                // SAFETY: both ranges were just checked to be live allocations.
+                unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, bytes) };
+            }
+            Op::Compute { engine, addrs } => {
+                // SAFETY: the engine pointer was live when the op was queued and the stand-in
+                // engine outlives its stream work in these tests.
+                let e = unsafe { &*(engine as *const StandinEngine) };
+                e.compute(&addrs);
+            }
+        }
+    }
+}
+
+impl Device for HostDevice {
+    fn describe(&self) -> String {
+        format!(
+            "stand-in device ({})",
+            if self.integrated {
+                "integrated"
+            } else {
+                "discrete"
+            }
+        )
+    }
+    fn integrated(&self) -> bool {
+        self.integrated
+    }
+    fn bind(&self) -> Result<(), GpuError> {
+        Ok(())
+    }
+    fn alloc_device(&self, bytes: usize) -> Result<DevicePtr, GpuError> {
+        Ok(self.alloc(bytes) as DevicePtr)
+    }
+    unsafe fn free_device(&self, ptr: DevicePtr) {
+        self.free(ptr as usize);
+    }
+    fn alloc_host(&self, bytes: usize, mapped: bool) -> Result<HostAlloc, GpuError> {
+        let ptr = self.alloc(bytes);
+        Ok(HostAlloc {
+            ptr,
+            len: bytes,
+            device: if mapped { ptr as DevicePtr } else { 0 },
+        })
+    }
+    unsafe fn free_host(&self, ptr: *mut u8) {
+        self.free(ptr as usize);
+    }
+    fn stream(&self) -> *mut c_void {
+        self as *const HostDevice as *mut c_void
+    }
+    unsafe fn copy_htod(
+        &self,
+        dst: DevicePtr,
+        src: *const u8,
+        bytes: usize,
+    ) -> Result<(), GpuError> {
+        self.submit(Op::Copy {
+            dst: dst as usize,
+            src: src as usize,
+            bytes,
+        });
+        Ok(())
+    }
+    unsafe fn copy_dtoh(&self, dst: *mut u8, src: DevicePtr, bytes: usize) -> Result<(), GpuError> {
+        self.submit(Op::Copy {
+            dst: dst as usize,
+            src: src as usize,
+            bytes,
+        });
+        Ok(())
+    }
+    fn mark(&self, _end: bool) -> Result<(), GpuError> {
+        Ok(())
+    }
+    fn finish(&self) -> Result<Duration, GpuError> {
+        Ok(Duration::from_micros(250))
+    }
+    fn begin_capture(&self) -> Result<(), GpuError> {
+        let mut s = self.stream.lock().unwrap();
+        if s.capturing.is_some() {
+            return Err(GpuError::new("begin_capture", "already capturing"));
+        }
+        s.capturing = Some(Vec::new());
+        Ok(())
+    }
+    fn end_capture(&self) -> Result<Graph, GpuError> {
+        let mut s = self.stream.lock().unwrap();
+        let ops = s
+            .capturing
+            .take()
+            .ok_or_else(|| GpuError::new("end_capture", "not capturing"))?;
+        if self.fail_instantiate {
+            return Err(GpuError::new("cuGraphInstantiate", "stand-in refuses"));
+        }
+        s.graphs.push(Some(ops));
+        Ok(Graph(s.graphs.len() as u64 - 1))
+    }
+    fn launch(&self, graph: Graph) -> Result<(), GpuError> {
+        let ops = self.stream.lock().unwrap().graphs[graph.0 as usize]
+            .clone()
+            .ok_or_else(|| GpuError::new("launch", "destroyed graph"))?;
+        for op in ops {
+            self.execute(op);
+        }
+        Ok(())
+    }
+    unsafe fn destroy_graph(&self, graph: Graph) {
+        let g = self.stream.lock().unwrap().graphs[graph.0 as usize].take();
+        assert!(g.is_some(), "graph destroyed twice");
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The shim.
+
+struct Tensor {
+    name: CString,
+    input: bool,
+    dtype: i32,
+    dims: Vec<i64>,
+    shape_set: Option<Vec<i64>>,
+    addr: usize,
+}
+
+/// A stand-in for TensorRT's engine + execution context.
+pub struct StandinEngine {
+    tensors: Mutex<Vec<Tensor>>,
+    fail_enqueue: Option<u64>,
+    no_capture: bool,
+    enqueues: Mutex<u64>,
+}
+
+impl StandinEngine {
+    fn parse(plan: &str) -> Result<StandinEngine, String> {
+        let mut tensors = Vec::new();
+        let mut fail_enqueue = None;
+        let mut no_capture = false;
+        for line in plan.lines().map(str::trim).filter(|l| !l.is_empty()) {
+            let w: Vec<&str> = line.split_whitespace().collect();
+            match w.as_slice() {
+                [io @ ("input" | "output"), name, dtype, dims] => tensors.push(Tensor {
+                    name: CString::new(*name).map_err(|e| e.to_string())?,
+                    input: *io == "input",
+                    dtype: dtype.parse().map_err(|_| format!("bad dtype in {line}"))?,
+                    dims: dims
+                        .split(',')
+                        .map(|d| d.parse().map_err(|_| format!("bad dims in {line}")))
+                        .collect::<Result<_, _>>()?,
+                    shape_set: None,
+                    addr: 0,
+                }),
+                ["fail_enqueue", n] => fail_enqueue = n.parse().ok(),
+                ["no_capture"] => no_capture = true,
+                _ => return Err(format!("not a plan line: {line}")),
+            }
+        }
+        Ok(StandinEngine {
+            tensors: Mutex::new(tensors),
+            fail_enqueue,
+            no_capture,
+            enqueues: Mutex::new(0),
+        })
+    }
+
+    fn batch(&self) -> i64 {
+        let t = self.tensors.lock().unwrap();
+        t.iter()
+            .find(|t| t.input)
+            .map(|t| t.shape_set.as_ref().unwrap_or(&t.dims)[0])
+            .unwrap_or(1)
+    }
+
+    fn resolved(&self, t: &Tensor) -> Vec<i64> {
+        if t.input {
+            t.shape_set.clone().unwrap_or_else(|| t.dims.clone())
+        } else {
+            let b = self.batch();
+            t.dims.iter().map(|&d| if d < 0 { b } else { d }).collect()
+        }
+    }
+
+    fn compute(&self, addrs: &[usize; 8]) {
+        let t = self.tensors.lock().unwrap();
+        let first = t.iter().position(|t| t.input).unwrap();
+        // SAFETY: the address was checked live when it was set, and tests keep it so.
+        let x0 = unsafe {
+            match t[first].dtype {
+                0 => *(addrs[first] as *const f32),
+                5 => f32::from(*(addrs[first] as *const u8)),
+                _ => 0.0,
+            }
+        };
+        for (i, out) in t.iter().enumerate().filter(|(_, t)| !t.input) {
+            let n: i64 = {
+                let b = t
+                    .iter()
+                    .find(|t| t.input)
+                    .map(|t| t.shape_set.as_ref().unwrap_or(&t.dims)[0])
+                    .unwrap_or(1);
+                out.dims.iter().map(|&d| if d < 0 { b } else { d }).product()
+            };
+            if out.dtype != 0 {
+                continue;
+            }
+            // SAFETY: output buffers are sized by the engine from the same shape.
+            let o = unsafe { std::slice::from_raw_parts_mut(addrs[i] as *mut f32, n as usize) };
+            for (k, v) in o.iter_mut().enumerate() {
+                *v = x0 + k as f32 / 1000.0;
+            }
+        }
+    }
+}
+
+fn put(err: *mut c_char, n: usize, msg: &str) -> i32 {
+    let bytes = msg.as_bytes();
+    let len = bytes.len().min(n.saturating_sub(1));
+    // SAFETY: the caller's buffer holds `n` bytes.
+    unsafe {
+        std::ptr::copy_nonoverlapping(bytes.as_ptr(), err.cast::<u8>(), len);
+        *err.add(len) = 0;
+    }
+    ERR
+}
+
+fn engine<'a>(e: *const RawEngine) -> &'a StandinEngine {
+    // SAFETY: stand-in engines are the only RawEngines the stand-in API sees.
+    unsafe { &*(e as *const StandinEngine) }
+}
+
+/// Fails unless given a path, as a machine without TensorRT would.
+unsafe extern "C" fn open_library(p: *const c_char, err: *mut c_char, n: usize) -> i32 {
+    if p.is_null() {
+        return put(err, n, "libnvinfer.so.10: cannot open shared object file");
+    }
+    OK
+}
+unsafe extern "C" fn library_version() -> i32 {
+    100300
+}
+unsafe extern "C" fn header_version() -> i32 {
+    100300
+}
+#[allow(clippy::too_many_arguments)]
+unsafe extern "C" fn engine_load(
+    plan: *const c_void,
+    len: usize,
+    dla: i32,
+    log: Option<LogFn>,
+    user: *mut c_void,
+    out: *mut *mut RawEngine,
+    err: *mut c_char,
+    n: usize,
+) -> i32 {
+    // SAFETY: the caller passes a valid plan buffer.
+    let plan = unsafe { std::slice::from_raw_parts(plan.cast::<u8>(), len) };
+    if dla > 1 {
+        return put(err, n, &format!("DLA core {dla} requested, this device has 2"));
+    }
+    let parsed = std::str::from_utf8(plan)
+        .map_err(|e| e.to_string())
+        .and_then(StandinEngine::parse);
+    match parsed {
+        Ok(e) => {
+            if let Some(log) = log {
+                let msg = CString::new("stand-in engine deserialized").unwrap();
+                // SAFETY: a valid message for the call.
+                unsafe { log(3, msg.as_ptr(), user) };
+            }
+            // SAFETY: `out` is valid.
+            unsafe { *out = Box::into_raw(Box::new(e)).cast() };
+            OK
+        }
+        Err(why) => put(err, n, &format!("deserializeCudaEngine failed: {why}")),
+    }
+}
+unsafe extern "C" fn engine_free(e: *mut RawEngine) {
+    // SAFETY: created by engine_load.
+    drop(unsafe { Box::from_raw(e.cast::<StandinEngine>()) });
+}
+unsafe extern "C" fn num_io(e: *const RawEngine) -> i32 {
+    engine(e).tensors.lock().unwrap().len() as i32
+}
+#[allow(clippy::too_many_arguments)]
+unsafe extern "C" fn io_info(
+    e: *const RawEngine,
+    i: i32,
+    name: *mut *const c_char,
+    is_input: *mut i32,
+    dtype: *mut i32,
+    dims: *mut i64,
+    nb: *mut i32,
+    err: *mut c_char,
+    n: usize,
+) -> i32 {
+    let t = engine(e).tensors.lock().unwrap();
+    let Some(t) = t.get(i as usize) else {
+        return put(err, n, "index out of range");
+    };
+    // SAFETY: out-pointers are valid; `dims` holds 8 entries.
+    unsafe {
+        *name = t.name.as_ptr();
+        *is_input = i32::from(t.input);
+        *dtype = t.dtype;
+        *nb = t.dims.len() as i32;
+        std::ptr::copy_nonoverlapping(t.dims.as_ptr(), dims, t.dims.len());
+    }
+    OK
+}
+unsafe extern "C" fn context_shape(
+    e: *const RawEngine,
+    name: *const c_char,
+    dims: *mut i64,
+    nb: *mut i32,
+    err: *mut c_char,
+    n: usize,
+) -> i32 {
+    let eng = engine(e);
+    // SAFETY: a valid C string.
+    let name = unsafe { CStr::from_ptr(name) };
+    let t = eng.tensors.lock().unwrap();
+    let Some(t) = t.iter().find(|t| t.name.as_c_str() == name) else {
+        return put(err, n, "unknown tensor");
+    };
+    let tensor = Tensor {
+        name: t.name.clone(),
+        input: t.input,
+        dtype: t.dtype,
+        dims: t.dims.clone(),
+        shape_set: t.shape_set.clone(),
+        addr: 0,
+    };
+    drop(t);
+    let d = eng.resolved(&tensor);
+    // SAFETY: out-pointers are valid; `dims` holds 8 entries.
+    unsafe {
+        *nb = d.len() as i32;
+        std::ptr::copy_nonoverlapping(d.as_ptr(), dims, d.len());
+    }
+    OK
+}
+unsafe extern "C" fn scratch_size(_e: *const RawEngine) -> i64 {
+    4096
+}
+unsafe extern "C" fn set_input_shape(
+    e: *mut RawEngine,
+    name: *const c_char,
+    dims: *const i64,
+    nb: i32,
+    err: *mut c_char,
+    n: usize,
+) -> i32 {
+    // SAFETY: valid string and array.
+    let (name, dims) = unsafe {
+        (
+            CStr::from_ptr(name),
+            std::slice::from_raw_parts(dims, nb as usize),
+        )
+    };
+    let mut ts = engine(e).tensors.lock().unwrap();
+    let Some(t) = ts.iter_mut().find(|t| t.name.as_c_str() == name && t.input) else {
+        return put(err, n, "no such input");
+    };
+    let fits = t.dims.len() == dims.len()
+        && t.dims.iter().zip(dims).all(|(&a, &b)| a < 0 || a == b)
+        && dims.iter().all(|&d| (1..=64).contains(&d));
+    if !fits {
+        return put(err, n, "setInputShape refused the shape (outside the profile 1..64)");
+    }
+    t.shape_set = Some(dims.to_vec());
+    OK
+}
+unsafe extern "C" fn set_tensor_address(
+    e: *mut RawEngine,
+    name: *const c_char,
+    ptr: *mut c_void,
+    err: *mut c_char,
+    n: usize,
+) -> i32 {
+    // SAFETY: valid string.
+    let name = unsafe { CStr::from_ptr(name) };
+    let mut ts = engine(e).tensors.lock().unwrap();
+    let Some(t) = ts.iter_mut().find(|t| t.name.as_c_str() == name) else {
+        return put(err, n, "setTensorAddress: unknown tensor");
+    };
+    if ptr.is_null() || (ptr as usize) % 256 != 0 {
+        return put(err, n, "setTensorAddress: null or misaligned address");
+    }
+    t.addr = ptr as usize;
+    OK
+}
+unsafe extern "C" fn enqueue(
+    e: *mut RawEngine,
+    stream: *mut c_void,
+    err: *mut c_char,
+    n: usize,
+) -> i32 {
+    let eng = engine(e);
+    // SAFETY: the stand-in engine is only ever given a HostDevice's stream.
+    let dev = unsafe { &*(stream as *const HostDevice) };
+    if eng.no_capture && dev.is_capturing() {
+        return put(err, n, "this engine cannot be captured into a CUDA graph");
+    }
+    let count = {
+        let mut c = eng.enqueues.lock().unwrap();
+        *c += 1;
+        *c
+    };
+    if eng.fail_enqueue == Some(count) {
+        return put(err, n, "stand-in failure");
+    }
+    let ts = eng.tensors.lock().unwrap();
+    let mut addrs = [0usize; 8];
+    for (i, t) in ts.iter().enumerate() {
+        if t.addr == 0 {
+            let msg = format!("tensor '{}' has no address", t.name.to_string_lossy());
+            return put(err, n, &msg);
+        }
+        if t.input && t.dims.iter().any(|&d| d < 0) && t.shape_set.is_none() {
+            let msg = format!("input '{}' has no shape set", t.name.to_string_lossy());
+            return put(err, n, &msg);
+        }
+        addrs[i] = t.addr;
+    }
+    drop(ts);
+    dev.submit(Op::Compute {
+        engine: e as usize,
+        addrs,
+    });
+    OK
+}
+
+pub static API: ShimApi = ShimApi {
+    open_library,
+    library_version,
+    header_version,
+    engine_load,
+    engine_free,
+    num_io,
+    io_info,
+    context_shape,
+    scratch_size,
+    set_input_shape,
+    set_tensor_address,
+    enqueue,
+};
