@@ -65,12 +65,15 @@ pub trait Device: Send + Sync {
     fn stream(&self) -> *mut c_void;
     /// # Safety
     /// `src` is page-locked host memory of `bytes` bytes that lives until the copy has run.
-    unsafe fn copy_htod(&self, dst: DevicePtr, src: *const u8, bytes: usize)
-    -> Result<(), GpuError>;
+    unsafe fn copy_htod(
+        &self,
+        dst: DevicePtr,
+        src: *const u8,
+        bytes: usize,
+    ) -> Result<(), GpuError>;
     /// # Safety
     /// `dst` is page-locked host memory of `bytes` bytes that lives until the copy has run.
-    unsafe fn copy_dtoh(&self, dst: *mut u8, src: DevicePtr, bytes: usize)
-    -> Result<(), GpuError>;
+    unsafe fn copy_dtoh(&self, dst: *mut u8, src: DevicePtr, bytes: usize) -> Result<(), GpuError>;
     /// Records the start (`false`) or end (`true`) timing event on the stream.
     fn mark(&self, end: bool) -> Result<(), GpuError>;
     /// Waits for the end event; the device time between the two events.
@@ -130,12 +133,12 @@ mod cuda {
         /// Opens device `ordinal`. Call [`driver_present`] first.
         pub fn open(ordinal: usize) -> Result<CudaDevice, GpuError> {
             let ctx = CudaContext::new(ordinal).map_err(err("cuInit/cuDevicePrimaryCtxRetain"))?;
-            let name = ctx.name().unwrap_or_else(|_| format!("CUDA device {ordinal}"));
+            let name = ctx
+                .name()
+                .unwrap_or_else(|_| format!("CUDA device {ordinal}"));
             let attr = |a| ctx.attribute(a).unwrap_or(0);
-            let integrated =
-                attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_INTEGRATED) != 0
-                    && attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_CAN_MAP_HOST_MEMORY)
-                        != 0;
+            let integrated = attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_INTEGRATED) != 0
+                && attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_CAN_MAP_HOST_MEMORY) != 0;
             let stream = result::stream::create(result::stream::StreamKind::NonBlocking)
                 .map_err(err("cuStreamCreate"))?;
             let start = result::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT)

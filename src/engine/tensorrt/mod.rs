@@ -255,7 +255,12 @@ impl TensorRtEngine {
             counts: Counts::default(),
         };
         let alloc_err = |e| load_err(model, format!("cannot allocate device memory: {e}"));
-        for (spec, t) in engine.io.inputs.iter().zip(raw.iter().filter(|t| t.is_input)) {
+        for (spec, t) in engine
+            .io
+            .inputs
+            .iter()
+            .zip(raw.iter().filter(|t| t.is_input))
+        {
             let bytes = spec.bytes();
             let mut dev = 0;
             if !zero_copy {
@@ -271,7 +276,12 @@ impl TensorRtEngine {
                 device: dev,
             });
         }
-        for (spec, t) in engine.io.outputs.iter().zip(raw.iter().filter(|t| !t.is_input)) {
+        for (spec, t) in engine
+            .io
+            .outputs
+            .iter()
+            .zip(raw.iter().filter(|t| !t.is_input))
+        {
             let bytes = spec.bytes();
             let staging = Pinned::new(&device, bytes, zero_copy)?;
             let dev = if zero_copy {
@@ -341,9 +351,8 @@ impl TensorRtEngine {
                     .map_err(|e| run_err("copy in", e))?;
             }
         }
-        handle
-            .enqueue(stream)
-            .map_err(|e| run_err("enqueueV3", e))?;
+        // SAFETY: the device's own stream, in the context the engine was loaded in.
+        unsafe { handle.enqueue(stream) }.map_err(|e| run_err("enqueueV3", e))?;
         if !self.zero_copy {
             for o in &self.outputs {
                 // SAFETY: the staging buffer is page-locked, `bytes` long, owned by the engine.
@@ -371,9 +380,7 @@ impl TensorRtEngine {
                     self.counts.captured += 1;
                 }
                 Err(e) => {
-                    log::warn!(
-                        "tensorrt: CUDA graph capture failed, running without graphs: {e}"
-                    );
+                    log::warn!("tensorrt: CUDA graph capture failed, running without graphs: {e}");
                     self.graphs_failed = true;
                     self.drop_graphs();
                     return;
@@ -416,8 +423,8 @@ fn fix_shape(
         }),
         None => Ok(dims.iter().map(|&d| d as usize).collect()),
         Some(h) => {
-            let fits = h.len() == dims.len()
-                && h.iter().zip(dims).all(|(&h, &d)| d < 0 || h as i64 == d);
+            let fits =
+                h.len() == dims.len() && h.iter().zip(dims).all(|(&h, &d)| d < 0 || h as i64 == d);
             if !fits || h.contains(&0) {
                 return Err(load_err(
                     model,
@@ -471,7 +478,9 @@ impl Engine for TensorRtEngine {
                 .ok_or_else(|| EngineError::Run("input buffer from another backend".into()))?
                 .slot;
             if slot.is_some_and(|x| x != s) {
-                return Err(EngineError::Run("input buffers from different slots".into()));
+                return Err(EngineError::Run(
+                    "input buffers from different slots".into(),
+                ));
             }
             slot = Some(s);
         }
@@ -493,12 +502,12 @@ impl Engine for TensorRtEngine {
             }
         }
         let graph = self.graphs.get(slot).copied().flatten();
-        self.device
-            .mark(false)
-            .map_err(|e| run_err("event", e))?;
+        self.device.mark(false).map_err(|e| run_err("event", e))?;
         match graph {
             Some(g) => {
-                self.device.launch(g).map_err(|e| run_err("graph launch", e))?;
+                self.device
+                    .launch(g)
+                    .map_err(|e| run_err("graph launch", e))?;
                 self.counts.graph += 1;
             }
             None => {
@@ -603,7 +612,8 @@ pub fn open(
     // SAFETY: no arguments.
     let header = unsafe { (api.header_version)() };
     if let Some(v) = lib_version
-        && shim::version_string(v).split('.').next() != shim::version_string(header).split('.').next()
+        && shim::version_string(v).split('.').next()
+            != shim::version_string(header).split('.').next()
     {
         return Err(EngineError::Unavailable {
             backend: "tensorrt",
@@ -629,4 +639,321 @@ pub fn open(
         shim::version_string(header)
     );
     TensorRtEngine::new(api, Arc::new(dev), &plan, opts)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::standin::{self, HostDevice};
+    use super::*;
+
+    const PLAN: &str = "
+        input state 0 1,14
+        input image 5 1,3,4,4
+        output actions 0 1,5,14
+    ";
+
+    fn opts(graphs: bool, zero_copy: ZeroCopy) -> Options {
+        Options {
+            model: "test.plan".into(),
+            dla_core: None,
+            cuda_graph: graphs,
+            zero_copy,
+            shapes: Vec::new(),
+        }
+    }
+
+    fn open(plan: &str, dev: &Arc<HostDevice>, o: &Options) -> Result<TensorRtEngine, EngineError> {
+        TensorRtEngine::new(&standin::API, dev.clone(), plan.as_bytes(), o)
+    }
+
+    fn set_state(bufs: &mut [Box<dyn InputBuffer>], x: f32) {
+        bufs[0].bytes_mut()[..4].copy_from_slice(&x.to_ne_bytes());
+    }
+
+    fn outputs(e: &TensorRtEngine) -> Vec<Vec<u8>> {
+        e.io()
+            .outputs
+            .iter()
+            .map(|s| vec![0u8; s.bytes()])
+            .collect()
+    }
+
+    /// Every output element is x0 + k/1000 for the observation that ran.
+    fn assert_ran(out: &[u8], x0: f32) {
+        let v: Vec<f32> = out
+            .chunks_exact(4)
+            .map(|c| f32::from_ne_bytes(c.try_into().unwrap()))
+            .collect();
+        assert_eq!(v.len(), 70);
+        for (k, y) in v.iter().enumerate() {
+            assert!(
+                (y - (x0 + k as f32 / 1000.0)).abs() < 1e-6,
+                "element {k}: {y} for {x0}"
+            );
+        }
+    }
+
+    /// Two slots, alternating, with fresh values each run: every run reads its own slot's
+    /// buffers, whether it was a plain enqueue or a replayed graph.
+    fn run_two_slots(e: &mut TensorRtEngine) {
+        let mut a = e.alloc_inputs().unwrap();
+        let mut b = e.alloc_inputs().unwrap();
+        let mut out = outputs(e);
+        for i in 0..6 {
+            let x = i as f32 + 0.5;
+            let bufs = if i % 2 == 0 { &mut a } else { &mut b };
+            set_state(bufs, x);
+            let stats = e.run(bufs, &mut out, i == 0).unwrap();
+            assert_eq!(
+                stats.compute,
+                Duration::from_micros(250),
+                "device time from events"
+            );
+            assert_ran(&out[0], x);
+        }
+    }
+
+    use std::time::Duration;
+
+    #[test]
+    fn reports_io_and_sizes_from_the_plan() {
+        let dev = Arc::new(HostDevice::new(false));
+        let e = open(PLAN, &dev, &opts(true, ZeroCopy::Auto)).unwrap();
+        let io = e.io();
+        assert_eq!(io.inputs[0].name, "state");
+        assert_eq!(io.inputs[0].dtype, ElemType::F32);
+        assert_eq!(io.inputs[1].shape, vec![1, 3, 4, 4]);
+        assert_eq!(io.inputs[1].dtype, ElemType::U8);
+        assert_eq!(io.outputs[0].shape, vec![1, 5, 14]);
+        assert!(!e.zero_copy(), "auto is off on a discrete GPU");
+        let bufs = e.alloc_inputs().unwrap();
+        assert_eq!(bufs.len(), 2);
+        let mut bufs = bufs;
+        assert_eq!(bufs[0].bytes_mut().len(), 14 * 4);
+        assert_eq!(bufs[1].bytes_mut().len(), 48);
+        let mem = e.working_memory();
+        assert_eq!(
+            mem[0].1,
+            (56 + 48 + 280) as u64,
+            "one device buffer per tensor"
+        );
+        assert_eq!(mem[1].1, 280, "output staging");
+        assert_eq!(mem[2].1, 4096, "the context's scratch");
+    }
+
+    #[test]
+    fn copy_mode_captures_one_graph_per_slot_after_the_first_run() {
+        let dev = Arc::new(HostDevice::new(false));
+        let mut e = open(PLAN, &dev, &opts(true, ZeroCopy::Auto)).unwrap();
+        run_two_slots(&mut e);
+        assert_eq!(e.counts.plain, 1, "one plain enqueue before capture");
+        assert_eq!(e.counts.captured, 2);
+        assert_eq!(e.counts.graph, 5);
+    }
+
+    #[test]
+    fn graphs_off_runs_plain_enqueues() {
+        let dev = Arc::new(HostDevice::new(false));
+        let mut e = open(PLAN, &dev, &opts(false, ZeroCopy::Off)).unwrap();
+        run_two_slots(&mut e);
+        assert_eq!(
+            e.counts,
+            Counts {
+                plain: 6,
+                graph: 0,
+                captured: 0
+            }
+        );
+    }
+
+    #[test]
+    fn zero_copy_on_an_integrated_gpu_makes_no_copies() {
+        for graphs in [false, true] {
+            let dev = Arc::new(HostDevice::new(true));
+            let mut e = open(PLAN, &dev, &opts(graphs, ZeroCopy::Auto)).unwrap();
+            assert!(e.zero_copy());
+            assert_eq!(e.working_memory()[0].1, 0, "no device buffers");
+            run_two_slots(&mut e);
+            assert_eq!(
+                *dev.executed.lock().unwrap(),
+                6,
+                "one compute per run and not a single copy (graphs {graphs})"
+            );
+        }
+    }
+
+    #[test]
+    fn a_failed_capture_falls_back_to_plain_enqueues() {
+        let dev = Arc::new(HostDevice::new(false));
+        let plan = format!("{PLAN}\nno_capture");
+        let mut e = open(&plan, &dev, &opts(true, ZeroCopy::Off)).unwrap();
+        run_two_slots(&mut e);
+        assert_eq!(
+            e.counts,
+            Counts {
+                plain: 6,
+                graph: 0,
+                captured: 0
+            }
+        );
+
+        let mut dev = HostDevice::new(false);
+        dev.fail_instantiate = true;
+        let dev = Arc::new(dev);
+        let mut e = open(PLAN, &dev, &opts(true, ZeroCopy::Off)).unwrap();
+        run_two_slots(&mut e);
+        assert_eq!(e.counts.graph, 0);
+        assert_eq!(e.counts.plain, 6);
+    }
+
+    #[test]
+    fn an_engine_error_fails_one_run_and_the_next_succeeds() {
+        let dev = Arc::new(HostDevice::new(false));
+        let plan = format!("{PLAN}\nfail_enqueue 2");
+        let mut e = open(&plan, &dev, &opts(false, ZeroCopy::Off)).unwrap();
+        let mut a = e.alloc_inputs().unwrap();
+        let mut out = outputs(&e);
+        e.run(&mut a, &mut out, false).unwrap();
+        let err = e.run(&mut a, &mut out, false).unwrap_err().to_string();
+        assert!(
+            err.contains("enqueueV3") && err.contains("stand-in failure"),
+            "{err}"
+        );
+        set_state(&mut a, 7.0);
+        e.run(&mut a, &mut out, false).unwrap();
+        assert_ran(&out[0], 7.0);
+    }
+
+    #[test]
+    fn dynamic_input_shapes_come_from_engine_shape() {
+        let plan = "
+            input state 0 -1,14
+            output actions 0 -1,5,14
+        ";
+        let dev = Arc::new(HostDevice::new(false));
+        let err = open(plan, &dev, &opts(true, ZeroCopy::Off))
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            err.contains("'state'") && err.contains("engine_shape"),
+            "{err}"
+        );
+
+        let mut o = opts(true, ZeroCopy::Off);
+        o.shapes = vec![("state".into(), vec![2, 14])];
+        let e = open(plan, &dev, &o).unwrap();
+        assert_eq!(e.io().inputs[0].shape, vec![2, 14]);
+        assert_eq!(
+            e.io().outputs[0].shape,
+            vec![2, 5, 14],
+            "resolved by the context"
+        );
+
+        o.shapes = vec![("state".into(), vec![2, 15])];
+        let err = open(plan, &dev, &o).err().unwrap().to_string();
+        assert!(
+            err.contains("does not fit") && err.contains("[2, 15]"),
+            "{err}"
+        );
+
+        o.shapes = vec![("state".into(), vec![100, 14])];
+        let err = open(plan, &dev, &o).err().unwrap().to_string();
+        assert!(err.contains("setInputShape refused"), "{err}");
+    }
+
+    #[test]
+    fn load_errors_name_what_is_wrong() {
+        let dev = Arc::new(HostDevice::new(false));
+        let o = opts(true, ZeroCopy::Off);
+        let err = open("not a plan", &dev, &o).err().unwrap().to_string();
+        assert!(
+            err.contains("test.plan") && err.contains("deserializeCudaEngine"),
+            "{err}"
+        );
+        let bf16 = "input x 7 1,4\noutput y 0 1,4";
+        let err = open(bf16, &dev, &o).err().unwrap().to_string();
+        assert!(err.contains("input 'x'") && err.contains("kBF16"), "{err}");
+        let mut dla = o.clone();
+        dla.dla_core = Some(3);
+        let err = open(PLAN, &dev, &dla).err().unwrap().to_string();
+        assert!(err.contains("DLA core 3"), "{err}");
+    }
+
+    #[test]
+    fn every_allocation_is_freed() {
+        let dev = Arc::new(HostDevice::new(false));
+        {
+            let mut e = open(PLAN, &dev, &opts(true, ZeroCopy::Off)).unwrap();
+            run_two_slots(&mut e);
+            assert!(dev.live() > 0);
+        }
+        assert_eq!(dev.live(), 0);
+        let _ = open(
+            "input x 7 1,4\noutput y 0 1,4",
+            &dev,
+            &opts(true, ZeroCopy::Off),
+        );
+        assert_eq!(dev.live(), 0, "nothing leaks on a failed load");
+    }
+
+    #[test]
+    fn serves_through_the_plan_and_worker_with_a_config() {
+        let text = r#"
+[engine]
+model = "test.plan"
+slots = 3
+warmup_runs = 2
+[[inputs]]
+key = "state"
+tensor = "state"
+dtypes = ["float32", "float64"]
+shape = [14]
+[[inputs]]
+key = "images/cam"
+tensor = "image"
+dtypes = ["uint8"]
+shape = [4, 4, 3]
+layout = "hwc_to_chw"
+[[outputs]]
+tensor = "actions"
+"#;
+        let cfg = crate::config::Config::parse(text, "t", Some(std::path::Path::new("."))).unwrap();
+        let dev = Arc::new(HostDevice::new(true));
+        let e = open(PLAN, &dev, &opts(true, ZeroCopy::Auto)).unwrap();
+        let loaded = crate::server::load_engine(&cfg, Box::new(e)).unwrap();
+        assert_eq!(loaded.backend, "tensorrt");
+        let budget = loaded.plan.budget.render();
+        assert!(budget.contains("tensorrt"), "{budget}");
+        drop(loaded);
+        assert_eq!(
+            dev.live(),
+            0,
+            "slots and engine freed their page-locked memory"
+        );
+
+        let wrong = text.replace("tensor = \"image\"", "tensor = \"images\"");
+        let cfg =
+            crate::config::Config::parse(&wrong, "t", Some(std::path::Path::new("."))).unwrap();
+        let e = open(PLAN, &dev, &opts(true, ZeroCopy::Auto)).unwrap();
+        let err = crate::server::load_engine(&cfg, Box::new(e))
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            err.contains("inputs[1].tensor") && err.contains("'image'"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn library_versions_read_as_releases() {
+        assert_eq!(shim::version_string(100300), "10.3.0");
+        assert_eq!(shim::version_string(8602), "8.6.2");
+        assert_eq!(shim::version_string(110400), "11.4.0");
+        let err = shim::open_library(&standin::API, None).unwrap_err();
+        assert!(err.contains("libnvinfer"), "{err}");
+        let v = shim::open_library(&standin::API, Some(std::path::Path::new("/x.so"))).unwrap();
+        assert_eq!(v, 100300);
+    }
 }

@@ -225,7 +225,9 @@ impl Handle {
             })
             .map_err(|m| format!("I/O tensor {i}: {m}"))?;
             if name.is_null() || !(0..=MAX_DIMS as i32).contains(&nb) {
-                return Err(format!("I/O tensor {i}: the shim returned no name or a bad rank"));
+                return Err(format!(
+                    "I/O tensor {i}: the shim returned no name or a bad rank"
+                ));
             }
             // SAFETY: the shim returns a NUL-terminated name valid while the engine lives.
             let name = unsafe { CStr::from_ptr(name) }.to_owned();
@@ -278,8 +280,10 @@ impl Handle {
         })
     }
 
-    pub fn enqueue(&mut self, stream: *mut c_void) -> Result<(), String> {
-        // SAFETY: `stream` is the device's live stream.
+    /// # Safety
+    /// `stream` is a live CUDA stream of the context the engine was loaded in.
+    pub unsafe fn enqueue(&mut self, stream: *mut c_void) -> Result<(), String> {
+        // SAFETY: the caller passes a live stream.
         call(|e, n| unsafe { (self.api.enqueue)(self.raw, stream, e, n) })
     }
 }

@@ -40,10 +40,7 @@ enum Op {
         bytes: usize,
     },
     /// Run the stand-in engine with the addresses it had when this was queued.
-    Compute {
-        engine: usize,
-        addrs: [usize; 8],
-    },
+    Compute { engine: usize, addrs: [usize; 8] },
 }
 
 #[derive(Default)]
@@ -120,7 +117,8 @@ impl HostDevice {
                 let live = self.live.lock().unwrap();
                 for (p, what) in [(dst, "destination"), (src, "source")] {
                     assert!(
-                        live.iter().any(|(&a, l)| p >= a && p + bytes <= a + l.size()),
+                        live.iter()
+                            .any(|(&a, l)| p >= a && p + bytes <= a + l.size()),
                         "copy {what} {p:#x} (+{bytes}) is not live device or host memory"
                     );
                 }
@@ -324,7 +322,10 @@ impl StandinEngine {
                     .find(|t| t.input)
                     .map(|t| t.shape_set.as_ref().unwrap_or(&t.dims)[0])
                     .unwrap_or(1);
-                out.dims.iter().map(|&d| if d < 0 { b } else { d }).product()
+                out.dims
+                    .iter()
+                    .map(|&d| if d < 0 { b } else { d })
+                    .product()
             };
             if out.dtype != 0 {
                 continue;
@@ -381,7 +382,11 @@ unsafe extern "C" fn engine_load(
     // SAFETY: the caller passes a valid plan buffer.
     let plan = unsafe { std::slice::from_raw_parts(plan.cast::<u8>(), len) };
     if dla > 1 {
-        return put(err, n, &format!("DLA core {dla} requested, this device has 2"));
+        return put(
+            err,
+            n,
+            &format!("DLA core {dla} requested, this device has 2"),
+        );
     }
     let parsed = std::str::from_utf8(plan)
         .map_err(|e| e.to_string())
@@ -444,8 +449,8 @@ unsafe extern "C" fn context_shape(
     let eng = engine(e);
     // SAFETY: a valid C string.
     let name = unsafe { CStr::from_ptr(name) };
-    let t = eng.tensors.lock().unwrap();
-    let Some(t) = t.iter().find(|t| t.name.as_c_str() == name) else {
+    let ts = eng.tensors.lock().unwrap();
+    let Some(t) = ts.iter().find(|t| t.name.as_c_str() == name) else {
         return put(err, n, "unknown tensor");
     };
     let tensor = Tensor {
@@ -456,7 +461,7 @@ unsafe extern "C" fn context_shape(
         shape_set: t.shape_set.clone(),
         addr: 0,
     };
-    drop(t);
+    drop(ts);
     let d = eng.resolved(&tensor);
     // SAFETY: out-pointers are valid; `dims` holds 8 entries.
     unsafe {
@@ -491,7 +496,11 @@ unsafe extern "C" fn set_input_shape(
         && t.dims.iter().zip(dims).all(|(&a, &b)| a < 0 || a == b)
         && dims.iter().all(|&d| (1..=64).contains(&d));
     if !fits {
-        return put(err, n, "setInputShape refused the shape (outside the profile 1..64)");
+        return put(
+            err,
+            n,
+            "setInputShape refused the shape (outside the profile 1..64)",
+        );
     }
     t.shape_set = Some(dims.to_vec());
     OK
@@ -509,7 +518,7 @@ unsafe extern "C" fn set_tensor_address(
     let Some(t) = ts.iter_mut().find(|t| t.name.as_c_str() == name) else {
         return put(err, n, "setTensorAddress: unknown tensor");
     };
-    if ptr.is_null() || (ptr as usize) % 256 != 0 {
+    if ptr.is_null() || !(ptr as usize).is_multiple_of(256) {
         return put(err, n, "setTensorAddress: null or misaligned address");
     }
     t.addr = ptr as usize;
