@@ -17,7 +17,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests/interop"))
-from test_openpi import observation  # noqa: E402
+from profiles import observation  # noqa: E402
 from openpi_client import websocket_client_policy as wcp  # noqa: E402
 
 ap = argparse.ArgumentParser()

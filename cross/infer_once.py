@@ -9,7 +9,8 @@ import urllib.request
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests/interop"))
-from test_openpi import expected, observation  # noqa: E402
+from profiles import observation  # noqa: E402
+from test_openpi import expected  # noqa: E402
 from openpi_client import websocket_client_policy as wcp  # noqa: E402
 
 port = int(sys.argv[1])

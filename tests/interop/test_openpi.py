@@ -18,6 +18,7 @@ import pytest
 import websockets.sync.client as wsc
 from openpi_client import msgpack_numpy as openpi_mn
 from openpi_client import websocket_client_policy as wcp
+from profiles import observation
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 BIN = os.environ.get("POLICYD_BIN", str(ROOT / "target/debug/policyd"))
@@ -43,20 +44,6 @@ def server(request):
     yield request.param, port
     proc.terminate()
     proc.wait(timeout=15)
-
-
-def observation(profile, rng):
-    img = lambda shape: rng.integers(0, 256, shape, dtype=np.uint8)
-    if profile == "aloha":
-        return {"state": rng.random(14), "images": {c: img((3, 224, 224)) for c in
-                ["cam_high", "cam_low", "cam_left_wrist", "cam_right_wrist"]}, "prompt": "fold"}
-    if profile == "droid":
-        return {"observation/exterior_image_1_left": img((224, 224, 3)),
-                "observation/wrist_image_left": img((224, 224, 3)),
-                "observation/joint_position": rng.random(7),
-                "observation/gripper_position": rng.random(1), "prompt": "pick"}
-    return {"observation/image": img((224, 224, 3)), "observation/wrist_image": img((224, 224, 3)),
-            "observation/state": rng.random(8).astype(np.float32), "prompt": "pick"}
 
 
 def lookup(obs, key):
