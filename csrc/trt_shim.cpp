@@ -37,6 +37,20 @@ private:
     void* user_;
 };
 
+// Copies a shape out; TRT_ERR for a rank the ABI cannot carry (or -1: no shape).
+int32_t put_dims(const nvinfer1::Dims& d, int64_t* dims, int32_t* nb_dims, char* err,
+                 size_t err_len) {
+    if (d.nbDims < 0 || d.nbDims > TRT_MAX_DIMS) {
+        put(err, err_len, "the tensor has no shape, or a rank above 8");
+        return TRT_ERR;
+    }
+    *nb_dims = d.nbDims;
+    for (int32_t k = 0; k < d.nbDims; ++k) {
+        dims[k] = static_cast<int64_t>(d.d[k]);
+    }
+    return TRT_OK;
+}
+
 }  // namespace
 
 // Declared in this order so that they are destroyed in reverse: the context before the engine,
@@ -127,16 +141,7 @@ extern "C" int32_t trt_io_info(const trt_engine* e, int32_t i, const char** name
         *name = n;
         *is_input = e->engine->getTensorIOMode(n) == nvinfer1::TensorIOMode::kINPUT ? 1 : 0;
         *dtype = static_cast<int32_t>(e->engine->getTensorDataType(n));
-        nvinfer1::Dims d = e->engine->getTensorShape(n);
-        if (d.nbDims < 0 || d.nbDims > TRT_MAX_DIMS) {
-            put(err, err_len, "tensor has an unsupported rank");
-            return TRT_ERR;
-        }
-        *nb_dims = d.nbDims;
-        for (int32_t k = 0; k < d.nbDims; ++k) {
-            dims[k] = static_cast<int64_t>(d.d[k]);
-        }
-        return TRT_OK;
+        return put_dims(e->engine->getTensorShape(n), dims, nb_dims, err, err_len);
     } catch (...) {
         put(err, err_len, "C++ exception in trt_io_info");
     }
@@ -146,16 +151,7 @@ extern "C" int32_t trt_io_info(const trt_engine* e, int32_t i, const char** name
 extern "C" int32_t trt_context_shape(const trt_engine* e, const char* name, int64_t* dims,
                                      int32_t* nb_dims, char* err, size_t err_len) {
     try {
-        nvinfer1::Dims d = e->context->getTensorShape(name);
-        if (d.nbDims < 0 || d.nbDims > TRT_MAX_DIMS) {
-            put(err, err_len, "the context has no shape for this tensor");
-            return TRT_ERR;
-        }
-        *nb_dims = d.nbDims;
-        for (int32_t k = 0; k < d.nbDims; ++k) {
-            dims[k] = static_cast<int64_t>(d.d[k]);
-        }
-        return TRT_OK;
+        return put_dims(e->context->getTensorShape(name), dims, nb_dims, err, err_len);
     } catch (...) {
         put(err, err_len, "C++ exception in trt_context_shape");
     }

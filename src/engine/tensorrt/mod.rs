@@ -390,6 +390,14 @@ impl TensorRtEngine {
     }
 
     fn capture(&mut self, slot: usize, addrs: &SlotAddrs) -> Result<Graph, EngineError> {
+        if self.zero_copy && self.bound_slot != Some(slot) {
+            // New tensor addresses: TensorRT finishes its deferred setup in an ordinary
+            // enqueue, so run one before capturing with them.
+            self.device.mark(false).map_err(|e| run_err("event", e))?;
+            self.enqueue_slot(slot, addrs)?;
+            self.device.mark(true).map_err(|e| run_err("event", e))?;
+            self.device.finish().map_err(|e| run_err("sync", e))?;
+        }
         self.device
             .begin_capture()
             .map_err(|e| run_err("capture", e))?;
@@ -746,6 +754,7 @@ mod tests {
         let dev = Arc::new(HostDevice::new(false));
         let mut e = open(PLAN, &dev, &opts(true, ZeroCopy::Auto)).unwrap();
         run_two_slots(&mut e);
+        assert!(*dev.copies.lock().unwrap() >= 18, "3 copies a run");
         assert_eq!(e.counts.plain, 1, "one plain enqueue before capture");
         assert_eq!(e.counts.captured, 2);
         assert_eq!(e.counts.graph, 5);
@@ -774,11 +783,8 @@ mod tests {
             assert!(e.zero_copy());
             assert_eq!(e.working_memory()[0].1, 0, "no device buffers");
             run_two_slots(&mut e);
-            assert_eq!(
-                *dev.executed.lock().unwrap(),
-                6,
-                "one compute per run and not a single copy (graphs {graphs})"
-            );
+            assert_eq!(*dev.copies.lock().unwrap(), 0, "graphs {graphs}");
+            assert!(*dev.executed.lock().unwrap() >= 6, "graphs {graphs}");
         }
     }
 

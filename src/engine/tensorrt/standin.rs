@@ -56,8 +56,9 @@ pub struct HostDevice {
     pub fail_instantiate: bool,
     live: Mutex<HashMap<usize, Layout>>,
     stream: Mutex<Stream>,
-    /// Operations run (not recorded), for tests.
+    /// Operations run (not recorded), and of those the copies, for tests.
     pub executed: Mutex<u64>,
+    pub copies: Mutex<u64>,
 }
 
 impl HostDevice {
@@ -68,6 +69,7 @@ impl HostDevice {
             live: Mutex::new(HashMap::new()),
             stream: Mutex::new(Stream::default()),
             executed: Mutex::new(0),
+            copies: Mutex::new(0),
         }
     }
 
@@ -114,6 +116,7 @@ impl HostDevice {
         *self.executed.lock().unwrap() += 1;
         match op {
             Op::Copy { dst, src, bytes } => {
+                *self.copies.lock().unwrap() += 1;
                 let live = self.live.lock().unwrap();
                 for (p, what) in [(dst, "destination"), (src, "source")] {
                     assert!(
