@@ -34,8 +34,8 @@ pub fn watchdog_interval() -> Option<Duration> {
     sd_notify::watchdog_enabled(false, &mut usec).then(|| Duration::from_micros(usec / 2))
 }
 
-/// Pings the watchdog every `every` while the engine worker's beat moves; skips a ping when
-/// it has not, so that a stuck engine lets the watchdog fire.
+/// Pings the watchdog every `every` while the engine worker's beat moves and the engine is
+/// healthy; skips a ping otherwise, so that a stuck or broken engine lets the watchdog fire.
 pub async fn heartbeat(state: Arc<WorkerState>, every: Duration) {
     let mut last = state.beats.load(Ordering::Relaxed);
     let mut stuck_since: Option<Instant> = None;
@@ -44,6 +44,11 @@ pub async fn heartbeat(state: Arc<WorkerState>, every: Duration) {
     loop {
         tick.tick().await;
         let now = state.beats.load(Ordering::Relaxed);
+        if !state.healthy.load(Ordering::Relaxed) {
+            // A broken engine (see worker::FATAL_AFTER): let the watchdog restart us.
+            last = now;
+            continue;
+        }
         if now != last {
             last = now;
             if let Some(t) = stuck_since.take() {

@@ -26,6 +26,7 @@ use tokio_tungstenite::tungstenite::{Bytes, Message};
 
 use crate::config::MAX_SLOTS;
 use crate::frame_guard::oversize_marker;
+use crate::metrics::{self, Route};
 use crate::pacing::Release;
 use crate::plan::{Plan, ReplyParts};
 use crate::scheduler::{Filters, Kind, SessionKey, SkipReason};
@@ -48,6 +49,13 @@ impl Dialect {
         match self {
             Dialect::Openpi => "openpi",
             Dialect::Vllm => "vllm-omni",
+        }
+    }
+
+    fn route(self) -> Route {
+        match self {
+            Dialect::Openpi => Route::Openpi,
+            Dialect::Vllm => Route::Vllm,
         }
     }
 }
@@ -115,6 +123,8 @@ struct Conn<'a, S> {
     wake: Arc<Notify>,
     prev_total_ms: Option<f64>,
     filters: Filters,
+    /// This connection's share of the `policyd_sessions` gauge.
+    counted_sessions: i64,
 }
 
 /// Serves a connection until it closes; returns why it ended.
@@ -144,8 +154,10 @@ where
             skip_predicted_timesteps: cfg.pacing.skip_predicted_timesteps,
             similarity_atol: cfg.pacing.similarity_atol,
         },
+        counted_sessions: 0,
     };
     let why = c.run().await;
+    shared.stats.metrics.sessions.dec_by(c.counted_sessions);
     // Waiting entries of this connection go back to the pool now; running ones come back to
     // the port, whose drop returns them.
     shared
@@ -305,11 +317,18 @@ where
             Ok(m) => m,
             Err(e) => return self.fail(Failure::Request(e.to_string())).await,
         };
+        let endpoint = match meta.endpoint {
+            Endpoint::Infer => metrics::Endpoint::Infer,
+            Endpoint::Observe => metrics::Endpoint::Observe,
+            Endpoint::Reset => metrics::Endpoint::Reset,
+        };
+        shared.stats.metrics.request(self.dialect.route(), endpoint);
         let release_at = crate::pacing::release_target(received, pacing.latency_budget_ms);
         match meta.endpoint {
             Endpoint::Reset => {
                 drop(lease);
                 self.sessions.reset(meta.session_id.as_ref());
+                self.count_sessions();
                 let key = self.key(self.sessions.current().clone());
                 let mut dropped = 0;
                 shared.worker.scheduler.remove_session(&key, |job| {
@@ -327,6 +346,7 @@ where
             Endpoint::Infer => {
                 let (reset, _) = self.sessions.begin(meta.session_id.as_ref());
                 slot.reset = reset;
+                self.count_sessions();
                 slot.result = None;
                 slot.ticket = Ticket {
                     kind: Kind::Infer,
@@ -360,8 +380,17 @@ where
                 let mut state = [0f64; crate::config::MAX_SIMILARITY_STATE];
                 let state = plan.similarity_state(&mut slot.inputs, &mut state);
                 let (reset, session) = self.sessions.begin(meta.session_id.as_ref());
+                if let Some(gap) = session.observed(received) {
+                    shared
+                        .stats
+                        .metrics
+                        .observe_interval
+                        .observe(gap.as_secs_f64());
+                }
                 let must_go = meta.must_go.unwrap_or(false);
-                if let Err(why) = session.admit(&self.filters, timestep, must_go, state) {
+                let admitted = session.admit(&self.filters, timestep, must_go, state);
+                self.count_sessions();
+                if let Err(why) = admitted {
                     drop(lease);
                     return self.skipped(timestep, why).await;
                 }
@@ -399,6 +428,19 @@ where
                     }
                 }
             }
+        }
+    }
+
+    /// Brings the sessions gauge in line with this connection's table.
+    fn count_sessions(&mut self) {
+        let now = self.sessions.len() as i64;
+        if now != self.counted_sessions {
+            self.shared
+                .stats
+                .metrics
+                .sessions
+                .inc_by(now - self.counted_sessions);
+            self.counted_sessions = now;
         }
     }
 
@@ -525,6 +567,9 @@ where
             Some(Ok(s)) => s.compute,
             _ => Duration::ZERO,
         };
+        let metrics = &shared.stats.metrics;
+        metrics.replied(self.dialect.route(), latency);
+        metrics.engine.observe(compute.as_secs_f64());
         let mut parts = ReplyParts {
             outputs: &slot.outputs,
             scratch: &mut slot.scratch,
@@ -570,6 +615,11 @@ where
     /// Reports a failure in the connection's dialect. Returns why the connection ended, if
     /// it did.
     async fn fail(&mut self, f: Failure) -> Option<String> {
+        let kind = match &f {
+            Failure::Request(_) => metrics::ErrorKind::Request,
+            Failure::Inference(_) => metrics::ErrorKind::Inference,
+        };
+        self.shared.stats.metrics.error(self.dialect.route(), kind);
         match self.dialect {
             Dialect::Openpi => {
                 let text = match &f {

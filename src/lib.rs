@@ -12,6 +12,7 @@ pub mod demo;
 pub mod dtype;
 pub mod engine;
 pub mod frame_guard;
+pub mod metrics;
 pub mod pacing;
 pub mod plan;
 pub mod scheduler;

@@ -262,6 +262,8 @@ pub struct SessionPacing {
     /// Raw state of the last accepted observation, for the similarity filter.
     last_state: heapless::Vec<f64, MAX_SIMILARITY_STATE>,
     latencies: LatencyWindow,
+    /// When the last `observe` arrived (for the observation-rate metric).
+    last_observed: Option<std::time::Instant>,
 }
 
 impl SessionPacing {
@@ -270,6 +272,7 @@ impl SessionPacing {
             predicted: heapless::Deque::new(),
             last_state: heapless::Vec::new(),
             latencies: LatencyWindow::new(window),
+            last_observed: None,
         }
     }
 
@@ -278,6 +281,14 @@ impl SessionPacing {
         self.predicted.clear();
         self.last_state.clear();
         self.latencies.clear();
+        self.last_observed = None;
+    }
+
+    /// Notes an `observe` arriving at `at`; the time since the previous one, if any.
+    pub fn observed(&mut self, at: std::time::Instant) -> Option<std::time::Duration> {
+        let gap = self.last_observed.map(|t| at.saturating_duration_since(t));
+        self.last_observed = Some(at);
+        gap
     }
 
     /// Decides whether an `observe` observation goes to the engine, and if so remembers it.

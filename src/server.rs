@@ -48,6 +48,8 @@ pub enum ServerError {
 pub struct Stats {
     pub release: crate::pacing::ReleaseStats,
     pub skips: crate::scheduler::SkipStats,
+    /// The request-path metrics (`/metrics`).
+    pub metrics: crate::metrics::Metrics,
 }
 
 /// Everything a connection needs, shared by all of them.
@@ -63,6 +65,8 @@ pub struct Shared {
     /// One permit per connection that may be served.
     pub connections: Arc<Semaphore>,
     pub shutdown: watch::Receiver<bool>,
+    /// What `/metrics` encodes.
+    pub registry: prometheus_client::registry::Registry,
 }
 
 /// A loaded, checked and warmed engine with its plan: what the server serves.
@@ -139,6 +143,7 @@ pub fn load_engine(cfg: &Config, engine: Box<dyn Engine>) -> Result<Loaded, Serv
         stats: Arc::new(Stats {
             release: crate::pacing::ReleaseStats::new(),
             skips: Default::default(),
+            metrics: Default::default(),
         }),
         worker,
         backend,
@@ -177,14 +182,27 @@ pub async fn serve(
             "cannot start the pacing clock: {e}"
         )))
     })?;
+    let connections = Arc::new(Semaphore::new(max));
+    let live = crate::metrics::Live {
+        stats: loaded.stats.clone(),
+        worker: loaded.worker.state.clone(),
+        connections: connections.clone(),
+        max_connections: max,
+        max_sessions: s.max_sessions,
+        budget_bytes: loaded.plan.budget.total,
+        warmup_s: loaded.warmup.as_secs_f64(),
+        backend: loaded.backend,
+    };
+    let registry = crate::metrics::registry(&loaded.stats.metrics, live);
     let shared = Arc::new(Shared {
         pacer,
+        registry,
         stats: loaded.stats,
         metadata: Bytes::from(loaded.plan.metadata.clone()),
         plan: loaded.plan,
         worker: loaded.worker,
         ws_config,
-        connections: Arc::new(Semaphore::new(max)),
+        connections,
         shutdown: stop_rx,
         cfg,
     });
@@ -419,6 +437,18 @@ async fn handle(
             )
             .await;
         }
+        return;
+    }
+    if head.method == "GET" && head.path == "/metrics" && !head.upgrade {
+        let body = crate::metrics::render(&shared.registry);
+        respond(
+            &mut stream,
+            "200 OK",
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+            &body,
+            "",
+        )
+        .await;
         return;
     }
     if !head.upgrade {

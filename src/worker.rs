@@ -280,6 +280,11 @@ impl Job {
 /// How often an idle engine worker shows it is alive.
 pub const BEAT: Duration = Duration::from_millis(100);
 
+/// Failed runs in a row after which the engine counts as broken (a GPU in a sticky error
+/// state fails every run): health answers 503 and the systemd watchdog is no longer fed, so
+/// the service is restarted. One good run makes it healthy again.
+pub const FATAL_AFTER: u32 = 5;
+
 /// Progress and health of the worker, shared with the server.
 #[derive(Default)]
 pub struct WorkerState {
@@ -288,7 +293,7 @@ pub struct WorkerState {
     /// Bumped after every run and every idle [`BEAT`]: it stops moving only when the engine
     /// is stuck inside a run, which is what the systemd watchdog must catch.
     pub beats: AtomicU64,
-    /// False after the engine failed in a way that needs a restart.
+    /// False after [`FATAL_AFTER`] failed runs in a row: the engine needs a restart.
     pub healthy: AtomicBool,
 }
 
@@ -334,11 +339,28 @@ impl WorkerHandle {
         let thread = std::thread::Builder::new()
             .name("policyd-engine".into())
             .spawn(move || {
+                let mut failed_in_a_row = 0u32;
                 while let Ok(next) = sched.pop_timeout(BEAT) {
                     if let Some(mut job) = next {
                         let slot = &mut *job.slot;
-                        slot.result =
-                            Some(engine.run(&mut slot.inputs, &mut slot.outputs, slot.reset));
+                        let result = engine.run(&mut slot.inputs, &mut slot.outputs, slot.reset);
+                        failed_in_a_row = if result.is_ok() {
+                            0
+                        } else {
+                            failed_in_a_row.saturating_add(1)
+                        };
+                        let healthy = failed_in_a_row < FATAL_AFTER;
+                        if st.healthy.swap(healthy, Ordering::Relaxed) != healthy {
+                            if healthy {
+                                log::warn!("engine runs succeed again; reporting healthy");
+                            } else {
+                                log::error!(
+                                    "engine failed {FATAL_AFTER} runs in a row; reporting \
+                                     unhealthy (health 503, watchdog no longer fed)"
+                                );
+                            }
+                        }
+                        slot.result = Some(result);
                         st.runs.fetch_add(1, Ordering::Relaxed);
                         job.reply_to.deliver(job.slot);
                     }

@@ -1,0 +1,394 @@
+//! Prometheus metrics, served on `GET /metrics` (OpenMetrics text, through the
+//! `prometheus-client` crate).
+//!
+//! Request-path metrics are handles updated in place: every label combination is created at
+//! start-up, so counting a request takes a read lock and allocates nothing. Figures that
+//! already live elsewhere (connections, skip and release counters, worker health, RSS) are read
+//! at scrape time by a collector instead of being kept twice. Labels are closed sets (route,
+//! endpoint, error kind, skip reason): never a label per session or peer.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{
+    DescriptorEncoder, EncodeLabelSet, EncodeMetric,
+};
+use prometheus_client::metrics::counter::{ConstCounter, Counter};
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::{ConstGauge, Gauge};
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+
+use crate::scheduler::SkipStats;
+use crate::worker::WorkerState;
+
+/// The WebSocket dialect a request came in on (label `route`).
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
+pub enum Route {
+    Openpi,
+    Vllm,
+}
+
+/// Label `endpoint`.
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
+pub enum Endpoint {
+    Infer,
+    Observe,
+    Reset,
+}
+
+/// Label `kind` of an error.
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
+pub enum ErrorKind {
+    /// A malformed, oversized or unexpected request.
+    Request,
+    /// The engine failed or produced unusable output.
+    Inference,
+}
+
+impl Route {
+    const fn label(self) -> &'static str {
+        match self {
+            Route::Openpi => "openpi",
+            Route::Vllm => "vllm",
+        }
+    }
+}
+
+impl Endpoint {
+    const fn label(self) -> &'static str {
+        match self {
+            Endpoint::Infer => "infer",
+            Endpoint::Observe => "observe",
+            Endpoint::Reset => "reset",
+        }
+    }
+}
+
+impl ErrorKind {
+    const fn label(self) -> &'static str {
+        match self {
+            ErrorKind::Request => "request",
+            ErrorKind::Inference => "inference",
+        }
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RequestLabels {
+    route: &'static str,
+    endpoint: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ErrorLabels {
+    route: &'static str,
+    kind: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RouteLabels {
+    route: &'static str,
+}
+
+type HistogramFamily<L> = Family<L, Histogram, fn() -> Histogram>;
+
+/// Seconds, 100 µs to ~3.3 s.
+fn latency_histogram() -> Histogram {
+    Histogram::new(exponential_buckets(0.0001, 2.0, 16))
+}
+
+/// The request-path metrics.
+#[derive(Clone)]
+pub struct Metrics {
+    pub requests: Family<RequestLabels, Counter>,
+    pub errors: Family<ErrorLabels, Counter>,
+    /// From a frame's arrival to its reply's send (includes any latency-budget wait).
+    pub latency: HistogramFamily<RouteLabels>,
+    /// Engine time per run (device time for a GPU backend).
+    pub engine: Histogram,
+    /// Time between a session's consecutive `observe` requests (its observation rate).
+    pub observe_interval: Histogram,
+    /// Sessions tracked now, over all connections.
+    pub sessions: Gauge,
+    /// Handshakes refused for a missing or wrong API key.
+    pub auth_failures: Counter,
+}
+
+const ROUTES: [Route; 2] = [Route::Openpi, Route::Vllm];
+
+impl Default for Metrics {
+    fn default() -> Self {
+        let m = Metrics {
+            requests: Family::default(),
+            errors: Family::default(),
+            latency: Family::new_with_constructor(latency_histogram),
+            engine: latency_histogram(),
+            observe_interval: Histogram::new(exponential_buckets(0.001, 2.0, 14)),
+            sessions: Gauge::default(),
+            auth_failures: Counter::default(),
+        };
+        // Every label combination now, so the request path never inserts.
+        for route in ROUTES {
+            for endpoint in [Endpoint::Infer, Endpoint::Observe, Endpoint::Reset] {
+                let _ = m.requests.get_or_create(&RequestLabels::new(route, endpoint));
+            }
+            for kind in [ErrorKind::Request, ErrorKind::Inference] {
+                let _ = m.errors.get_or_create(&ErrorLabels::new(route, kind));
+            }
+            let _ = m.latency.get_or_create(&RouteLabels {
+                route: route.label(),
+            });
+        }
+        m
+    }
+}
+
+impl RequestLabels {
+    fn new(route: Route, endpoint: Endpoint) -> Self {
+        RequestLabels {
+            route: route.label(),
+            endpoint: endpoint.label(),
+        }
+    }
+}
+
+impl ErrorLabels {
+    fn new(route: Route, kind: ErrorKind) -> Self {
+        ErrorLabels {
+            route: route.label(),
+            kind: kind.label(),
+        }
+    }
+}
+
+impl Metrics {
+    pub fn request(&self, route: Route, endpoint: Endpoint) {
+        self.requests
+            .get_or_create(&RequestLabels::new(route, endpoint))
+            .inc();
+    }
+
+    pub fn error(&self, route: Route, kind: ErrorKind) {
+        self.errors
+            .get_or_create(&ErrorLabels::new(route, kind))
+            .inc();
+    }
+
+    pub fn replied(&self, route: Route, latency: std::time::Duration) {
+        self.latency
+            .get_or_create(&RouteLabels {
+                route: route.label(),
+            })
+            .observe(latency.as_secs_f64());
+    }
+}
+
+/// What the scrape-time collector reads.
+pub struct Live {
+    pub stats: Arc<crate::server::Stats>,
+    pub worker: Arc<WorkerState>,
+    pub connections: Arc<tokio::sync::Semaphore>,
+    pub max_connections: usize,
+    pub max_sessions: usize,
+    pub budget_bytes: u64,
+    pub warmup_s: f64,
+    pub backend: &'static str,
+}
+
+impl std::fmt::Debug for Live {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Live").finish_non_exhaustive()
+    }
+}
+
+/// Resident set size from /proc/self/status (`VmRSS`), in bytes.
+pub fn rss_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
+fn gauge(
+    e: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    v: impl Into<f64>,
+) -> Result<(), std::fmt::Error> {
+    let g = ConstGauge::new(v.into());
+    let m = e.encode_descriptor(name, help, None, g.metric_type())?;
+    g.encode(m)
+}
+
+fn counter(e: &mut DescriptorEncoder, name: &str, help: &str, v: u64) -> Result<(), std::fmt::Error> {
+    let c = ConstCounter::new(v);
+    let m = e.encode_descriptor(name, help, None, c.metric_type())?;
+    c.encode(m)
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReasonLabels {
+    reason: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct BuildLabels {
+    version: &'static str,
+    backend: &'static str,
+}
+
+impl Collector for Live {
+    fn encode(&self, mut e: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let in_use = self
+            .max_connections
+            .saturating_sub(self.connections.available_permits());
+        gauge(&mut e, "policyd_connections", "WebSocket connections open", in_use as f64)?;
+        gauge(
+            &mut e,
+            "policyd_connections_limit",
+            "server.max_connections",
+            self.max_connections as f64,
+        )?;
+        gauge(
+            &mut e,
+            "policyd_sessions_limit",
+            "server.max_sessions per connection times server.max_connections",
+            (self.max_sessions * self.max_connections) as f64,
+        )?;
+        let s: &SkipStats = &self.stats.skips;
+        counter(
+            &mut e,
+            "policyd_observations",
+            "observe requests received",
+            s.observed.load(Ordering::Relaxed),
+        )?;
+        let c = ConstCounter::new(0u64);
+        let mut m = e.encode_descriptor(
+            "policyd_observations_skipped",
+            "observations not run, by reason",
+            None,
+            c.metric_type(),
+        )?;
+        for (reason, v) in [
+            ("superseded", &s.superseded),
+            ("already_predicted", &s.already_predicted),
+            ("similar", &s.similar),
+        ] {
+            let labels = ReasonLabels { reason };
+            let fm = m.encode_family(&labels)?;
+            ConstCounter::new(v.load(Ordering::Relaxed)).encode(fm)?;
+        }
+        let r = self.stats.release.summary();
+        counter(
+            &mut e,
+            "policyd_deadline_misses",
+            "replies ready only after their latency budget",
+            r.misses,
+        )?;
+        counter(
+            &mut e,
+            "policyd_paced_replies",
+            "replies released on a latency budget",
+            r.paced,
+        )?;
+        counter(
+            &mut e,
+            "policyd_engine_runs",
+            "engine runs, warm-up included",
+            self.worker.runs.load(Ordering::Relaxed),
+        )?;
+        gauge(
+            &mut e,
+            "policyd_healthy",
+            "1 while the engine serves; 0 after it failed repeatedly",
+            if self.worker.healthy.load(Ordering::Relaxed) {
+                1.0
+            } else {
+                0.0
+            },
+        )?;
+        gauge(
+            &mut e,
+            "policyd_memory_budget_bytes",
+            "memory the config allocates at start-up (check-config's budget)",
+            self.budget_bytes as f64,
+        )?;
+        if let Some(rss) = rss_bytes() {
+            gauge(
+                &mut e,
+                "policyd_resident_memory_bytes",
+                "resident set size of the process",
+                rss as f64,
+            )?;
+        }
+        gauge(
+            &mut e,
+            "policyd_engine_warmup_seconds",
+            "time the engine's warm-up took",
+            self.warmup_s,
+        )?;
+        let g = ConstGauge::new(1i64);
+        let mut m = e.encode_descriptor(
+            "policyd_build_info",
+            "the running build",
+            None,
+            g.metric_type(),
+        )?;
+        let labels = BuildLabels {
+            version: env!("CARGO_PKG_VERSION"),
+            backend: self.backend,
+        };
+        let fm = m.encode_family(&labels)?;
+        g.encode(fm)
+    }
+}
+
+/// The registry a server scrapes: the request-path handles plus the live collector.
+pub fn registry(m: &Metrics, live: Live) -> Registry {
+    let mut r = Registry::default();
+    r.register(
+        "policyd_requests",
+        "requests decoded, by route and endpoint",
+        m.requests.clone(),
+    );
+    r.register(
+        "policyd_request_errors",
+        "requests answered with an error, by route and kind",
+        m.errors.clone(),
+    );
+    r.register(
+        "policyd_request_duration_seconds",
+        "from a frame's arrival to its reply being sent",
+        m.latency.clone(),
+    );
+    r.register(
+        "policyd_engine_duration_seconds",
+        "engine time per run (device time for a GPU backend)",
+        m.engine.clone(),
+    );
+    r.register(
+        "policyd_observation_interval_seconds",
+        "time between a session's consecutive observe requests",
+        m.observe_interval.clone(),
+    );
+    r.register("policyd_sessions", "sessions tracked now", m.sessions.clone());
+    r.register(
+        "policyd_auth_failures",
+        "handshakes refused for a missing or wrong API key",
+        m.auth_failures.clone(),
+    );
+    r.register_collector(Box::new(live));
+    r
+}
+
+/// The exposition text.
+pub fn render(r: &Registry) -> String {
+    let mut s = String::with_capacity(8192);
+    if prometheus_client::encoding::text::encode(&mut s, r).is_err() {
+        s.clear();
+        s.push_str("# metrics could not be encoded\n");
+    }
+    s
+}
