@@ -52,9 +52,51 @@ pub struct Config {
     /// Sent verbatim (as msgpack) in the metadata frame on connect.
     #[serde(default)]
     pub metadata: toml::Table,
+    /// API keys for the WebSocket (and `/metrics`).
+    #[serde(default)]
+    pub auth: AuthConfig,
     /// Where the model comes from (resolved from `engine.model`, or embedded).
     #[serde(skip)]
     pub model: Option<ModelSource>,
+}
+
+/// `[auth]`: who may open a WebSocket. With no key configured, anyone on the network can.
+#[derive(Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AuthConfig {
+    /// Keys written into the config (prefer `key_file`, so keys stay out of the main config).
+    pub api_keys: Vec<String>,
+    /// A file of keys, one a line (`#` comments), relative to the config file.
+    pub key_file: Option<PathBuf>,
+    /// Whether `/metrics` needs a key too (when keys are configured).
+    pub protect_metrics: bool,
+    /// The keys, read and checked at start-up.
+    #[serde(skip)]
+    pub keys: crate::auth::ApiKeys,
+}
+
+impl Default for AuthConfig {
+    fn default() -> Self {
+        AuthConfig {
+            api_keys: Vec::new(),
+            key_file: None,
+            protect_metrics: true,
+            keys: Default::default(),
+        }
+    }
+}
+
+impl std::fmt::Debug for AuthConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AuthConfig")
+            .field(
+                "api_keys",
+                &format_args!("[{} redacted]", self.api_keys.len()),
+            )
+            .field("key_file", &self.key_file)
+            .field("protect_metrics", &self.protect_metrics)
+            .finish()
+    }
 }
 
 /// `[server]`: the listener and per-connection limits.
@@ -347,6 +389,12 @@ impl Config {
         if let (Some(model), Some(base)) = (&cfg.engine.model, base) {
             cfg.model = Some(ModelSource::File(base.join(model)));
         }
+        let key_file = cfg
+            .auth
+            .key_file
+            .as_ref()
+            .map(|f| base.map_or_else(|| f.clone(), |b| b.join(f)));
+        cfg.auth.keys = crate::auth::ApiKeys::load(&cfg.auth.api_keys, key_file.as_deref())?;
         cfg.validate()?;
         Ok(cfg)
     }

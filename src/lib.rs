@@ -6,6 +6,7 @@
 //! ([`connection`]). [`server`] owns the listener, the handshake and shutdown.
 
 pub mod appliance;
+pub mod auth;
 pub mod config;
 pub mod connection;
 pub mod demo;

@@ -11,9 +11,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 use prometheus_client::collector::Collector;
-use prometheus_client::encoding::{
-    DescriptorEncoder, EncodeLabelSet, EncodeMetric,
-};
+use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
 use prometheus_client::metrics::counter::{ConstCounter, Counter};
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::{ConstGauge, Gauge};
@@ -132,7 +130,9 @@ impl Default for Metrics {
         // Every label combination now, so the request path never inserts.
         for route in ROUTES {
             for endpoint in [Endpoint::Infer, Endpoint::Observe, Endpoint::Reset] {
-                let _ = m.requests.get_or_create(&RequestLabels::new(route, endpoint));
+                let _ = m
+                    .requests
+                    .get_or_create(&RequestLabels::new(route, endpoint));
             }
             for kind in [ErrorKind::Request, ErrorKind::Inference] {
                 let _ = m.errors.get_or_create(&ErrorLabels::new(route, kind));
@@ -222,7 +222,12 @@ fn gauge(
     g.encode(m)
 }
 
-fn counter(e: &mut DescriptorEncoder, name: &str, help: &str, v: u64) -> Result<(), std::fmt::Error> {
+fn counter(
+    e: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    v: u64,
+) -> Result<(), std::fmt::Error> {
     let c = ConstCounter::new(v);
     let m = e.encode_descriptor(name, help, None, c.metric_type())?;
     c.encode(m)
@@ -244,7 +249,12 @@ impl Collector for Live {
         let in_use = self
             .max_connections
             .saturating_sub(self.connections.available_permits());
-        gauge(&mut e, "policyd_connections", "WebSocket connections open", in_use as f64)?;
+        gauge(
+            &mut e,
+            "policyd_connections",
+            "WebSocket connections open",
+            in_use as f64,
+        )?;
         gauge(
             &mut e,
             "policyd_connections_limit",
@@ -373,7 +383,11 @@ pub fn registry(m: &Metrics, live: Live) -> Registry {
         "time between a session's consecutive observe requests",
         m.observe_interval.clone(),
     );
-    r.register("policyd_sessions", "sessions tracked now", m.sessions.clone());
+    r.register(
+        "policyd_sessions",
+        "sessions tracked now",
+        m.sessions.clone(),
+    );
     r.register(
         "policyd_auth_failures",
         "handshakes refused for a missing or wrong API key",

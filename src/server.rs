@@ -299,6 +299,8 @@ struct Head {
     upgrade: bool,
     version: Option<String>,
     key: Option<String>,
+    /// The `Authorization` header (API keys); never logged.
+    authorization: Option<String>,
     /// Bytes read past the head (a client's first frame, if it did not wait).
     rest: Vec<u8>,
 }
@@ -340,6 +342,7 @@ async fn read_head(stream: &mut TcpStream) -> Result<Head, &'static str> {
                     upgrade,
                     version: find("sec-websocket-version"),
                     key: find("sec-websocket-key"),
+                    authorization: find("authorization"),
                     rest: buf[end..len].to_vec(),
                 });
             }
@@ -439,7 +442,28 @@ async fn handle(
         }
         return;
     }
-    if head.method == "GET" && head.path == "/metrics" && !head.upgrade {
+    let auth = &shared.cfg.auth;
+    let is_metrics = head.method == "GET" && head.path == "/metrics" && !head.upgrade;
+    if auth.keys.enabled() && (head.upgrade || (is_metrics && auth.protect_metrics)) {
+        let verdict = auth.keys.check(head.authorization.as_deref());
+        if verdict != crate::auth::Verdict::Accepted {
+            shared.stats.metrics.auth_failures.inc();
+            log::warn!("{peer}: refused {}: {}", head.path, verdict.describe());
+            respond(
+                &mut stream,
+                "401 Unauthorized",
+                "text/plain; charset=utf-8",
+                &format!(
+                    "policyd: {}; pass the key with WebsocketClientPolicy(api_key=...)\n",
+                    verdict.describe()
+                ),
+                "WWW-Authenticate: Api-Key\r\n",
+            )
+            .await;
+            return;
+        }
+    }
+    if is_metrics {
         let body = crate::metrics::render(&shared.registry);
         respond(
             &mut stream,

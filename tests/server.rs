@@ -308,3 +308,138 @@ async fn while_the_engine_loads_every_request_gets_503() {
         assert!(resp.contains("loading"), "{resp}");
     }
 }
+
+/// A plain HTTP GET on the server; the whole response.
+async fn http_get(addr: std::net::SocketAddr, path: &str, headers: &str) -> String {
+    let mut tcp = TcpStream::connect(addr).await.unwrap();
+    tcp.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\n{headers}\r\n").as_bytes())
+        .await
+        .unwrap();
+    let mut resp = String::new();
+    tcp.read_to_string(&mut resp).await.unwrap();
+    resp
+}
+
+/// The value of one sample line (`name{labels} value`) in an exposition.
+fn sample(text: &str, series: &str) -> f64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+        .unwrap_or_else(|| panic!("no sample {series} in:\n{text}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_move_with_requests_errors_and_connections() {
+    let mut srv = start(|_| {}).await;
+    let before = http_get(srv.addr, "/metrics", "").await;
+    assert!(before.starts_with("HTTP/1.1 200 OK\r\n"), "{before}");
+    assert!(before.contains("application/openmetrics-text"), "{before}");
+    assert_eq!(sample(&before, "policyd_connections"), 0.0);
+    assert_eq!(
+        sample(
+            &before,
+            "policyd_requests_total{route=\"openpi\",endpoint=\"infer\"}"
+        ),
+        0.0
+    );
+
+    let mut a = connect(&srv.url("/")).await;
+    for _ in 0..3 {
+        a.send(Message::Binary(observation().into())).await.unwrap();
+        assert!(is_actions_reply(&a.next().await.unwrap().unwrap()));
+    }
+    let mut v = connect(&srv.url(server::VLLM_PATH)).await;
+    v.send(Message::Binary(Bytes::from_static(b"\xc1 not msgpack")))
+        .await
+        .unwrap();
+    let _error_map = v.next().await.unwrap().unwrap();
+
+    let after = http_get(srv.addr, "/metrics", "").await;
+    assert_eq!(sample(&after, "policyd_connections"), 2.0);
+    assert_eq!(
+        sample(
+            &after,
+            "policyd_requests_total{route=\"openpi\",endpoint=\"infer\"}"
+        ),
+        3.0
+    );
+    assert_eq!(
+        sample(
+            &after,
+            "policyd_request_errors_total{route=\"vllm\",kind=\"request\"}"
+        ),
+        1.0
+    );
+    assert_eq!(
+        sample(
+            &after,
+            "policyd_request_duration_seconds_count{route=\"openpi\"}"
+        ),
+        3.0
+    );
+    assert_eq!(sample(&after, "policyd_engine_duration_seconds_count"), 3.0);
+    assert_eq!(sample(&after, "policyd_sessions"), 1.0);
+    assert_eq!(sample(&after, "policyd_healthy"), 1.0);
+    assert!(
+        sample(&after, "policyd_engine_runs_total") >= 4.0,
+        "warm-up + 3"
+    );
+    assert!(sample(&after, "policyd_resident_memory_bytes") > 0.0);
+    assert!(after.contains("policyd_build_info{version=\""), "{after}");
+    drop(a);
+    drop(v);
+    srv.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn api_keys_gate_websockets_and_metrics_but_not_health() {
+    const KEY: &str = "robot-key-0123456789abcdef";
+    let mut srv = start(|c| {
+        c.auth.keys = policyd::auth::ApiKeys::load(&[KEY.to_string()], None).unwrap();
+    })
+    .await;
+    let auth = format!("Authorization: Api-Key {KEY}\r\n");
+    assert!(
+        http_get(srv.addr, "/healthz", "")
+            .await
+            .starts_with("HTTP/1.1 200")
+    );
+    let denied = http_get(srv.addr, "/metrics", "").await;
+    assert!(
+        denied.starts_with("HTTP/1.1 401 Unauthorized\r\n"),
+        "{denied}"
+    );
+    assert!(!denied.contains(KEY));
+    let metrics = http_get(srv.addr, "/metrics", &auth).await;
+    assert!(metrics.starts_with("HTTP/1.1 200 OK"), "{metrics}");
+
+    use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+    for header in [
+        None,
+        Some("Api-Key wrong-key-0123456789abcdef"),
+        Some("Api-Key "),
+    ] {
+        let mut req = srv.url("/").into_client_request().unwrap();
+        if let Some(h) = header {
+            req.headers_mut()
+                .insert("Authorization", h.parse().unwrap());
+        }
+        match tokio_tungstenite::connect_async(req).await {
+            Err(WsError::Http(resp)) => assert_eq!(resp.status(), 401, "{header:?}"),
+            other => panic!("{header:?}: expected 401, got {:?}", other.map(|_| ())),
+        }
+    }
+    let mut req = srv.url("/").into_client_request().unwrap();
+    req.headers_mut()
+        .insert("Authorization", format!("Api-Key {KEY}").parse().unwrap());
+    let (mut ws, _) = tokio_tungstenite::connect_async(req)
+        .await
+        .expect("the key opens it");
+    let _metadata = ws.next().await.unwrap().unwrap();
+    ws.send(Message::Binary(observation().into()))
+        .await
+        .unwrap();
+    assert!(is_actions_reply(&ws.next().await.unwrap().unwrap()));
+    let after = http_get(srv.addr, "/metrics", &auth).await;
+    assert_eq!(sample(&after, "policyd_auth_failures_total"), 4.0);
+    srv.stop();
+}

@@ -211,3 +211,50 @@ def test_healthz(server):
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz") as r:
         assert r.status == 200 and r.read() == b"OK\n"
         assert r.headers["Content-Type"] == "text/plain; charset=utf-8"
+
+
+API_KEY = "interop-key-0123456789abcdef"
+
+
+@pytest.fixture(scope="module")
+def keyed_server(tmp_path_factory):
+    """The LIBERO demo with an API key from a key file ([auth] key_file)."""
+    d = tmp_path_factory.mktemp("keyed")
+    (d / "keys").write_text(f"# robots on the lab network\n{API_KEY}\n")
+    text = (ROOT / "configs/libero.toml").read_text()
+    text = text.replace('model = "../models/libero.onnx"', f'model = "{ROOT}/models/libero.onnx"')
+    (d / "policyd.toml").write_text(text + '\n[auth]\nkey_file = "keys"\n')
+    port = free_port()
+    proc = subprocess.Popen([BIN, "--config", str(d / "policyd.toml"), "--port", str(port)],
+                            stderr=subprocess.PIPE)
+    for _ in range(200):
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.1).close()
+            break
+        except OSError:
+            time.sleep(0.05)
+    yield port
+    proc.terminate()
+    proc.wait(timeout=15)
+
+
+def test_api_key_right_wrong_and_missing(keyed_server):
+    import urllib.error
+    import urllib.request
+    port = keyed_server
+    client = wcp.WebsocketClientPolicy("127.0.0.1", port, api_key=API_KEY)
+    reply = client.infer(observation("libero", np.random.default_rng(1)))
+    assert reply["actions"].shape == (10, 7)
+    for key in ["wrong-key-0123456789abcdef", None]:
+        with pytest.raises(Exception, match="401"):
+            wcp.WebsocketClientPolicy("127.0.0.1", port, api_key=key)
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz") as r:
+        assert r.status == 200
+    with pytest.raises(urllib.error.HTTPError, match="401"):
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics")
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/metrics",
+                                 headers={"Authorization": f"Api-Key {API_KEY}"})
+    with urllib.request.urlopen(req) as r:
+        text = r.read().decode()
+    assert "policyd_auth_failures_total 3" in text
+    assert 'policyd_requests_total{route="openpi",endpoint="infer"} 1' in text
