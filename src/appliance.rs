@@ -106,17 +106,23 @@ where
         server::load_engine(&load_cfg, engine)
     });
     let timeout = Duration::from_secs_f64(cfg.server.handshake_timeout_s);
-    let loaded = match server::while_loading(&listener, timeout, loading).await {
-        Ok(Ok(l)) => l,
-        Ok(Err(e)) => {
-            notify(&[NotifyState::Status(&format!("failed: {e}"))]);
-            return Err(e.to_string());
-        }
-        Err(e) => return Err(format!("engine loading stopped: {e}")),
-    };
+    let loaded =
+        match server::while_loading(&listener, timeout, cfg.tls.acceptor.clone(), loading).await {
+            Ok(Ok(l)) => l,
+            Ok(Err(e)) => {
+                notify(&[NotifyState::Status(&format!("failed: {e}"))]);
+                return Err(e.to_string());
+            }
+            Err(e) => return Err(format!("engine loading stopped: {e}")),
+        };
     let status = format!(
-        "serving {} on ws://{addr} ({} backend, loaded in {:.0} ms)",
+        "serving {} on {}://{addr} ({} backend, loaded in {:.0} ms)",
         origin,
+        if cfg.tls.acceptor.is_some() {
+            "wss"
+        } else {
+            "ws"
+        },
         loaded.backend,
         t0.elapsed().as_secs_f64() * 1e3
     );

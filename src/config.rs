@@ -55,9 +55,24 @@ pub struct Config {
     /// API keys for the WebSocket (and `/metrics`).
     #[serde(default)]
     pub auth: AuthConfig,
+    /// TLS (`wss://`).
+    #[serde(default)]
+    pub tls: TlsConfig,
     /// Where the model comes from (resolved from `engine.model`, or embedded).
     #[serde(skip)]
     pub model: Option<ModelSource>,
+}
+
+/// `[tls]`: serve `wss://` (and `https://` health) with this certificate and key (PEM),
+/// relative to the config file. Both or neither.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TlsConfig {
+    pub cert: Option<PathBuf>,
+    pub key: Option<PathBuf>,
+    /// The acceptor, built at start-up.
+    #[serde(skip)]
+    pub acceptor: Option<crate::tls::Tls>,
 }
 
 /// `[auth]`: who may open a WebSocket. With no key configured, anyone on the network can.
@@ -395,6 +410,18 @@ impl Config {
             .as_ref()
             .map(|f| base.map_or_else(|| f.clone(), |b| b.join(f)));
         cfg.auth.keys = crate::auth::ApiKeys::load(&cfg.auth.api_keys, key_file.as_deref())?;
+        let resolve = |f: &PathBuf| base.map_or_else(|| f.clone(), |b| b.join(f));
+        cfg.tls.acceptor = match (&cfg.tls.cert, &cfg.tls.key) {
+            (None, None) => None,
+            (Some(c), Some(k)) => Some(crate::tls::Tls::load(&resolve(c), &resolve(k))?),
+            (Some(_), None) => return Err(invalid("tls.key", "missing: tls.cert needs its key")),
+            (None, Some(_)) => {
+                return Err(invalid(
+                    "tls.cert",
+                    "missing: tls.key needs its certificate",
+                ));
+            }
+        };
         cfg.validate()?;
         Ok(cfg)
     }

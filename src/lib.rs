@@ -19,6 +19,7 @@ pub mod plan;
 pub mod scheduler;
 pub mod server;
 pub mod session;
+pub mod tls;
 pub mod transform;
 pub mod wire;
 pub mod worker;

@@ -24,8 +24,44 @@ struct Cli {
     /// Override `server.port`.
     #[arg(long, global = true)]
     port: Option<u16>,
+    /// Log lines for the journal (`<priority>message`, journald adds time and unit) or plain
+    /// (time, level, module). `auto`: journal when systemd connected stderr to the journal.
+    #[arg(long, global = true, value_enum, default_value_t = LogFormat::Auto)]
+    log_format: LogFormat,
     #[command(subcommand)]
     command: Option<Command>,
+}
+
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+enum LogFormat {
+    Auto,
+    Journal,
+    Plain,
+}
+
+/// Logging through `log`: info by default (connections opening and closing, errors, state
+/// changes; nothing per request), `RUST_LOG` to change it.
+fn init_logging(format: LogFormat) {
+    let mut b = env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info"));
+    let journal = match format {
+        LogFormat::Journal => true,
+        LogFormat::Plain => false,
+        LogFormat::Auto => std::env::var_os("JOURNAL_STREAM").is_some(),
+    };
+    if journal {
+        use std::io::Write;
+        // sd-daemon(3) priority prefixes, which journald turns into the entry's priority.
+        b.format(|f, r| {
+            let prio = match r.level() {
+                log::Level::Error => 3,
+                log::Level::Warn => 4,
+                log::Level::Info => 6,
+                log::Level::Debug | log::Level::Trace => 7,
+            };
+            writeln!(f, "<{prio}>{}: {}", r.target(), r.args())
+        });
+    }
+    b.init();
 }
 
 #[derive(Subcommand, Debug)]
@@ -42,8 +78,8 @@ enum Command {
 }
 
 fn main() -> ExitCode {
-    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info")).init();
     let cli = Cli::parse();
+    init_logging(cli.log_format);
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Semaphore, watch};
 use tokio_tungstenite::WebSocketStream;
@@ -262,6 +262,7 @@ pub async fn serve(
 pub async fn while_loading<T>(
     listener: &TcpListener,
     handshake_timeout: Duration,
+    tls: Option<crate::tls::Tls>,
     load: impl std::future::Future<Output = T>,
 ) -> T {
     tokio::pin!(load);
@@ -270,9 +271,15 @@ pub async fn while_loading<T>(
         tokio::select! {
             out = &mut load => return out,
             accepted = listener.accept() => {
-                let Ok((mut stream, peer)) = accepted else { continue };
+                let Ok((stream, peer)) = accepted else { continue };
                 let Ok(permit) = busy.clone().try_acquire_owned() else { continue };
+                let tls = tls.clone();
                 tokio::spawn(async move {
+                    let Some(mut stream) =
+                        secure(stream, peer, tls.as_ref(), handshake_timeout).await
+                    else {
+                        return;
+                    };
                     if let Ok(Ok(head)) =
                         tokio::time::timeout(handshake_timeout, read_head(&mut stream)).await
                     {
@@ -305,7 +312,11 @@ struct Head {
     rest: Vec<u8>,
 }
 
-async fn read_head(stream: &mut TcpStream) -> Result<Head, &'static str> {
+/// A client's byte stream: plain TCP, or TLS over it.
+pub trait Transport: AsyncRead + AsyncWrite + Unpin + Send {}
+impl<T: AsyncRead + AsyncWrite + Unpin + Send> Transport for T {}
+
+async fn read_head<S: Transport>(stream: &mut S) -> Result<Head, &'static str> {
     let mut buf = vec![0u8; MAX_HEAD];
     let mut len = 0;
     loop {
@@ -353,8 +364,8 @@ async fn read_head(stream: &mut TcpStream) -> Result<Head, &'static str> {
     }
 }
 
-async fn respond(
-    stream: &mut TcpStream,
+async fn respond<S: Transport>(
+    stream: &mut S,
     status: &str,
     content_type: &str,
     body: &str,
@@ -368,14 +379,42 @@ async fn respond(
     let _ = stream.shutdown().await;
 }
 
+/// Completes the TLS handshake, if TLS is configured, within the handshake timeout. Boxed,
+/// so one connection path serves plain and TLS clients.
+async fn secure(
+    stream: TcpStream,
+    peer: SocketAddr,
+    tls: Option<&crate::tls::Tls>,
+    timeout: Duration,
+) -> Option<Box<dyn Transport>> {
+    let _ = stream.set_nodelay(true);
+    let Some(tls) = tls else {
+        return Some(Box::new(stream));
+    };
+    match tokio::time::timeout(timeout, tls.0.accept(stream)).await {
+        Ok(Ok(s)) => Some(Box::new(s)),
+        Ok(Err(e)) => {
+            log::info!("{peer}: TLS handshake failed: {e}");
+            None
+        }
+        Err(_) => {
+            log::info!("{peer}: TLS handshake timed out after {timeout:?}");
+            None
+        }
+    }
+}
+
 async fn handle(
-    mut stream: TcpStream,
+    stream: TcpStream,
     peer: SocketAddr,
     shared: Arc<Shared>,
     handshake: tokio::sync::OwnedSemaphorePermit,
 ) {
-    let _ = stream.set_nodelay(true);
     let timeout = Duration::from_secs_f64(shared.cfg.server.handshake_timeout_s);
+    let Some(mut stream) = secure(stream, peer, shared.cfg.tls.acceptor.as_ref(), timeout).await
+    else {
+        return;
+    };
     let head = match tokio::time::timeout(timeout, read_head(&mut stream)).await {
         Ok(Ok(h)) => h,
         Ok(Err(why)) => {

@@ -298,7 +298,7 @@ async fn while_the_engine_loads_every_request_gets_503() {
         answers
     });
     // "Loading" finishes when the probe has its answers.
-    let out = server::while_loading(&listener, Duration::from_secs(5), async {
+    let out = server::while_loading(&listener, Duration::from_secs(5), None, async {
         done_rx.await.unwrap()
     })
     .await;

@@ -30,17 +30,32 @@ def free_port():
         return s.getsockname()[1]
 
 
+def start_policyd(config, port, cafile=None):
+    """Starts policyd and waits until /healthz says it is ready (it answers 503 while the
+    engine loads)."""
+    import ssl
+    import urllib.request
+    proc = subprocess.Popen([BIN, "--config", str(config), "--port", str(port)],
+                            stderr=subprocess.PIPE)
+    scheme = "https" if cafile else "http"
+    ctx = ssl.create_default_context(cafile=str(cafile)) if cafile else None
+    host = "localhost" if cafile else "127.0.0.1"
+    for _ in range(400):
+        try:
+            with urllib.request.urlopen(f"{scheme}://{host}:{port}/healthz", timeout=1, context=ctx) as r:
+                if r.status == 200:
+                    return proc
+        except OSError:
+            pass
+        time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError(f"policyd on port {port} never became ready: {proc.stderr.read().decode()}")
+
+
 @pytest.fixture(scope="module", params=["aloha", "droid", "libero"])
 def server(request):
     port = free_port()
-    proc = subprocess.Popen([BIN, "--config", str(ROOT / f"configs/{request.param}.toml"), "--port", str(port)],
-                            stderr=subprocess.PIPE)
-    for _ in range(200):
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.1).close()
-            break
-        except OSError:
-            time.sleep(0.05)
+    proc = start_policyd(ROOT / f"configs/{request.param}.toml", port)
     yield request.param, port
     proc.terminate()
     proc.wait(timeout=15)
@@ -225,14 +240,7 @@ def keyed_server(tmp_path_factory):
     text = text.replace('model = "../models/libero.onnx"', f'model = "{ROOT}/models/libero.onnx"')
     (d / "policyd.toml").write_text(text + '\n[auth]\nkey_file = "keys"\n')
     port = free_port()
-    proc = subprocess.Popen([BIN, "--config", str(d / "policyd.toml"), "--port", str(port)],
-                            stderr=subprocess.PIPE)
-    for _ in range(200):
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.1).close()
-            break
-        except OSError:
-            time.sleep(0.05)
+    proc = start_policyd(d / "policyd.toml", port)
     yield port
     proc.terminate()
     proc.wait(timeout=15)
@@ -258,3 +266,39 @@ def test_api_key_right_wrong_and_missing(keyed_server):
         text = r.read().decode()
     assert "policyd_auth_failures_total 3" in text
     assert 'policyd_requests_total{route="openpi",endpoint="infer"} 1' in text
+
+
+@pytest.fixture(scope="module")
+def tls_server(tmp_path_factory):
+    """The LIBERO demo over wss://, with a self-signed certificate made here for localhost."""
+    d = tmp_path_factory.mktemp("tls")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256",
+                    "-nodes", "-keyout", str(d / "key.pem"), "-out", str(d / "cert.pem"), "-days", "1",
+                    "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
+                   check=True, capture_output=True)
+    text = (ROOT / "configs/libero.toml").read_text()
+    text = text.replace('model = "../models/libero.onnx"', f'model = "{ROOT}/models/libero.onnx"')
+    (d / "policyd.toml").write_text(text + '\n[tls]\ncert = "cert.pem"\nkey = "key.pem"\n')
+    port = free_port()
+    proc = start_policyd(d / "policyd.toml", port, cafile=d / "cert.pem")
+    yield port, d / "cert.pem"
+    proc.terminate()
+    proc.wait(timeout=15)
+
+
+def test_openpi_client_over_wss(tls_server, monkeypatch):
+    import ssl
+    import urllib.request
+    port, cert = tls_server
+    monkeypatch.setenv("SSL_CERT_FILE", str(cert))  # trust the test certificate
+    client = wcp.WebsocketClientPolicy("wss://localhost", port)
+    obs = observation("libero", np.random.default_rng(2))
+    reply = client.infer(obs)
+    want, _ = expected("libero", obs)
+    assert np.max(np.abs(reply["actions"] - want)) <= 1e-4
+    ctx = ssl.create_default_context(cafile=str(cert))
+    with urllib.request.urlopen(f"https://localhost:{port}/healthz", context=ctx) as r:
+        assert r.status == 200 and r.read() == b"OK\n"
+    # A plain ws:// client gets no WebSocket from a TLS port.
+    with pytest.raises(Exception):
+        wcp.WebsocketClientPolicy("127.0.0.1", port)
