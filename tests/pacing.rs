@@ -498,3 +498,51 @@ async fn engine_failures_are_reported_and_serving_goes_on() {
     send(&mut ws, request(1.0, &[])).await;
     assert!(matches!(recv(&mut ws).await, Value::Map(_)));
 }
+
+/// A plain HTTP GET; the whole response.
+async fn http_get(srv: &Running, path: &str) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut tcp = TcpStream::connect(srv.addr).await.unwrap();
+    tcp.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").as_bytes())
+        .await
+        .unwrap();
+    let mut resp = String::new();
+    tcp.read_to_string(&mut resp).await.unwrap();
+    resp
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_that_keeps_failing_turns_health_to_503() {
+    // Warm-up (run 1) succeeds; every run after it fails, as a GPU in a sticky error would.
+    let srv = start(
+        "",
+        Behaviour {
+            fail_from: 2,
+            ..Default::default()
+        },
+    )
+    .await;
+    let mut ws = connect(&srv, "/v1/realtime/robot/openpi").await;
+    for i in 0..policyd::worker::FATAL_AFTER {
+        assert!(
+            http_get(&srv, "/healthz").await.starts_with("HTTP/1.1 200"),
+            "run {i}"
+        );
+        send(&mut ws, request(1.0, &[])).await;
+        let err = recv(&mut ws).await;
+        assert_eq!(
+            get(&err, "message").as_str(),
+            Some("Internal inference error")
+        );
+    }
+    let healthz = http_get(&srv, "/healthz").await;
+    assert!(healthz.starts_with("HTTP/1.1 503"), "{healthz}");
+    let health = http_get(&srv, "/health").await;
+    assert!(health.ends_with("{\"status\":\"unhealthy\"}"), "{health}");
+    let metrics = http_get(&srv, "/metrics").await;
+    assert!(metrics.contains("\npolicyd_healthy 0"), "{metrics}");
+    match tokio_tungstenite::connect_async(format!("ws://{}/", srv.addr)).await {
+        Err(tokio_tungstenite::tungstenite::Error::Http(r)) => assert_eq!(r.status(), 503),
+        other => panic!("expected 503, got {:?}", other.map(|_| ())),
+    }
+}

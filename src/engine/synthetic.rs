@@ -16,6 +16,8 @@ pub struct Behaviour {
     pub compute: Duration,
     /// Fail every n-th run (0 = never).
     pub fail_every: u64,
+    /// Fail every run from this one on (0 = never), as a broken accelerator would.
+    pub fail_from: u64,
     /// Hang for `stall` on this run (0 = never), as a stuck accelerator would.
     pub stall_on_run: u64,
     pub stall: Duration,
@@ -85,7 +87,10 @@ impl Engine for SyntheticEngine {
         if self.runs == self.behaviour.stall_on_run {
             std::thread::sleep(self.behaviour.stall);
         }
-        if self.behaviour.fail_every > 0 && self.runs.is_multiple_of(self.behaviour.fail_every) {
+        let broken = self.behaviour.fail_from > 0 && self.runs >= self.behaviour.fail_from;
+        if broken
+            || self.behaviour.fail_every > 0 && self.runs.is_multiple_of(self.behaviour.fail_every)
+        {
             return Err(EngineError::Run(format!(
                 "synthetic failure on run {}",
                 self.runs
