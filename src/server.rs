@@ -26,6 +26,8 @@ use crate::worker::WorkerHandle;
 
 /// The path that selects the vllm-omni dialect.
 pub const VLLM_PATH: &str = "/v1/realtime/robot/openpi";
+/// Most handshakes in progress at once, whatever `server.max_connections` is.
+const MAX_HANDSHAKES: usize = 8192;
 /// Largest HTTP request head accepted.
 const MAX_HEAD: usize = 8192;
 
@@ -207,8 +209,9 @@ pub async fn serve(
         cfg,
     });
     // Handshakes in progress are bounded too, so a flood of idle TCP connections cannot pile
-    // up tasks and buffers.
-    let handshakes = Arc::new(Semaphore::new(max * 4 + 16));
+    // up tasks and buffers (each holds at most an 8 KiB head buffer until its handshake
+    // timeout). Room for 16 times the connection limit, so a burst of clients gets its 503.
+    let handshakes = Arc::new(Semaphore::new((max * 16 + 64).min(MAX_HANDSHAKES)));
     tokio::pin!(shutdown);
     loop {
         tokio::select! {

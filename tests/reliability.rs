@@ -1,0 +1,356 @@
+//! Faults and hostile clients, through the real listener with a synthetic engine (set compute
+//! time, scripted failures): clients that vanish mid-inference, resets while the engine runs,
+//! handshake floods, slow-loris heads, a frame one byte over the limit, and thousands of
+//! random frames. Each must leave the server serving, with every slot back in its pool.
+//! Loopback only; every loop is bounded in count and time.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures_util::{SinkExt, StreamExt};
+use policyd::config::Config;
+use policyd::dtype::ElemType;
+use policyd::engine::synthetic::{Behaviour, SyntheticEngine};
+use policyd::engine::{IoSpec, TensorSpec};
+use policyd::server;
+use policyd::wire::Encoder;
+use policyd::worker::SlotPool;
+use rmpv::Value;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::sync::oneshot;
+use tokio_tungstenite::tungstenite::{Bytes, Message};
+
+const SLOTS: usize = 2;
+const VLLM: &str = "/v1/realtime/robot/openpi";
+
+struct Running {
+    addr: std::net::SocketAddr,
+    pool: Arc<SlotPool>,
+    stop: Option<oneshot::Sender<()>>,
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+    }
+}
+
+async fn start(server_keys: &str, behaviour: Behaviour) -> Running {
+    let text = format!(
+        "[server]\nhost = \"127.0.0.1\"\nport = 0\n{server_keys}\n[engine]\nmodel = \"synthetic\"\n\
+         slots = {SLOTS}\nwarmup_runs = 1\n[[inputs]]\nkey = \"state\"\ntensor = \"state\"\n\
+         dtypes = [\"float64\"]\nshape = [8]\n[[outputs]]\ntensor = \"actions\"\n"
+    );
+    let cfg = Config::parse(&text, "test", None).expect("test config");
+    let io = IoSpec {
+        inputs: vec![TensorSpec {
+            name: "state".into(),
+            dtype: ElemType::F32,
+            shape: vec![1, 8],
+        }],
+        outputs: vec![TensorSpec {
+            name: "actions".into(),
+            dtype: ElemType::F32,
+            shape: vec![1, 10, 7],
+        }],
+    };
+    let loaded =
+        server::load_engine(&cfg, Box::new(SyntheticEngine::new(io, behaviour))).expect("loads");
+    let pool = loaded.worker.pool.clone();
+    let listener = server::bind(&cfg).await.expect("bind");
+    let addr = listener.local_addr().unwrap();
+    let (tx, rx) = oneshot::channel::<()>();
+    tokio::spawn(async move {
+        let _ = server::serve(cfg, loaded, listener, async {
+            let _ = rx.await;
+        })
+        .await;
+    });
+    Running {
+        addr,
+        pool,
+        stop: Some(tx),
+    }
+}
+
+type Ws = tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<TcpStream>>;
+
+async fn connect(srv: &Running, path: &str) -> Ws {
+    let (mut ws, _) = tokio_tungstenite::connect_async(format!("ws://{}{path}", srv.addr))
+        .await
+        .expect("connects");
+    assert!(matches!(ws.next().await, Some(Ok(Message::Binary(_)))));
+    ws
+}
+
+fn request(x0: f64, endpoint: Option<&str>) -> Vec<u8> {
+    let mut buf = Vec::new();
+    let mut e = Encoder { buf: &mut buf };
+    e.map(1 + u32::from(endpoint.is_some()));
+    e.str("state");
+    e.ndarray(ElemType::F64, &[8], 64, |d| {
+        d[..8].copy_from_slice(&x0.to_le_bytes());
+        d[8..].fill(0);
+    });
+    if let Some(ep) = endpoint {
+        e.str("endpoint");
+        e.str(ep);
+    }
+    buf
+}
+
+async fn recv(ws: &mut Ws) -> Value {
+    loop {
+        match tokio::time::timeout(Duration::from_secs(10), ws.next()).await {
+            Ok(Some(Ok(Message::Binary(b)))) => {
+                return rmpv::decode::read_value(&mut &b[..]).expect("msgpack");
+            }
+            Ok(Some(Ok(Message::Ping(_)))) => continue,
+            other => panic!("expected a binary message, got {other:?}"),
+        }
+    }
+}
+
+fn is_error_map(v: &Value) -> bool {
+    v.as_map().is_some_and(|m| {
+        m.iter()
+            .any(|(k, v)| k.as_str() == Some("type") && v.as_str() == Some("error"))
+    })
+}
+
+/// vllm-omni's reply to an inference: a bare float32 array, 10×7 here.
+fn is_actions(v: &Value) -> bool {
+    !is_error_map(v) && v.to_string().contains("[10, 7]")
+}
+
+/// Waits until every slot is back in the pool.
+async fn all_slots_back(srv: &Running) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while srv.pool.available() != SLOTS {
+        assert!(
+            Instant::now() < deadline,
+            "slots not returned: {} of {SLOTS} free",
+            srv.pool.available()
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clients_vanishing_mid_inference_leave_every_slot_free() {
+    let srv = start(
+        "",
+        Behaviour {
+            compute: Duration::from_millis(150),
+            ..Default::default()
+        },
+    )
+    .await;
+    // More vanished requests than slots, on both dialects.
+    for path in ["/", VLLM, "/", VLLM] {
+        let mut ws = connect(&srv, path).await;
+        ws.send(Message::Binary(request(1.0, None).into()))
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        drop(ws);
+    }
+    all_slots_back(&srv).await;
+    let mut ws = connect(&srv, VLLM).await;
+    ws.send(Message::Binary(request(2.0, None).into()))
+        .await
+        .unwrap();
+    assert!(is_actions(&recv(&mut ws).await));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reset_while_the_engine_runs_is_answered_after_the_inference() {
+    let srv = start(
+        "",
+        Behaviour {
+            compute: Duration::from_millis(150),
+            ..Default::default()
+        },
+    )
+    .await;
+    let mut ws = connect(&srv, VLLM).await;
+    ws.send(Message::Binary(request(1.0, None).into()))
+        .await
+        .unwrap();
+    ws.send(Message::Binary(request(0.0, Some("reset")).into()))
+        .await
+        .unwrap();
+    assert!(
+        is_actions(&recv(&mut ws).await),
+        "the running inference is answered"
+    );
+    let reset = recv(&mut ws).await;
+    assert_eq!(reset.to_string(), "{\"status\": \"reset successful\"}");
+    // Streaming: a reset drops the session's waiting observation, never the socket.
+    for t in 0..3i64 {
+        let mut buf = Vec::new();
+        let mut e = Encoder { buf: &mut buf };
+        e.map(4);
+        e.str("state");
+        e.ndarray(ElemType::F64, &[8], 64, |d| d.fill(0));
+        e.str("endpoint");
+        e.str("observe");
+        e.str("timestep");
+        e.int(t);
+        e.str("timestamp");
+        e.f64(t as f64 * 0.1);
+        ws.send(Message::Binary(buf.into())).await.unwrap();
+    }
+    ws.send(Message::Binary(request(0.0, Some("reset")).into()))
+        .await
+        .unwrap();
+    let mut saw_reset = false;
+    while !saw_reset {
+        let v = recv(&mut ws).await;
+        saw_reset = v.to_string().contains("reset successful");
+    }
+    all_slots_back(&srv).await;
+    ws.send(Message::Binary(request(3.0, None).into()))
+        .await
+        .unwrap();
+    assert!(is_actions(&recv(&mut ws).await));
+}
+
+fn upgrade_request() -> &'static [u8] {
+    b"GET / HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\
+      Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n"
+}
+
+fn rss_kib() -> u64 {
+    let s = std::fs::read_to_string("/proc/self/status").unwrap();
+    let l = s.lines().find(|l| l.starts_with("VmRSS:")).unwrap();
+    l.split_whitespace().nth(1).unwrap().parse().unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ten_times_max_connections_at_once_get_503_beyond_the_limit() {
+    let srv = start("max_connections = 4", Behaviour::default()).await;
+    let before = rss_kib();
+    let mut tasks = Vec::new();
+    for _ in 0..40 {
+        let addr = srv.addr;
+        tasks.push(tokio::spawn(async move {
+            let mut tcp = TcpStream::connect(addr).await.unwrap();
+            tcp.write_all(upgrade_request()).await.unwrap();
+            let mut head = [0u8; 12];
+            tcp.read_exact(&mut head).await.unwrap();
+            (String::from_utf8_lossy(&head).into_owned(), tcp)
+        }));
+    }
+    let mut ok = 0;
+    let mut busy = 0;
+    let mut open = Vec::new();
+    for t in tasks {
+        let (status, tcp) = t.await.unwrap();
+        match &status[9..12] {
+            "101" => ok += 1,
+            "503" => busy += 1,
+            other => panic!("unexpected status {other}"),
+        }
+        open.push(tcp);
+    }
+    assert_eq!((ok, busy), (4, 36));
+    let grown = rss_kib().saturating_sub(before);
+    assert!(grown < 32 * 1024, "RSS grew {grown} KiB for 40 handshakes");
+    drop(open);
+    // The limit frees up again.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while tokio_tungstenite::connect_async(format!("ws://{}/", srv.addr))
+        .await
+        .is_err()
+    {
+        assert!(Instant::now() < deadline, "connections never freed");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_loris_heads_are_closed_at_the_handshake_timeout() {
+    let srv = start("handshake_timeout_s = 0.3", Behaviour::default()).await;
+    let mut lorises = Vec::new();
+    for _ in 0..20 {
+        let mut tcp = TcpStream::connect(srv.addr).await.unwrap();
+        tcp.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n")
+            .await
+            .unwrap();
+        lorises.push(tcp);
+    }
+    let t0 = Instant::now();
+    for mut tcp in lorises {
+        let mut buf = [0u8; 64];
+        let n = tokio::time::timeout(Duration::from_secs(5), tcp.read(&mut buf))
+            .await
+            .expect("closed by the server")
+            .unwrap_or(0);
+        assert_eq!(n, 0, "closed without an answer");
+    }
+    assert!(t0.elapsed() < Duration::from_secs(3));
+    // Meanwhile and after, real clients are served.
+    let mut ws = connect(&srv, VLLM).await;
+    ws.send(Message::Binary(request(1.0, None).into()))
+        .await
+        .unwrap();
+    assert!(is_actions(&recv(&mut ws).await));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_one_byte_over_the_limit_is_refused_and_the_socket_kept() {
+    let srv = start("max_message_bytes = 1024", Behaviour::default()).await;
+    let mut ws = connect(&srv, VLLM).await;
+    ws.send(Message::Binary(vec![0x90u8; 1025].into()))
+        .await
+        .unwrap();
+    let err = recv(&mut ws).await;
+    assert!(is_error_map(&err), "{err}");
+    assert!(err.to_string().contains("1024"), "{err}");
+    // Exactly at the limit it is read (and is not a valid request).
+    let mut at_limit = vec![0x90u8; 1024];
+    at_limit[0] = 0xc1;
+    ws.send(Message::Binary(at_limit.into())).await.unwrap();
+    assert!(is_error_map(&recv(&mut ws).await));
+    ws.send(Message::Binary(request(1.0, None).into()))
+        .await
+        .unwrap();
+    assert!(is_actions(&recv(&mut ws).await));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn thousands_of_random_frames_each_get_an_error_and_serving_goes_on() {
+    let srv = start("", Behaviour::default()).await;
+    let mut ws = connect(&srv, VLLM).await;
+    // xorshift64: deterministic, no dependency.
+    let mut x = 0x9E37_79B9_7F4A_7C15u64;
+    let mut next = move || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x
+    };
+    let n = 3000;
+    let t0 = Instant::now();
+    for i in 0..n {
+        let len = (next() % 300) as usize + 1;
+        let mut frame: Vec<u8> = (0..len).map(|_| next() as u8).collect();
+        if i % 3 == 0 {
+            // A map header now and then, so the decoder goes deeper than the first byte.
+            frame[0] = 0x80 | (next() % 16) as u8;
+        }
+        ws.send(Message::Binary(Bytes::from(frame))).await.unwrap();
+        let v = recv(&mut ws).await;
+        assert!(is_error_map(&v) || is_actions(&v), "frame {i}: {v}");
+        assert!(t0.elapsed() < Duration::from_secs(120), "bounded in time");
+    }
+    ws.send(Message::Binary(request(5.0, None).into()))
+        .await
+        .unwrap();
+    assert!(is_actions(&recv(&mut ws).await));
+    all_slots_back(&srv).await;
+}
