@@ -257,6 +257,10 @@ pub struct EngineConfig {
     /// Runs before the server reports ready.
     #[serde(default = "default_warmup")]
     pub warmup_runs: usize,
+    /// A run taking longer than this counts as a stalled engine (0 = never): waiting requests
+    /// get a timeout error, new ones are refused, health answers 503 until it finishes.
+    #[serde(default = "default_engine_timeout")]
+    pub timeout_ms: u64,
 }
 
 fn default_backend() -> String {
@@ -267,6 +271,9 @@ fn default_slots() -> usize {
 }
 fn default_warmup() -> usize {
     3
+}
+fn default_engine_timeout() -> u64 {
+    10_000
 }
 
 /// `[[inputs]]`: one observation key bound to one engine input.
@@ -569,6 +576,15 @@ impl Config {
             return Err(invalid(
                 "engine.slots",
                 format!("must be between 1 and {MAX_SLOTS}, got {}", e.slots),
+            ));
+        }
+        if e.timeout_ms != 0 && !(10..=3_600_000).contains(&e.timeout_ms) {
+            return Err(invalid(
+                "engine.timeout_ms",
+                format!(
+                    "must be 0 (never) or between 10 and 3600000, got {}",
+                    e.timeout_ms
+                ),
             ));
         }
         if e.warmup_runs > 1000 {

@@ -125,6 +125,11 @@ struct Conn<'a, S> {
     filters: Filters,
     /// This connection's share of the `policyd_sessions` gauge.
     counted_sessions: i64,
+    /// Bumped when the engine stalls and this connection's waiting requests are answered with
+    /// a timeout error; slots of an older epoch are dropped when they come back.
+    epoch: u64,
+    /// Slots submitted before the last stall, not yet back.
+    abandoned: usize,
 }
 
 /// Serves a connection until it closes; returns why it ended.
@@ -155,6 +160,8 @@ where
             similarity_atol: cfg.pacing.similarity_atol,
         },
         counted_sessions: 0,
+        epoch: 0,
+        abandoned: 0,
     };
     let why = c.run().await;
     shared.stats.metrics.sessions.dec_by(c.counted_sessions);
@@ -195,6 +202,7 @@ where
         let mut ping_sent: Option<Instant> = None;
         let idle = (cfg.idle_timeout_s > 0.0).then(|| Duration::from_secs_f64(cfg.idle_timeout_s));
         let mut last_activity = Instant::now();
+        let mut stalled = shared.worker.state.stalled.subscribe();
 
         loop {
             // On shutdown, everything already read is still answered.
@@ -235,12 +243,28 @@ where
                         return why;
                     }
                 }
-                lease = self.port.recv(), if self.outstanding > 0 => {
+                lease = self.port.recv(), if self.outstanding + self.abandoned > 0 => {
+                    if lease.peek().ticket.epoch != self.epoch {
+                        // Already answered with a timeout error.
+                        self.abandoned = self.abandoned.saturating_sub(1);
+                        continue;
+                    }
                     self.outstanding -= 1;
                     if let Some(why) = self.finished(lease).await {
                         return why;
                     }
                     last_activity = Instant::now();
+                }
+                changed = stalled.changed(), if self.outstanding > 0 => {
+                    if changed.is_ok() && *stalled.borrow_and_update() {
+                        self.epoch += 1;
+                        self.abandoned += self.outstanding;
+                        self.outstanding = 0;
+                        self.infer_busy = false;
+                        if let Some(why) = self.fail(self.stall_failure()).await {
+                            return why;
+                        }
+                    }
                 }
                 _ = self.wake.notified(), if !self.releasing.is_empty() => {
                     if let Some(why) = self.release_due().await {
@@ -317,6 +341,10 @@ where
             Ok(m) => m,
             Err(e) => return self.fail(Failure::Request(e.to_string())).await,
         };
+        if meta.endpoint != Endpoint::Reset && *shared.worker.state.stalled.borrow() {
+            drop(lease);
+            return self.fail(self.stall_failure()).await;
+        }
         let endpoint = match meta.endpoint {
             Endpoint::Infer => metrics::Endpoint::Infer,
             Endpoint::Observe => metrics::Endpoint::Observe,
@@ -350,6 +378,7 @@ where
                 slot.result = None;
                 slot.ticket = Ticket {
                     kind: Kind::Infer,
+                    epoch: self.epoch,
                     session: self.sessions.current().clone(),
                     received,
                     release_at,
@@ -398,6 +427,7 @@ where
                 slot.result = None;
                 slot.ticket = Ticket {
                     kind: Kind::Observe,
+                    epoch: self.epoch,
                     session: self.sessions.current().clone(),
                     received,
                     release_at,
@@ -429,6 +459,14 @@ where
                 }
             }
         }
+    }
+
+    fn stall_failure(&self) -> Failure {
+        Failure::Inference(format!(
+            "the engine has been running one inference for over {} ms (engine.timeout_ms); \
+             it may be stuck, so this request was not run",
+            self.shared.cfg.engine.timeout_ms
+        ))
     }
 
     /// Brings the sessions gauge in line with this connection's table.

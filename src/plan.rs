@@ -951,6 +951,20 @@ tensor = "actions"
     }
 
     #[test]
+    fn non_finite_outputs_are_named() {
+        let p = plan(CFG).unwrap();
+        let mut out = vec![0u8; 32];
+        assert_eq!(p.non_finite_output(std::slice::from_ref(&out)), None);
+        for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+            out[12..16].copy_from_slice(&bad.to_le_bytes());
+            assert_eq!(
+                p.non_finite_output(std::slice::from_ref(&out)),
+                Some("actions")
+            );
+        }
+    }
+
+    #[test]
     fn text_binding_errors_name_the_key() {
         let p = plan(CFG).unwrap();
         let e = tokens(&p, &frame(&msgpack_str("123456789"))).unwrap_err();

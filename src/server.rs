@@ -212,6 +212,12 @@ pub async fn serve(
     // up tasks and buffers (each holds at most an 8 KiB head buffer until its handshake
     // timeout). Room for 16 times the connection limit, so a burst of clients gets its 503.
     let handshakes = Arc::new(Semaphore::new((max * 16 + 64).min(MAX_HANDSHAKES)));
+    let monitor = (shared.cfg.engine.timeout_ms > 0).then(|| {
+        tokio::spawn(crate::worker::stall_monitor(
+            shared.worker.state.clone(),
+            Duration::from_millis(shared.cfg.engine.timeout_ms),
+        ))
+    });
     tokio::pin!(shutdown);
     loop {
         tokio::select! {
@@ -244,6 +250,9 @@ pub async fn serve(
     let drained = tokio::time::timeout(Duration::from_secs(10), all.acquire_many(max as u32)).await;
     if drained.is_err() {
         log::warn!("some connections did not close within 10 s");
+    }
+    if let Some(m) = monitor {
+        m.abort();
     }
     let r = shared.stats.release.summary();
     if r.paced > 0 {

@@ -23,6 +23,9 @@ use crate::wire::SessionId;
 #[derive(Clone, Debug)]
 pub struct Ticket {
     pub kind: Kind,
+    /// The connection's stall epoch when submitted: a slot from an earlier epoch was already
+    /// answered with a timeout error and is dropped when it comes back.
+    pub epoch: u64,
     pub session: SessionId,
     /// When the frame was read (the start of the end-to-end latency).
     pub received: Instant,
@@ -37,6 +40,7 @@ impl Default for Ticket {
     fn default() -> Self {
         Ticket {
             kind: Kind::Infer,
+            epoch: 0,
             session: SessionId::new(),
             received: Instant::now(),
             release_at: None,
@@ -286,8 +290,11 @@ pub const BEAT: Duration = Duration::from_millis(100);
 pub const FATAL_AFTER: u32 = 5;
 
 /// Progress and health of the worker, shared with the server.
-#[derive(Default)]
 pub struct WorkerState {
+    /// When the run in progress started (`None` between runs).
+    pub running_since: Mutex<Option<Instant>>,
+    /// True while a run has taken longer than `engine.timeout_ms`; connections watch it.
+    pub stalled: tokio::sync::watch::Sender<bool>,
     /// Runs completed (warm-up included).
     pub runs: AtomicU64,
     /// Bumped after every run and every idle [`BEAT`]: it stops moving only when the engine
@@ -329,6 +336,8 @@ impl WorkerHandle {
         }
         let warm = t0.elapsed();
         let state = Arc::new(WorkerState {
+            running_since: Mutex::new(None),
+            stalled: tokio::sync::watch::Sender::new(false),
             runs: AtomicU64::new(warmup as u64),
             beats: AtomicU64::new(0),
             healthy: AtomicBool::new(true),
@@ -343,7 +352,21 @@ impl WorkerHandle {
                 while let Ok(next) = sched.pop_timeout(BEAT) {
                     if let Some(mut job) = next {
                         let slot = &mut *job.slot;
+                        *st.running_since.lock().unwrap_or_else(|e| e.into_inner()) =
+                            Some(Instant::now());
                         let result = engine.run(&mut slot.inputs, &mut slot.outputs, slot.reset);
+                        let took = st
+                            .running_since
+                            .lock()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .take()
+                            .map(|t| t.elapsed());
+                        if st.stalled.send_if_modified(|s| std::mem::replace(s, false)) {
+                            log::warn!(
+                                "engine run finished after {:.0} ms; serving again",
+                                took.unwrap_or_default().as_secs_f64() * 1e3
+                            );
+                        }
                         failed_in_a_row = if result.is_ok() {
                             0
                         } else {
@@ -377,6 +400,39 @@ impl WorkerHandle {
             },
             warm,
         ))
+    }
+}
+
+impl WorkerState {
+    /// How long the run in progress has taken, if one is in progress.
+    pub fn running_for(&self) -> Option<Duration> {
+        self.running_since
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .map(|t| t.elapsed())
+    }
+}
+
+/// Watches the engine worker: a run longer than `timeout` marks the engine stalled (requests
+/// get a timeout error, health answers 503) until it finishes. Runs until aborted.
+pub async fn stall_monitor(state: Arc<WorkerState>, timeout: Duration) {
+    let mut tick = tokio::time::interval((timeout / 4).clamp(Duration::from_millis(5), BEAT));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let Some(took) = state.running_for() else {
+            continue;
+        };
+        if took > timeout && !*state.stalled.borrow() {
+            state.healthy.store(false, Ordering::Relaxed);
+            state.stalled.send_replace(true);
+            log::error!(
+                "engine run has taken {:.0} ms, over engine.timeout_ms = {}: waiting requests \
+                 get a timeout error and health answers 503 until it finishes",
+                took.as_secs_f64() * 1e3,
+                timeout.as_millis()
+            );
+        }
     }
 }
 

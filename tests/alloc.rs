@@ -165,6 +165,7 @@ async fn own_path(n: usize) -> u64 {
             slot.reset = reset;
             slot.ticket = Ticket {
                 kind: if *observe { Kind::Observe } else { Kind::Infer },
+                epoch: 0,
                 session: sessions.current().clone(),
                 received: Instant::now(),
                 release_at: None,

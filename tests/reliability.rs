@@ -39,9 +39,13 @@ impl Drop for Running {
 }
 
 async fn start(server_keys: &str, behaviour: Behaviour) -> Running {
+    start_with(server_keys, "", behaviour).await
+}
+
+async fn start_with(server_keys: &str, engine_keys: &str, behaviour: Behaviour) -> Running {
     let text = format!(
         "[server]\nhost = \"127.0.0.1\"\nport = 0\n{server_keys}\n[engine]\nmodel = \"synthetic\"\n\
-         slots = {SLOTS}\nwarmup_runs = 1\n[[inputs]]\nkey = \"state\"\ntensor = \"state\"\n\
+         slots = {SLOTS}\nwarmup_runs = 1\n{engine_keys}\n[[inputs]]\nkey = \"state\"\ntensor = \"state\"\n\
          dtypes = [\"float64\"]\nshape = [8]\n[[outputs]]\ntensor = \"actions\"\n"
     );
     let cfg = Config::parse(&text, "test", None).expect("test config");
@@ -352,5 +356,70 @@ async fn thousands_of_random_frames_each_get_an_error_and_serving_goes_on() {
         .await
         .unwrap();
     assert!(is_actions(&recv(&mut ws).await));
+    all_slots_back(&srv).await;
+}
+
+async fn http_status(srv: &Running, path: &str) -> String {
+    let mut tcp = TcpStream::connect(srv.addr).await.unwrap();
+    tcp.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").as_bytes())
+        .await
+        .unwrap();
+    let mut resp = String::new();
+    tcp.read_to_string(&mut resp).await.unwrap();
+    resp[9..12].to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_engine_times_requests_out_and_recovers() {
+    // Run 2 (the first served) hangs for 1.5 s; the timeout is 200 ms.
+    let srv = start_with(
+        "",
+        "timeout_ms = 200",
+        Behaviour {
+            stall_on_run: 2,
+            stall: Duration::from_millis(1500),
+            ..Default::default()
+        },
+    )
+    .await;
+    let mut ws = connect(&srv, VLLM).await;
+    let t0 = Instant::now();
+    ws.send(Message::Binary(request(1.0, None).into()))
+        .await
+        .unwrap();
+    let err = recv(&mut ws).await;
+    assert!(
+        is_error_map(&err) && err.to_string().contains("engine.timeout_ms"),
+        "{err}"
+    );
+    assert!(
+        t0.elapsed() < Duration::from_millis(1000),
+        "{:?}",
+        t0.elapsed()
+    );
+    assert_eq!(http_status(&srv, "/healthz").await, "503");
+    // While it is stalled, a new request is refused at once, and the socket stays.
+    ws.send(Message::Binary(request(2.0, None).into()))
+        .await
+        .unwrap();
+    assert!(is_error_map(&recv(&mut ws).await));
+    // The run finishes: healthy again, the stale result is dropped, and serving goes on.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while http_status(&srv, "/healthz").await != "200" {
+        assert!(Instant::now() < deadline, "never recovered");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    ws.send(Message::Binary(request(3.0, None).into()))
+        .await
+        .unwrap();
+    let v = recv(&mut ws).await;
+    assert!(is_actions(&v), "{v}");
+    let data = v
+        .as_map()
+        .and_then(|m| m.iter().find(|(k, _)| k.as_slice() == Some(b"data")))
+        .and_then(|(_, d)| d.as_slice())
+        .expect("ndarray data");
+    let first = f32::from_le_bytes(data[..4].try_into().unwrap());
+    assert_eq!(first, 3.0, "the new request's result, not the stale one");
     all_slots_back(&srv).await;
 }
