@@ -423,3 +423,82 @@ async fn a_stalled_engine_times_requests_out_and_recovers() {
     assert_eq!(first, 3.0, "the new request's result, not the stale one");
     all_slots_back(&srv).await;
 }
+
+/// p99 of a set of latencies.
+fn p99(mut v: Vec<Duration>) -> Duration {
+    v.sort();
+    v[(v.len() * 99 / 100).min(v.len() - 1)]
+}
+
+/// A bounded soak: 4 clients at a 50 Hz control-loop rate for `POLICYD_SOAK_SECS` (20 s by
+/// default; set it longer for a real soak). Zero errors, RSS flat after warm-up, and the p99
+/// of the last third no worse than three times the first third's plus 20 ms: loose enough for
+/// a noisy machine, tight enough to catch latency that grows with time (a queue or a leak).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn soak_four_clients_at_50_hz() {
+    let secs: u64 = std::env::var("POLICYD_SOAK_SECS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(20);
+    let srv = start(
+        "max_connections = 4",
+        Behaviour {
+            compute: Duration::from_millis(2),
+            ..Default::default()
+        },
+    )
+    .await;
+    let run = Duration::from_secs(secs);
+    let mut clients = Vec::new();
+    for c in 0..4 {
+        let mut ws = connect(&srv, if c % 2 == 0 { "/" } else { VLLM }).await;
+        clients.push(tokio::spawn(async move {
+            let t0 = Instant::now();
+            let mut tick = tokio::time::interval(Duration::from_millis(20));
+            let mut lat = Vec::new();
+            let mut i = 0u64;
+            while t0.elapsed() < run {
+                tick.tick().await;
+                let sent = Instant::now();
+                ws.send(Message::Binary(request(i as f64, None).into()))
+                    .await
+                    .unwrap();
+                let v = recv(&mut ws).await;
+                assert!(!is_error_map(&v), "client {c} request {i}: {v}");
+                lat.push((sent - t0, sent.elapsed()));
+                i += 1;
+            }
+            lat
+        }));
+    }
+    tokio::time::sleep(run / 3).await;
+    let rss_warm = rss_kib();
+    let mut all = Vec::new();
+    for c in clients {
+        all.extend(c.await.unwrap());
+    }
+    let grown = rss_kib().saturating_sub(rss_warm);
+    assert!(grown < 1024, "RSS grew {grown} KiB after warm-up");
+    let third = run / 3;
+    let first = p99(all
+        .iter()
+        .filter(|(t, _)| *t < third)
+        .map(|x| x.1)
+        .collect());
+    let last = p99(all
+        .iter()
+        .filter(|(t, _)| *t >= run - third)
+        .map(|x| x.1)
+        .collect());
+    assert!(
+        last <= first * 3 + Duration::from_millis(20),
+        "p99 drifted: first third {first:?}, last third {last:?}"
+    );
+    let expected = 4 * secs * 50;
+    assert!(
+        all.len() as u64 >= expected * 9 / 10,
+        "{} of {expected}",
+        all.len()
+    );
+    all_slots_back(&srv).await;
+}
