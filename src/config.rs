@@ -411,13 +411,10 @@ impl Config {
         if let (Some(model), Some(base)) = (&cfg.engine.model, base) {
             cfg.model = Some(ModelSource::File(base.join(model)));
         }
-        let key_file = cfg
-            .auth
-            .key_file
-            .as_ref()
-            .map(|f| base.map_or_else(|| f.clone(), |b| b.join(f)));
-        cfg.auth.keys = crate::auth::ApiKeys::load(&cfg.auth.api_keys, key_file.as_deref())?;
+        // Files named in the config are relative to its folder.
         let resolve = |f: &PathBuf| base.map_or_else(|| f.clone(), |b| b.join(f));
+        let key_file = cfg.auth.key_file.as_ref().map(resolve);
+        cfg.auth.keys = crate::auth::ApiKeys::load(&cfg.auth.api_keys, key_file.as_deref())?;
         cfg.tls.acceptor = match (&cfg.tls.cert, &cfg.tls.key) {
             (None, None) => None,
             (Some(c), Some(k)) => Some(crate::tls::Tls::load(&resolve(c), &resolve(k))?),

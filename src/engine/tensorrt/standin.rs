@@ -258,6 +258,23 @@ pub struct StandinEngine {
     enqueues: Mutex<u64>,
 }
 
+/// A tensor's shape as the context resolves it: an input's set shape, or an output whose
+/// dynamic dims take the first input's first dim.
+fn resolved(ts: &[Tensor], t: &Tensor) -> Vec<i64> {
+    if t.input {
+        return t.shape_set.clone().unwrap_or_else(|| t.dims.clone());
+    }
+    let batch = ts
+        .iter()
+        .find(|t| t.input)
+        .map(|t| t.shape_set.as_ref().unwrap_or(&t.dims)[0])
+        .unwrap_or(1);
+    t.dims
+        .iter()
+        .map(|&d| if d < 0 { batch } else { d })
+        .collect()
+}
+
 impl StandinEngine {
     fn parse(plan: &str) -> Result<StandinEngine, String> {
         let mut tensors = Vec::new();
@@ -290,23 +307,6 @@ impl StandinEngine {
         })
     }
 
-    fn batch(&self) -> i64 {
-        let t = self.tensors.lock().unwrap();
-        t.iter()
-            .find(|t| t.input)
-            .map(|t| t.shape_set.as_ref().unwrap_or(&t.dims)[0])
-            .unwrap_or(1)
-    }
-
-    fn resolved(&self, t: &Tensor) -> Vec<i64> {
-        if t.input {
-            t.shape_set.clone().unwrap_or_else(|| t.dims.clone())
-        } else {
-            let b = self.batch();
-            t.dims.iter().map(|&d| if d < 0 { b } else { d }).collect()
-        }
-    }
-
     fn compute(&self, addrs: &[usize; 8]) {
         let t = self.tensors.lock().unwrap();
         let first = t.iter().position(|t| t.input).unwrap();
@@ -319,17 +319,7 @@ impl StandinEngine {
             }
         };
         for (i, out) in t.iter().enumerate().filter(|(_, t)| !t.input) {
-            let n: i64 = {
-                let b = t
-                    .iter()
-                    .find(|t| t.input)
-                    .map(|t| t.shape_set.as_ref().unwrap_or(&t.dims)[0])
-                    .unwrap_or(1);
-                out.dims
-                    .iter()
-                    .map(|&d| if d < 0 { b } else { d })
-                    .product()
-            };
+            let n: i64 = resolved(&t, out).iter().product();
             if out.dtype != 0 {
                 continue;
             }
@@ -456,16 +446,7 @@ unsafe extern "C" fn context_shape(
     let Some(t) = ts.iter().find(|t| t.name.as_c_str() == name) else {
         return put(err, n, "unknown tensor");
     };
-    let tensor = Tensor {
-        name: t.name.clone(),
-        input: t.input,
-        dtype: t.dtype,
-        dims: t.dims.clone(),
-        shape_set: t.shape_set.clone(),
-        addr: 0,
-    };
-    drop(ts);
-    let d = eng.resolved(&tensor);
+    let d = resolved(&ts, t);
     // SAFETY: out-pointers are valid; `dims` holds 8 entries.
     unsafe {
         *nb = d.len() as i32;
@@ -473,6 +454,7 @@ unsafe extern "C" fn context_shape(
     }
     OK
 }
+
 unsafe extern "C" fn scratch_size(_e: *const RawEngine) -> i64 {
     4096
 }
