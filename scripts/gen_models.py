@@ -24,6 +24,8 @@ PROFILES = {
     "droid": (["exterior_image_1_left", "wrist_image_left"],
               [("joint_position", 7), ("gripper_position", 1)], 15, 8),
     "libero": (["image", "wrist_image"], [("state", 8)], 10, 7),
+    # No cameras: what a request costs to serve with almost no data (`policyd bench --profile tiny`).
+    "tiny": ([], [("state", 8)], 10, 7),
 }
 CONV_CH = 4
 POOL_OUT = 4  # 224 / 8 = 28, pooled 7x7 -> 4x4

@@ -7,6 +7,7 @@
 
 pub mod appliance;
 pub mod auth;
+pub mod bench;
 pub mod config;
 pub mod connection;
 pub mod demo;

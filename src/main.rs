@@ -75,6 +75,20 @@ enum Command {
     },
     /// Print the embedded default config (a starting point for your own).
     PrintDefaultConfig,
+    /// Measure an OpenPI-protocol server (policyd or another): latency percentiles, throughput,
+    /// server CPU per request; against a second server or the transport floor (see
+    /// docs/benchmarks.md).
+    Bench(Box<policyd::bench::BenchArgs>),
+    /// Serve the transport floor: a WebSocket endpoint that answers every frame with a fixed
+    /// reply without decoding it (what `bench --floor` starts).
+    BenchFloor {
+        /// Address to listen on (port 0: any free port; the bound address is printed).
+        #[arg(long, default_value = "127.0.0.1:8100")]
+        listen: std::net::SocketAddr,
+        /// Shape of the float32 `actions` array in the reply, e.g. 50x14.
+        #[arg(long, default_value = "50x14")]
+        actions: String,
+    },
 }
 
 fn main() -> ExitCode {
@@ -131,6 +145,32 @@ fn run(cli: Cli) -> Result<(), String> {
             }
             print!("{}", plan.budget.render());
             Ok(())
+        }
+        Some(Command::Bench(args)) => {
+            let cfg = match &cli.config {
+                Some(p) => Some(Config::load(p).map_err(|e| e.to_string())?),
+                None => None,
+            };
+            let exe = std::env::current_exe()
+                .map_err(|e| format!("cannot find the policyd binary for --floor: {e}"))?;
+            let report =
+                policyd::bench::run(args, cfg.as_ref(), &exe).map_err(|e| e.to_string())?;
+            if args.json {
+                println!("{}", report.json());
+            } else {
+                print!("{}", report.text());
+            }
+            Ok(())
+        }
+        Some(Command::BenchFloor { listen, actions }) => {
+            let shape: Vec<usize> = actions
+                .split('x')
+                .map(|d| d.trim().parse::<usize>())
+                .collect::<Result<_, _>>()
+                .ok()
+                .filter(|s: &Vec<usize>| !s.is_empty() && s.iter().all(|&d| d > 0 && d < 1 << 16))
+                .ok_or_else(|| format!("--actions '{actions}': expected dimensions like 50x14"))?;
+            policyd::bench::floor::run(*listen, &shape)
         }
         Some(Command::Serve) | None => {
             let cfg = load_config(cli.config.as_ref(), &cli)?;

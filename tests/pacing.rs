@@ -1,106 +1,24 @@
 //! Pacing and streaming over real WebSockets, with a synthetic engine whose outputs say which
 //! observation it ran (every action element is `state[0] + k / 1000`).
 
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures_util::{SinkExt, StreamExt};
-use policyd::config::Config;
 use policyd::dtype::ElemType;
-use policyd::engine::synthetic::{Behaviour, SyntheticEngine};
-use policyd::engine::{IoSpec, TensorSpec};
-use policyd::server::{self, Stats};
+use policyd::engine::synthetic::Behaviour;
 use policyd::wire::Encoder;
 use rmpv::Value;
-use tokio::net::TcpStream;
-use tokio::sync::oneshot;
 use tokio_tungstenite::tungstenite::Message;
 
-const H: usize = 10;
-const D: usize = 7;
-
-fn config(pacing: &str) -> Config {
-    let text = format!(
-        r#"
-[server]
-host = "127.0.0.1"
-port = 0
-[engine]
-model = "synthetic"
-slots = 4
-warmup_runs = 1
-[pacing]
-{pacing}
-[[inputs]]
-key = "state"
-tensor = "state"
-dtypes = ["float64", "float32"]
-shape = [8]
-[[outputs]]
-tensor = "actions"
-"#
-    );
-    Config::parse(&text, "test", None).expect("test config")
-}
-
-fn io() -> IoSpec {
-    IoSpec {
-        inputs: vec![TensorSpec {
-            name: "state".into(),
-            dtype: ElemType::F32,
-            shape: vec![1, 8],
-        }],
-        outputs: vec![TensorSpec {
-            name: "actions".into(),
-            dtype: ElemType::F32,
-            shape: vec![1, H, D],
-        }],
-    }
-}
-
-struct Running {
-    addr: std::net::SocketAddr,
-    stats: Arc<Stats>,
-    stop: Option<oneshot::Sender<()>>,
-}
-
-impl Drop for Running {
-    fn drop(&mut self) {
-        if let Some(s) = self.stop.take() {
-            let _ = s.send(());
-        }
-    }
-}
+mod common;
+use common::{D, H, Running, Ws};
 
 async fn start(pacing: &str, behaviour: Behaviour) -> Running {
-    let cfg = config(pacing);
-    let engine = Box::new(SyntheticEngine::new(io(), behaviour));
-    let loaded = server::load_engine(&cfg, engine).expect("loads");
-    let stats = loaded.stats.clone();
-    let listener = server::bind(&cfg).await.expect("bind");
-    let addr = listener.local_addr().unwrap();
-    let (tx, rx) = oneshot::channel::<()>();
-    tokio::spawn(async move {
-        let _ = server::serve(cfg, loaded, listener, async {
-            let _ = rx.await;
-        })
-        .await;
-    });
-    Running {
-        addr,
-        stats,
-        stop: Some(tx),
-    }
+    common::start(common::synthetic_config("", "slots = 4", pacing), behaviour).await
 }
 
-type Ws = tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<TcpStream>>;
-
 async fn connect(srv: &Running, path: &str) -> Ws {
-    let (mut ws, _) = tokio_tungstenite::connect_async(format!("ws://{}{path}", srv.addr))
-        .await
-        .expect("connects");
-    assert!(matches!(ws.next().await, Some(Ok(Message::Binary(_)))));
-    ws
+    common::connect(srv.addr, path).await
 }
 
 /// A request: `state` = [x0, 0, …], plus extra `(key, writer)` entries.
@@ -501,14 +419,7 @@ async fn engine_failures_are_reported_and_serving_goes_on() {
 
 /// A plain HTTP GET; the whole response.
 async fn http_get(srv: &Running, path: &str) -> String {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut tcp = TcpStream::connect(srv.addr).await.unwrap();
-    tcp.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").as_bytes())
-        .await
-        .unwrap();
-    let mut resp = String::new();
-    tcp.read_to_string(&mut resp).await.unwrap();
-    resp
+    common::http_get(srv.addr, path, "").await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

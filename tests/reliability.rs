@@ -4,90 +4,38 @@
 //! random frames. Each must leave the server serving, with every slot back in its pool.
 //! Loopback only; every loop is bounded in count and time.
 
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures_util::{SinkExt, StreamExt};
-use policyd::config::Config;
 use policyd::dtype::ElemType;
-use policyd::engine::synthetic::{Behaviour, SyntheticEngine};
-use policyd::engine::{IoSpec, TensorSpec};
-use policyd::server;
+use policyd::engine::synthetic::Behaviour;
 use policyd::wire::Encoder;
-use policyd::worker::SlotPool;
 use rmpv::Value;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
-use tokio::sync::oneshot;
 use tokio_tungstenite::tungstenite::{Bytes, Message};
 
 const SLOTS: usize = 2;
 const VLLM: &str = "/v1/realtime/robot/openpi";
 
-struct Running {
-    addr: std::net::SocketAddr,
-    pool: Arc<SlotPool>,
-    stop: Option<oneshot::Sender<()>>,
-}
-
-impl Drop for Running {
-    fn drop(&mut self) {
-        if let Some(s) = self.stop.take() {
-            let _ = s.send(());
-        }
-    }
-}
+mod common;
+use common::{Running, Ws};
 
 async fn start(server_keys: &str, behaviour: Behaviour) -> Running {
     start_with(server_keys, "", behaviour).await
 }
 
 async fn start_with(server_keys: &str, engine_keys: &str, behaviour: Behaviour) -> Running {
-    let text = format!(
-        "[server]\nhost = \"127.0.0.1\"\nport = 0\n{server_keys}\n[engine]\nmodel = \"synthetic\"\n\
-         slots = {SLOTS}\nwarmup_runs = 1\n{engine_keys}\n[[inputs]]\nkey = \"state\"\ntensor = \"state\"\n\
-         dtypes = [\"float64\"]\nshape = [8]\n[[outputs]]\ntensor = \"actions\"\n"
-    );
-    let cfg = Config::parse(&text, "test", None).expect("test config");
-    let io = IoSpec {
-        inputs: vec![TensorSpec {
-            name: "state".into(),
-            dtype: ElemType::F32,
-            shape: vec![1, 8],
-        }],
-        outputs: vec![TensorSpec {
-            name: "actions".into(),
-            dtype: ElemType::F32,
-            shape: vec![1, 10, 7],
-        }],
-    };
-    let loaded =
-        server::load_engine(&cfg, Box::new(SyntheticEngine::new(io, behaviour))).expect("loads");
-    let pool = loaded.worker.pool.clone();
-    let listener = server::bind(&cfg).await.expect("bind");
-    let addr = listener.local_addr().unwrap();
-    let (tx, rx) = oneshot::channel::<()>();
-    tokio::spawn(async move {
-        let _ = server::serve(cfg, loaded, listener, async {
-            let _ = rx.await;
-        })
-        .await;
-    });
-    Running {
-        addr,
-        pool,
-        stop: Some(tx),
-    }
+    let engine = format!("slots = {SLOTS}\n{engine_keys}");
+    common::start(
+        common::synthetic_config(server_keys, &engine, ""),
+        behaviour,
+    )
+    .await
 }
 
-type Ws = tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<TcpStream>>;
-
 async fn connect(srv: &Running, path: &str) -> Ws {
-    let (mut ws, _) = tokio_tungstenite::connect_async(format!("ws://{}{path}", srv.addr))
-        .await
-        .expect("connects");
-    assert!(matches!(ws.next().await, Some(Ok(Message::Binary(_)))));
-    ws
+    common::connect(srv.addr, path).await
 }
 
 fn request(x0: f64, endpoint: Option<&str>) -> Vec<u8> {
@@ -360,13 +308,7 @@ async fn thousands_of_random_frames_each_get_an_error_and_serving_goes_on() {
 }
 
 async fn http_status(srv: &Running, path: &str) -> String {
-    let mut tcp = TcpStream::connect(srv.addr).await.unwrap();
-    tcp.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").as_bytes())
-        .await
-        .unwrap();
-    let mut resp = String::new();
-    tcp.read_to_string(&mut resp).await.unwrap();
-    resp[9..12].to_string()
+    common::http_get(srv.addr, path, "").await[9..12].to_string()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

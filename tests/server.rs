@@ -309,16 +309,8 @@ async fn while_the_engine_loads_every_request_gets_503() {
     }
 }
 
-/// A plain HTTP GET on the server; the whole response.
-async fn http_get(addr: std::net::SocketAddr, path: &str, headers: &str) -> String {
-    let mut tcp = TcpStream::connect(addr).await.unwrap();
-    tcp.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\n{headers}\r\n").as_bytes())
-        .await
-        .unwrap();
-    let mut resp = String::new();
-    tcp.read_to_string(&mut resp).await.unwrap();
-    resp
-}
+mod common;
+use common::http_get;
 
 /// The value of one sample line (`name{labels} value`) in an exposition.
 fn sample(text: &str, series: &str) -> f64 {

@@ -1,0 +1,112 @@
+//! What several integration tests share: a server on loopback with a synthetic engine (state
+//! [8] in, a [10, 7] action chunk out, compute time and failures set by a `Behaviour`), a
+//! client connection that has read the metadata frame, and a raw HTTP GET.
+#![allow(dead_code)]
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use futures_util::StreamExt;
+use policyd::config::Config;
+use policyd::dtype::ElemType;
+use policyd::engine::synthetic::{Behaviour, SyntheticEngine};
+use policyd::engine::{IoSpec, TensorSpec};
+use policyd::server::{self, Stats};
+use policyd::worker::SlotPool;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::sync::oneshot;
+use tokio_tungstenite::tungstenite::Message;
+
+/// Action chunk rows and columns of the synthetic engine.
+pub const H: usize = 10;
+pub const D: usize = 7;
+
+/// A config for the synthetic engine on a free loopback port: `server`, `engine` and
+/// `pacing` keys are added to their tables; `state` takes float64 and float32.
+pub fn synthetic_config(server: &str, engine: &str, pacing: &str) -> Config {
+    let text = format!(
+        "[server]\nhost = \"127.0.0.1\"\nport = 0\n{server}\n\
+         [engine]\nmodel = \"synthetic\"\nwarmup_runs = 1\n{engine}\n\
+         [pacing]\n{pacing}\n\
+         [[inputs]]\nkey = \"state\"\ntensor = \"state\"\ndtypes = [\"float64\", \"float32\"]\nshape = [8]\n\
+         [[outputs]]\ntensor = \"actions\"\n"
+    );
+    Config::parse(&text, "test", None).expect("test config")
+}
+
+fn io() -> IoSpec {
+    IoSpec {
+        inputs: vec![TensorSpec {
+            name: "state".into(),
+            dtype: ElemType::F32,
+            shape: vec![1, 8],
+        }],
+        outputs: vec![TensorSpec {
+            name: "actions".into(),
+            dtype: ElemType::F32,
+            shape: vec![1, H, D],
+        }],
+    }
+}
+
+/// A server serving on its own task until dropped.
+pub struct Running {
+    pub addr: SocketAddr,
+    pub stats: Arc<Stats>,
+    pub pool: Arc<SlotPool>,
+    stop: Option<oneshot::Sender<()>>,
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+    }
+}
+
+/// Starts `cfg` with a synthetic engine behaving as `behaviour`, on the current runtime.
+pub async fn start(cfg: Config, behaviour: Behaviour) -> Running {
+    let engine = Box::new(SyntheticEngine::new(io(), behaviour));
+    let loaded = server::load_engine(&cfg, engine).expect("loads");
+    let stats = loaded.stats.clone();
+    let pool = loaded.worker.pool.clone();
+    let listener = server::bind(&cfg).await.expect("bind");
+    let addr = listener.local_addr().expect("bound address");
+    let (tx, rx) = oneshot::channel::<()>();
+    tokio::spawn(async move {
+        let _ = server::serve(cfg, loaded, listener, async {
+            let _ = rx.await;
+        })
+        .await;
+    });
+    Running {
+        addr,
+        stats,
+        pool,
+        stop: Some(tx),
+    }
+}
+
+pub type Ws = tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<TcpStream>>;
+
+/// A WebSocket connection to `path` that has read its metadata frame.
+pub async fn connect(addr: SocketAddr, path: &str) -> Ws {
+    let (mut ws, _) = tokio_tungstenite::connect_async(format!("ws://{addr}{path}"))
+        .await
+        .expect("connects");
+    assert!(matches!(ws.next().await, Some(Ok(Message::Binary(_)))));
+    ws
+}
+
+/// A plain HTTP GET with extra header lines (each ending in `\r\n`); the whole response.
+pub async fn http_get(addr: SocketAddr, path: &str, headers: &str) -> String {
+    let mut tcp = TcpStream::connect(addr).await.expect("connects");
+    tcp.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\n{headers}\r\n").as_bytes())
+        .await
+        .expect("writes");
+    let mut resp = String::new();
+    tcp.read_to_string(&mut resp).await.expect("reads");
+    resp
+}
