@@ -27,6 +27,13 @@ fn args(line: &str) -> BenchArgs {
 
 const EXE: &str = env!("CARGO_BIN_EXE_policyd");
 
+/// The runs time real requests: one at a time, so they do not load each other's CPU.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// A policyd with a synthetic engine taking `compute` per run, served from a runtime of its own
 /// (the bench is blocking); returns the runtime (dropping it stops the server), the server's
 /// URL and its config.
@@ -52,6 +59,7 @@ fn report_json(r: &bench::report::Report) -> Value {
 
 #[test]
 fn closed_loop_against_policyd_and_the_floor_reports_every_figure_and_their_ratios() {
+    let _serial = serial();
     let (_rt, _srv, url, cfg) = server(Duration::from_millis(2));
     let plot = std::env::temp_dir().join(format!("policyd-bench-{}.svg", std::process::id()));
     let a = args(&format!(
@@ -124,6 +132,7 @@ fn closed_loop_against_policyd_and_the_floor_reports_every_figure_and_their_rati
 
 #[test]
 fn open_loop_measures_from_the_intended_send_time_so_queueing_shows() {
+    let _serial = serial();
     // The server manages 50 requests a second; the open loop asks for 100.
     let (_rt, _srv, url, cfg) = server(Duration::from_millis(20));
     let open = bench::run(
@@ -157,6 +166,7 @@ fn open_loop_measures_from_the_intended_send_time_so_queueing_shows() {
 
 #[test]
 fn open_loop_at_a_rate_the_server_keeps_sends_on_schedule() {
+    let _serial = serial();
     let (_rt, _srv, url, cfg) = server(Duration::from_millis(1));
     let r = bench::run(
         &args(&format!(
@@ -180,7 +190,30 @@ fn open_loop_at_a_rate_the_server_keeps_sends_on_schedule() {
 }
 
 #[test]
+fn open_loop_connections_are_spread_over_the_period_unless_told_to_burst() {
+    let _serial = serial();
+    // One engine, 8 ms a run; two clients at 50 Hz. Sent together, one of each pair waits for
+    // the other's run; spread 10 ms apart, neither waits.
+    let (_rt, _srv, url, cfg) = server(Duration::from_millis(8));
+    let run = |extra: &str| {
+        let line = format!("{url} -c 2 --rate 50 --duration 1.5 --warmup 0.2 {extra}");
+        bench::run(&args(&line), Some(&cfg), EXE.as_ref()).expect("runs")
+    };
+    let spread = run("");
+    let burst = run("--burst");
+    assert!(burst.run.burst && !spread.run.burst);
+    let (s, b) = (&spread.targets[0].latency_ms, &burst.targets[0].latency_ms);
+    assert!(
+        b.p90 > 14.0,
+        "bursts queue behind each other: p90 {}",
+        b.p90
+    );
+    assert!(s.p90 < 12.0, "spread requests do not: p90 {}", s.p90);
+}
+
+#[test]
 fn a_server_that_rejects_the_profile_fails_the_run_with_its_message() {
+    let _serial = serial();
     let (_rt, _srv, url, _cfg) = server(Duration::from_millis(1));
     let out = std::process::Command::new(EXE)
         .args(["bench", &url, "--profile", "aloha", "--duration", "1"])
@@ -198,6 +231,7 @@ fn a_server_that_rejects_the_profile_fails_the_run_with_its_message() {
 
 #[test]
 fn bad_arguments_are_refused_before_connecting() {
+    let _serial = serial();
     for (line, what) in [
         ("ws://127.0.0.1:9 --connections 0", "--connections"),
         ("ws://127.0.0.1:9 --rate=-1", "--rate"),

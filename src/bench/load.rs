@@ -30,8 +30,8 @@ pub struct LoadSpec {
     pub measure: Duration,
     /// Replies slower than this count as misses.
     pub budget: Option<Duration>,
-    /// Distinct pre-encoded frames per connection.
-    pub pool: usize,
+    /// Open loop: all connections send at the same instants instead of spread over the period.
+    pub burst: bool,
     pub api_key: Option<String>,
 }
 
@@ -264,14 +264,19 @@ pub fn actions_shape(b: &[u8]) -> Option<Vec<usize>> {
         .collect()
 }
 
+/// Sends `frame` and waits for the reply; the reply's bytes (empty for a text frame).
+pub fn request(ws: &mut Ws, frame: bytes::Bytes) -> Result<(Reply, bytes::Bytes), String> {
+    ws.send(Message::Binary(frame))
+        .map_err(|e| format!("send failed: {e}"))?;
+    next_reply(ws)
+}
+
 /// Sends one request on a fresh connection and returns the reply (a probe before the run).
 pub fn probe(url: &str, spec: &LoadSpec, profile: &Profile) -> Result<Vec<u8>, BenchError> {
     let mut ws = connect(url, spec.api_key.as_deref())?;
     let mut pool = FramePool::new(profile, 0, 1);
     let failed = |e: String| BenchError::Connect(url.to_string(), e);
-    ws.send(Message::Binary(pool.request(0)))
-        .map_err(|e| failed(e.to_string()))?;
-    let (reply, bytes) = next_reply(&mut ws).map_err(failed)?;
+    let (reply, bytes) = request(&mut ws, pool.request(0)).map_err(failed)?;
     let _ = ws.close(None);
     match reply {
         Reply::Actions { .. } => Ok(bytes.to_vec()),
@@ -293,33 +298,45 @@ fn sleep_until(t: Instant) {
     }
 }
 
-/// One connection's run: warm-up until `t0 + warmup`, then the measured window. The pool comes
-/// back for the next round.
+/// One connection's run: warm-up until `t0 + warmup`, then the measured window. In open loop,
+/// connection `index` of N is offset by `index / N` of a period (unless `spec.burst`), so N
+/// clients arrive spread out as independent robots would. The pool comes back for the next
+/// round.
 pub fn drive(
     mut ws: Ws,
     mut pool: FramePool,
     spec: LoadSpec,
     t0: Instant,
+    index: usize,
 ) -> Result<(Outcome, FramePool), BenchError> {
     // SAFETY: prctl(PR_SET_TIMERSLACK) only changes this thread's timer slack.
     unsafe {
         libc::prctl(libc::PR_SET_TIMERSLACK, 1 as libc::c_ulong, 0, 0, 0);
     }
-    sleep_until(t0);
     let start = t0 + spec.warmup;
     let end = start + spec.measure;
     let mut out = Outcome::new();
     let period = spec.rate_hz.map(|r| Duration::from_secs_f64(1.0 / r));
+    let phase = match period {
+        Some(p) if !spec.burst => p.mul_f64(index as f64 / spec.connections.max(1) as f64),
+        _ => Duration::ZERO,
+    };
+    // Request k is due at t0 + phase + k·period.
+    let due = |k: u64, p: Duration| t0 + phase + p.mul_f64(k as f64);
+    let first_due_at = |t: Instant, p: Duration| {
+        (t.saturating_duration_since(t0 + phase).as_secs_f64() / p.as_secs_f64()).ceil() as u64
+    };
     if let Some(p) = period {
         out.samples
             .reserve((spec.measure.as_secs_f64() / p.as_secs_f64()) as usize + 1);
     }
+    sleep_until(t0);
     let mut last_reply = start;
     let mut frame = pool.request(0);
     let mut k = 0u64;
     loop {
         let intended = match period {
-            Some(p) => t0 + p.mul_f64(k as f64),
+            Some(p) => due(k, p),
             None => Instant::now(),
         };
         if intended >= end {
@@ -328,9 +345,8 @@ pub fn drive(
         if Instant::now() >= end {
             // Behind schedule when the window closed: count what was never sent.
             if let Some(p) = period {
-                let scheduled = (end - t0).as_secs_f64() / p.as_secs_f64();
-                let first = k.max((spec.warmup.as_secs_f64() / p.as_secs_f64()).ceil() as u64);
-                out.unsent += (scheduled.ceil() as u64).saturating_sub(first);
+                let first = k.max(first_due_at(start, p));
+                out.unsent += first_due_at(end, p).saturating_sub(first);
             }
             break;
         }

@@ -48,6 +48,10 @@ pub struct BenchArgs {
     /// most.
     #[arg(long, default_value_t = 2.0)]
     pub warmup: f64,
+    /// Open loop: every connection sends at the same instants (a burst each period) instead
+    /// of spread evenly over the period.
+    #[arg(long)]
+    pub burst: bool,
     /// Count replies slower than this as misses (default with --rate: one period).
     #[arg(long)]
     pub budget_ms: Option<f64>,
@@ -222,7 +226,7 @@ pub fn run(args: &BenchArgs, config: Option<&Config>, exe: &Path) -> Result<Repo
         warmup: Duration::from_secs_f64(args.warmup),
         measure: Duration::from_secs_f64(args.duration / rounds as f64),
         budget: budget_ms.map(|b| Duration::from_secs_f64(b / 1000.0)),
-        pool: 0,
+        burst: args.burst,
         api_key: args.api_key.clone(),
     };
 
@@ -309,6 +313,7 @@ pub fn run(args: &BenchArgs, config: Option<&Config>, exe: &Path) -> Result<Repo
             connections: args.connections,
             mode: if rate.is_some() { "open" } else { "closed" }.into(),
             rate_hz_per_connection: rate,
+            burst: args.burst,
             warmup_s: args.warmup,
             duration_s: args.duration,
             rounds,
@@ -350,9 +355,10 @@ fn phase(
     let threads: Vec<_> = conns
         .into_iter()
         .zip(pools)
-        .map(|(ws, pool)| {
+        .enumerate()
+        .map(|(i, (ws, pool))| {
             let spec = spec.clone();
-            std::thread::spawn(move || load::drive(ws, pool, spec, t0))
+            std::thread::spawn(move || load::drive(ws, pool, spec, t0, i))
         })
         .collect();
     std::thread::sleep((t0 + spec.warmup).saturating_duration_since(Instant::now()));

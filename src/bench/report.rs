@@ -120,6 +120,8 @@ pub struct RunInfo {
     /// `closed` or `open`.
     pub mode: String,
     pub rate_hz_per_connection: Option<f64>,
+    /// Open loop: the connections send together each period instead of spread over it.
+    pub burst: bool,
     pub warmup_s: f64,
     pub duration_s: f64,
     pub rounds: usize,
@@ -197,7 +199,7 @@ impl Report {
             );
         }
         s.push('\n');
-        let w = 14;
+        let w = 16;
         let mut header = format!("{:<28}", "");
         for t in &self.targets {
             header += &format!("{:>w$}", t.name);
@@ -326,6 +328,7 @@ mod tests {
                 connections: 1,
                 mode: "closed".into(),
                 rate_hz_per_connection: None,
+                burst: false,
                 warmup_s: 0.0,
                 duration_s: 2.0,
                 rounds: 1,
