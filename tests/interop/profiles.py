@@ -13,5 +13,7 @@ def observation(profile, rng):
                 "observation/wrist_image_left": img((224, 224, 3)),
                 "observation/joint_position": rng.random(7),
                 "observation/gripper_position": rng.random(1), "prompt": "pick"}
+    if profile == "tiny":
+        return {"observation/state": rng.random(8).astype(np.float32), "prompt": "pick"}
     return {"observation/image": img((224, 224, 3)), "observation/wrist_image": img((224, 224, 3)),
             "observation/state": rng.random(8).astype(np.float32), "prompt": "pick"}

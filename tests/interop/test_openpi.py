@@ -3,10 +3,12 @@
 Actions are checked against the same ONNX model run by onnxruntime, with the binding
 transforms of the profile's config applied in numpy.
 """
+import json
 import os
 import pathlib
 import socket
 import subprocess
+import sys
 import time
 import tomllib
 
@@ -52,7 +54,7 @@ def start_policyd(config, port, cafile=None):
     raise RuntimeError(f"policyd on port {port} never became ready: {proc.stderr.read().decode()}")
 
 
-@pytest.fixture(scope="module", params=["aloha", "droid", "libero"])
+@pytest.fixture(scope="module", params=["aloha", "droid", "libero", "tiny"])
 def server(request):
     port = free_port()
     proc = start_policyd(ROOT / f"configs/{request.param}.toml", port)
@@ -131,9 +133,10 @@ def bad_inputs(profile, rng):
     wrong_shape = dict(good, **{key: np.zeros(3)})
     wrong_dtype = dict(good, **{key: good[key].astype(np.int32)})
     missing = {k: v for k, v in good.items() if k != key}
+    packed = openpi_mn.packb(good)
     return {
         "not msgpack": b"\xc1\xc1\xc1",
-        "truncated": openpi_mn.packb(good)[:1000],
+        "truncated": packed[:min(1000, len(packed) // 2)],
         "non-map": openpi_mn.packb([1, 2, 3]),
         "wrong shape": openpi_mn.packb(wrong_shape),
         "wrong dtype": openpi_mn.packb(wrong_dtype),
@@ -302,3 +305,41 @@ def test_openpi_client_over_wss(tls_server, monkeypatch):
     # A plain ws:// client gets no WebSocket from a TLS port.
     with pytest.raises(Exception):
         wcp.WebsocketClientPolicy("127.0.0.1", port)
+
+
+def test_policyd_bench_drives_openpis_own_python_server():
+    """`policyd bench` against openpi's server code (PyPI openpi-server) over onnxruntime
+    (benches/python_server.py), compared in turn with policyd on the same config."""
+    cfg = ROOT / "configs/tiny.toml"
+    py_port, pd_port = free_port(), free_port()
+    py = subprocess.Popen([sys.executable, str(ROOT / "benches/python_server.py"),
+                           "--config", str(cfg), "--port", str(py_port)])
+    pd = start_policyd(cfg, pd_port)
+    try:
+        import urllib.request  # the Python server has /healthz too
+        for _ in range(400):
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{py_port}/healthz", timeout=1):
+                    break
+            except OSError:
+                time.sleep(0.05)
+        out = subprocess.run(
+            [BIN, "bench", f"ws://127.0.0.1:{pd_port}", "--profile", "tiny", "--name", "policyd",
+             "--compare", f"ws://127.0.0.1:{py_port}", "--compare-name", "python",
+             "--duration", "1", "--warmup", "0.3", "--rounds", "2", "--json"],
+            capture_output=True, timeout=120)
+        assert out.returncode == 0, out.stderr.decode()
+        rep = json.loads(out.stdout)
+        names = [t["name"] for t in rep["targets"]]
+        assert names == ["policyd", "python"]
+        for t in rep["targets"]:
+            assert t["requests"] > 20 and t["errors"] == 0, t
+            # Both replies carry policy_timing.infer_ms; both processes are found by port.
+            assert t["engine_ms_per_request"] > 0, t
+            assert t["cpu_ms_per_request"] is not None, t
+        assert rep["ratios"][0]["pair"] == "policyd / python"
+    finally:
+        py.kill()
+        py.wait(timeout=15)
+        pd.terminate()
+        pd.wait(timeout=15)
