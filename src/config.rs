@@ -132,6 +132,9 @@ pub struct ServerConfig {
     pub idle_timeout_s: f64,
     /// Time a client gets to complete the HTTP upgrade.
     pub handshake_timeout_s: f64,
+    /// Time one WebSocket frame may take to arrive, first byte to last (0 = no limit): a
+    /// half-sent frame closes the connection after this.
+    pub frame_timeout_s: f64,
     /// Sessions (`session_id`) tracked per connection; the least recently used is evicted.
     pub max_sessions: usize,
     /// Reply to `endpoint: reset` as a msgpack map (`msgpack`) or the text frame
@@ -154,6 +157,7 @@ impl Default for ServerConfig {
             ping_timeout_s: 20.0,
             idle_timeout_s: 0.0,
             handshake_timeout_s: 10.0,
+            frame_timeout_s: 30.0,
             max_sessions: 16,
             reset_reply: "msgpack".into(),
             max_depth: 16,
@@ -456,6 +460,7 @@ impl Config {
             ("server.ping_timeout_s", s.ping_timeout_s, 86400.0),
             ("server.idle_timeout_s", s.idle_timeout_s, 86400.0 * 365.0),
             ("server.handshake_timeout_s", s.handshake_timeout_s, 3600.0),
+            ("server.frame_timeout_s", s.frame_timeout_s, 3600.0),
         ] {
             if !(v.is_finite() && (0.0..=max).contains(&v)) {
                 return Err(invalid(

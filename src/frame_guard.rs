@@ -13,12 +13,19 @@
 //! A fragmented message that crosses the limit keeps the fragments already passed; its marker
 //! is appended to them, so the connection still sees one message ending in the marker. The
 //! marker is ASCII so a fragmented text message stays valid UTF-8 when cut at a character.
+//!
+//! The guard also times each frame (`server.frame_timeout_s`): a client that starts a frame and
+//! stops sending (a half-sent frame) cannot pong, but it could still hold its connection until
+//! the keepalive gives up; a frame not complete within the timeout fails the read instead.
 
+use std::future::Future;
 use std::io;
 use std::pin::Pin;
 use std::task::{Context, Poll, ready};
+use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::time::{Instant, Sleep};
 
 /// Starts every marker; followed by [`LEN_DIGITS`] decimal digits (the message's size) and NUL.
 const MARKER_PREFIX: &[u8] = b"\0policyd:message-over-size-limit:";
@@ -75,12 +82,30 @@ pub struct FrameGuard<S> {
     message: u64,
     /// The message in progress crossed the limit; its further fragments are dropped.
     dropping: bool,
+    /// How long one frame may take to arrive, from its first byte to its last.
+    frame_timeout: Option<Duration>,
+    /// The timer for the frame in progress (allocated once, reset per frame).
+    deadline: Option<Pin<Box<Sleep>>>,
+    /// Frame headers consumed so far; the timer is armed for frame number `armed_for`.
+    headers: u64,
+    armed_for: Option<u64>,
 }
 
 impl<S> FrameGuard<S> {
     /// Wraps `inner`; `already_read` are bytes read from it past the HTTP head (at most
     /// 16 KiB; a longer prefix is an error from the caller's head reader, which is smaller).
     pub fn new(inner: S, already_read: &[u8], limit: usize) -> io::Result<Self> {
+        Self::with_frame_timeout(inner, already_read, limit, None)
+    }
+
+    /// As [`FrameGuard::new`], and a frame whose bytes take longer than `frame_timeout` to
+    /// arrive fails the read with [`io::ErrorKind::TimedOut`].
+    pub fn with_frame_timeout(
+        inner: S,
+        already_read: &[u8],
+        limit: usize,
+        frame_timeout: Option<Duration>,
+    ) -> io::Result<Self> {
         if already_read.len() > INBUF {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidData,
@@ -101,11 +126,38 @@ impl<S> FrameGuard<S> {
             out_end: 0,
             message: 0,
             dropping: false,
+            frame_timeout,
+            deadline: frame_timeout.map(|_| Box::pin(tokio::time::sleep(Duration::ZERO))),
+            headers: 0,
+            armed_for: None,
         })
+    }
+
+    /// While a frame is in progress (its header or payload partly read), the frame's timer;
+    /// `true` once it has run out.
+    fn frame_overdue(&mut self, cx: &mut Context<'_>) -> bool {
+        let (Some(timeout), Some(deadline)) = (self.frame_timeout, self.deadline.as_mut()) else {
+            return false;
+        };
+        let current = match self.state {
+            State::Header if self.start == self.end => {
+                self.armed_for = None;
+                return false;
+            }
+            // Part of the next header is in: that frame has started.
+            State::Header => self.headers + 1,
+            State::Pass(_) | State::Discard(_) => self.headers,
+        };
+        if self.armed_for != Some(current) {
+            deadline.as_mut().reset(Instant::now() + timeout);
+            self.armed_for = Some(current);
+        }
+        deadline.as_mut().poll(cx).is_ready()
     }
 
     /// Handles the complete header at the front of `inbuf` (of `len` bytes).
     fn on_header(&mut self, len: usize) {
+        self.headers += 1;
         let h = &self.inbuf[self.start..self.start + len];
         let b0 = h[0];
         let masked = h[1] & 0x80 != 0;
@@ -238,6 +290,21 @@ impl<S: AsyncRead + Unpin> AsyncRead for FrameGuard<S> {
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
         let this = &mut *self;
+        let r = this.read_frames(cx, buf);
+        if r.is_pending() && this.frame_overdue(cx) {
+            return Poll::Ready(Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "a frame did not arrive in full within server.frame_timeout_s",
+            )));
+        }
+        r
+    }
+}
+
+impl<S: AsyncRead + Unpin> FrameGuard<S> {
+    /// The guard's read: headers parsed, oversized payloads dropped (see the module docs).
+    fn read_frames(&mut self, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+        let this = self;
         loop {
             if this.out_start < this.out_end {
                 let n = (this.out_end - this.out_start).min(buf.remaining());
@@ -503,6 +570,94 @@ mod tests {
         let got = messages(wire, 0, 2, 1000).await;
         assert_eq!(got.len(), 1);
         assert_eq!(binary(&got[0]), b"whole");
+    }
+
+    /// A guard with a 150 ms frame timeout over a pipe; the test writes the client's side.
+    async fn timed(
+        head: &[u8],
+    ) -> (
+        tokio::io::DuplexStream,
+        WebSocketStream<FrameGuard<tokio::io::DuplexStream>>,
+    ) {
+        let (client, server) = tokio::io::duplex(1 << 20);
+        let guard =
+            FrameGuard::with_frame_timeout(server, head, 1 << 20, Some(Duration::from_millis(150)))
+                .expect("guard");
+        (
+            client,
+            WebSocketStream::from_raw_socket(guard, Role::Server, None).await,
+        )
+    }
+
+    fn is_timeout(r: Option<Result<Message, tokio_tungstenite::tungstenite::Error>>) -> bool {
+        matches!(r, Some(Err(tokio_tungstenite::tungstenite::Error::Io(e))) if e.kind() == io::ErrorKind::TimedOut)
+    }
+
+    #[tokio::test]
+    async fn a_half_sent_frame_times_out_and_a_quiet_connection_does_not() {
+        use tokio::io::AsyncWriteExt;
+        let (mut client, mut ws) = timed(b"").await;
+        let f = frame(true, 2, &[7u8; 1000]);
+        client.write_all(&f).await.unwrap();
+        assert_eq!(binary(&ws.next().await.unwrap().unwrap()), &[7u8; 1000][..]);
+        // Quiet between frames for longer than the timeout: nothing happens.
+        let quiet = tokio::time::timeout(Duration::from_millis(400), ws.next()).await;
+        assert!(
+            quiet.is_err(),
+            "no frame in progress, no timeout: {quiet:?}"
+        );
+        // Half a frame, then silence.
+        client.write_all(&f[..500]).await.unwrap();
+        let t = std::time::Instant::now();
+        assert!(is_timeout(ws.next().await));
+        let took = t.elapsed();
+        assert!(
+            took >= Duration::from_millis(140) && took < Duration::from_secs(2),
+            "{took:?}"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_frame_trickling_in_past_the_timeout_fails_though_bytes_keep_coming() {
+        use tokio::io::AsyncWriteExt;
+        let (mut client, mut ws) = timed(b"").await;
+        let f = frame(true, 2, &[1u8; 600]);
+        let writer = tokio::spawn(async move {
+            for c in f.chunks(100) {
+                if client.write_all(c).await.is_err() {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            let _ = client.shutdown().await;
+        });
+        assert!(
+            is_timeout(ws.next().await),
+            "7 chunks 50 ms apart exceed 150 ms"
+        );
+        writer.abort();
+    }
+
+    #[tokio::test]
+    async fn prompt_frames_back_to_back_never_time_out() {
+        use tokio::io::AsyncWriteExt;
+        // A header byte already read with the HTTP head starts the first frame.
+        let f = frame(true, 2, b"steady");
+        let (mut client, mut ws) = timed(&f[..1]).await;
+        let rest = f[1..].to_vec();
+        let writer = tokio::spawn(async move {
+            client.write_all(&rest).await.unwrap();
+            // 12 frames 40 ms apart: 480 ms of traffic, each frame whole at once.
+            for _ in 0..12 {
+                tokio::time::sleep(Duration::from_millis(40)).await;
+                client.write_all(&frame(true, 2, b"steady")).await.unwrap();
+            }
+            client
+        });
+        for _ in 0..13 {
+            assert_eq!(binary(&ws.next().await.unwrap().unwrap()), b"steady");
+        }
+        drop(writer.await.unwrap());
     }
 
     #[test]

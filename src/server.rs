@@ -613,7 +613,15 @@ async fn handle(
         Dialect::Openpi
     };
     log::info!("{peer}: connected on {} ({})", head.path, dialect.name());
-    let stream = match FrameGuard::new(stream, &head.rest, shared.cfg.server.max_message_bytes) {
+    let server = &shared.cfg.server;
+    let frame_timeout =
+        (server.frame_timeout_s > 0.0).then(|| Duration::from_secs_f64(server.frame_timeout_s));
+    let stream = match FrameGuard::with_frame_timeout(
+        stream,
+        &head.rest,
+        server.max_message_bytes,
+        frame_timeout,
+    ) {
         Ok(s) => s,
         Err(e) => {
             log::info!("{peer}: {e}");

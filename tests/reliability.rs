@@ -254,6 +254,57 @@ async fn slow_loris_heads_are_closed_at_the_handshake_timeout() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn half_sent_frames_are_closed_at_the_frame_timeout_while_others_are_served() {
+    let srv = start(
+        "frame_timeout_s = 0.3\nmax_connections = 16",
+        Behaviour::default(),
+    )
+    .await;
+    // A masked binary frame header announcing 4000 bytes, and only 1000 of them.
+    let mut half = vec![0x82, 0x80 | 126, 0x0f, 0xa0, 1, 2, 3, 4];
+    half.extend(std::iter::repeat_n(0x55u8, 1000));
+    let mut stalled = Vec::new();
+    for _ in 0..10 {
+        let mut tcp = TcpStream::connect(srv.addr).await.unwrap();
+        tcp.write_all(upgrade_request()).await.unwrap();
+        tcp.write_all(&half).await.unwrap();
+        stalled.push(tcp);
+    }
+    // A real client keeps being served while they hang.
+    let mut ws = connect(&srv, VLLM).await;
+    let t0 = Instant::now();
+    for i in 0..5 {
+        ws.send(Message::Binary(request(f64::from(i), None).into()))
+            .await
+            .unwrap();
+        assert!(is_actions(&recv(&mut ws).await));
+    }
+    for mut tcp in stalled {
+        // The 101 and the metadata frame, then the end of the stream.
+        let mut all = Vec::new();
+        tokio::time::timeout(Duration::from_secs(5), tcp.read_to_end(&mut all))
+            .await
+            .expect("closed by the server")
+            .ok();
+        assert!(all.starts_with(b"HTTP/1.1 101"), "upgraded first");
+    }
+    let took = t0.elapsed();
+    assert!(
+        took < Duration::from_secs(3),
+        "closed at the timeout, not later: {took:?}"
+    );
+    // Their connection permits are back: 15 more connections fit under max_connections = 16.
+    let mut more = Vec::new();
+    for _ in 0..15 {
+        more.push(connect(&srv, "/").await);
+    }
+    ws.send(Message::Binary(request(9.0, None).into()))
+        .await
+        .unwrap();
+    assert!(is_actions(&recv(&mut ws).await));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_message_one_byte_over_the_limit_is_refused_and_the_socket_kept() {
     let srv = start("max_message_bytes = 1024", Behaviour::default()).await;
     let mut ws = connect(&srv, VLLM).await;
