@@ -153,8 +153,8 @@ fn run(cli: Cli) -> Result<(), String> {
             };
             let exe = std::env::current_exe()
                 .map_err(|e| format!("cannot find the policyd binary for --floor: {e}"))?;
-            let report =
-                policyd::bench::run(args, cfg.as_ref(), &exe).map_err(|e| e.to_string())?;
+            let report = policyd::bench::run(args, cfg.as_ref(), &[exe.into_os_string()])
+                .map_err(|e| e.to_string())?;
             if args.json {
                 println!("{}", report.json());
             } else {

@@ -27,6 +27,17 @@ fn args(line: &str) -> BenchArgs {
 
 const EXE: &str = env!("CARGO_BIN_EXE_policyd");
 
+/// The command that runs policyd: the binary, after the emulator when the tests run under one
+/// (`POLICYD_CROSS_RUNNER`, set by cross/env.sh for qemu-aarch64).
+fn policyd() -> Vec<std::ffi::OsString> {
+    let runner = std::env::var("POLICYD_CROSS_RUNNER").unwrap_or_default();
+    runner
+        .split_whitespace()
+        .chain([EXE])
+        .map(Into::into)
+        .collect()
+}
+
 /// The runs time real requests: one at a time, so they do not load each other's CPU.
 static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
@@ -66,7 +77,7 @@ fn closed_loop_against_policyd_and_the_floor_reports_every_figure_and_their_rati
         "{url} -c 2 --duration 1.2 --warmup 0.3 --rounds 2 --floor --name policyd --plot {}",
         plot.display()
     ));
-    let r = bench::run(&a, Some(&cfg), EXE.as_ref()).expect("the run succeeds");
+    let r = bench::run(&a, Some(&cfg), &policyd()).expect("the run succeeds");
     let j = report_json(&r);
 
     let targets = j["targets"].as_array().expect("targets");
@@ -138,13 +149,13 @@ fn open_loop_measures_from_the_intended_send_time_so_queueing_shows() {
     let open = bench::run(
         &args(&format!("{url} --rate 100 --duration 1.5 --warmup 0")),
         Some(&cfg),
-        EXE.as_ref(),
+        &policyd(),
     )
     .expect("open loop runs");
     let closed = bench::run(
         &args(&format!("{url} --duration 1 --warmup 0")),
         Some(&cfg),
-        EXE.as_ref(),
+        &policyd(),
     )
     .expect("closed loop runs");
     let (o, c) = (&open.targets[0], &closed.targets[0]);
@@ -173,7 +184,7 @@ fn open_loop_at_a_rate_the_server_keeps_sends_on_schedule() {
             "{url} -c 2 --rate 50 --duration 2 --warmup 0.2 --budget-ms 15"
         )),
         Some(&cfg),
-        EXE.as_ref(),
+        &policyd(),
     )
     .expect("runs");
     let t = &r.targets[0];
@@ -192,12 +203,12 @@ fn open_loop_at_a_rate_the_server_keeps_sends_on_schedule() {
 #[test]
 fn open_loop_connections_are_spread_over_the_period_unless_told_to_burst() {
     let _serial = serial();
-    // One engine, 8 ms a run; two clients at 50 Hz. Sent together, one of each pair waits for
-    // the other's run; spread 10 ms apart, neither waits.
-    let (_rt, _srv, url, cfg) = server(Duration::from_millis(8));
+    // One engine, 10 ms a run; two clients at 25 Hz. Sent together, one of each pair waits
+    // for the other's run; spread 20 ms apart, neither waits.
+    let (_rt, _srv, url, cfg) = server(Duration::from_millis(10));
     let run = |extra: &str| {
-        let line = format!("{url} -c 2 --rate 50 --duration 1.5 --warmup 0.2 {extra}");
-        bench::run(&args(&line), Some(&cfg), EXE.as_ref()).expect("runs")
+        let line = format!("{url} -c 2 --rate 25 --duration 2 --warmup 0.2 {extra}");
+        bench::run(&args(&line), Some(&cfg), &policyd()).expect("runs")
     };
     let spread = run("");
     let burst = run("--burst");
@@ -215,7 +226,9 @@ fn open_loop_connections_are_spread_over_the_period_unless_told_to_burst() {
 fn a_server_that_rejects_the_profile_fails_the_run_with_its_message() {
     let _serial = serial();
     let (_rt, _srv, url, _cfg) = server(Duration::from_millis(1));
-    let out = std::process::Command::new(EXE)
+    let cmd = policyd();
+    let out = std::process::Command::new(&cmd[0])
+        .args(&cmd[1..])
         .args(["bench", &url, "--profile", "aloha", "--duration", "1"])
         .output()
         .expect("runs policyd bench");
@@ -239,13 +252,13 @@ fn bad_arguments_are_refused_before_connecting() {
         ("ws://127.0.0.1:9 --profile franka", "franka"),
         ("http://127.0.0.1:9", "ws://"),
     ] {
-        let e = bench::run(&args(line), None, EXE.as_ref())
+        let e = bench::run(&args(line), None, &policyd())
             .err()
             .unwrap_or_else(|| panic!("{line} should fail"))
             .to_string();
         assert!(e.contains(what), "{line}: {e}");
     }
-    let e = bench::run(&args("ws://127.0.0.1:9"), None, EXE.as_ref())
+    let e = bench::run(&args("ws://127.0.0.1:9"), None, &policyd())
         .expect_err("nothing listens on port 9")
         .to_string();
     assert!(e.starts_with("cannot connect to ws://127.0.0.1:9"), "{e}");

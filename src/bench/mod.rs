@@ -14,8 +14,9 @@ pub mod plot;
 pub mod profile;
 pub mod report;
 
+use std::ffi::OsString;
 use std::io::{BufRead, BufReader};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -135,10 +136,17 @@ impl Drop for FloorProcess {
     }
 }
 
-/// Starts `exe bench-floor` on a free loopback port; returns it and its URL.
-fn start_floor(exe: &Path, actions: &[usize]) -> Result<(FloorProcess, String), BenchError> {
+/// Starts `policyd bench-floor` on a free loopback port; returns it and its URL.
+fn start_floor(
+    policyd: &[OsString],
+    actions: &[usize],
+) -> Result<(FloorProcess, String), BenchError> {
     let shape: Vec<String> = actions.iter().map(|d| d.to_string()).collect();
-    let child = Command::new(exe)
+    let (program, leading) = policyd
+        .split_first()
+        .ok_or_else(|| BenchError::Floor("no command to run policyd".into()))?;
+    let child = Command::new(program)
+        .args(leading)
         .args([
             "bench-floor",
             "--listen",
@@ -149,7 +157,7 @@ fn start_floor(exe: &Path, actions: &[usize]) -> Result<(FloorProcess, String), 
         .stdout(Stdio::piped())
         .stdin(Stdio::null())
         .spawn()
-        .map_err(|e| BenchError::Floor(format!("cannot run {}: {e}", exe.display())))?;
+        .map_err(|e| BenchError::Floor(format!("cannot run {}: {e}", program.to_string_lossy())))?;
     let mut p = FloorProcess(child);
     let out =
         p.0.stdout
@@ -203,8 +211,13 @@ impl BenchArgs {
 }
 
 /// Runs the benchmark `args` describe. `config` (the global `--config`) supplies the
-/// observation; `exe` is the policyd binary, started as the transport floor for `--floor`.
-pub fn run(args: &BenchArgs, config: Option<&Config>, exe: &Path) -> Result<Report, BenchError> {
+/// observation; `policyd` is the command that runs policyd (the binary, after an emulator
+/// when there is one), started as the transport floor for `--floor`.
+pub fn run(
+    args: &BenchArgs,
+    config: Option<&Config>,
+    policyd: &[OsString],
+) -> Result<Report, BenchError> {
     args.check()?;
     let profile = match config {
         Some(cfg) => Profile::from_config("config", cfg).map_err(BenchError::Usage)?,
@@ -256,7 +269,7 @@ pub fn run(args: &BenchArgs, config: Option<&Config>, exe: &Path) -> Result<Repo
     let mut _floor = None;
     if args.floor {
         let shape = load::actions_shape(&first_reply).unwrap_or_else(|| vec![50, 14]);
-        let (p, url) = start_floor(exe, &shape)?;
+        let (p, url) = start_floor(policyd, &shape)?;
         let pid = p.0.id();
         _floor = Some(p);
         targets.push(Target {
