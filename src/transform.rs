@@ -491,6 +491,10 @@ fn run_lut<const N: usize>(t: &Transform, src: &[u8], dst: &mut [u8]) {
     let rank = t.dims.len();
     let inner = t.dims[rank - 1];
     let stride = t.src_strides[rank - 1];
+    if rank >= 2 && inner < 8 && t.dims[rank - 2] > inner {
+        run_lut_short_rows(t, lut, src, out, sets);
+        return;
+    }
     let mut idx = [0usize; crate::wire::MAX_RANK];
     for (row, out_row) in out.chunks_exact_mut(inner.max(1)).enumerate() {
         let base: usize = (0..rank - 1).map(|k| idx[k] * t.src_strides[k]).sum();
@@ -522,6 +526,50 @@ fn run_lut<const N: usize>(t: &Transform, src: &[u8], dst: &mut [u8]) {
             }
         }
         for k in (0..rank - 1).rev() {
+            idx[k] += 1;
+            if idx[k] < t.dims[k] {
+                break;
+            }
+            idx[k] = 0;
+        }
+    }
+}
+
+/// [`run_lut`] for a short innermost axis (CHW→HWC ends in 3 channels): the two innermost
+/// axes are walked with the longer one inside, so each inner loop runs a row of pixels
+/// (reading consecutive source bytes) instead of 3 elements with a row's set-up around them.
+fn run_lut_short_rows<const N: usize>(
+    t: &Transform,
+    lut: &[[u8; N]],
+    src: &[u8],
+    out: &mut [[u8; N]],
+    sets: usize,
+) {
+    let rank = t.dims.len();
+    let (inner, mid) = (t.dims[rank - 1], t.dims[rank - 2]);
+    let (stride, mid_stride) = (t.src_strides[rank - 1], t.src_strides[rank - 2]);
+    let block = inner * mid;
+    let mut idx = [0usize; crate::wire::MAX_RANK];
+    for (b, out_block) in out.chunks_exact_mut(block.max(1)).enumerate() {
+        let base: usize = (0..rank - 2).map(|k| idx[k] * t.src_strides[k]).sum();
+        for c in 0..inner {
+            let first = base + c * stride;
+            if sets == 1 {
+                for m in 0..mid {
+                    out_block[m * inner + c] = lut[src[first + m * mid_stride] as usize];
+                }
+                continue;
+            }
+            for m in 0..mid {
+                let wire = match t.wire_side {
+                    WireSide::Source => first + m * mid_stride,
+                    WireSide::Destination => b * block + m * inner + c,
+                };
+                let s = src[first + m * mid_stride] as usize;
+                out_block[m * inner + c] = lut[(wire % sets) * 256 + s];
+            }
+        }
+        for k in (0..rank - 2).rev() {
             idx[k] += 1;
             if idx[k] < t.dims[k] {
                 break;
@@ -653,7 +701,7 @@ mod tests {
     fn lookup_table_path_matches_the_direct_path_bit_for_bit() {
         let shape = [32usize, 24, 3];
         let n: usize = shape.iter().product();
-        let src: Vec<u8> = (0..n).map(|i| (i * 37 % 256) as u8).collect();
+        let src: Vec<u8> = (0..4096).map(|i| (i * 37 % 256) as u8).collect();
         let per_channel = Affine::normalize(2.0 / 255.0, -1.0, &[0.1, -0.2, 0.3], &[0.5, 1.5, 2.0]);
         let cases = [
             Transform::permuted(
@@ -677,7 +725,38 @@ mod tests {
                 &[1, 0, 2],
                 per_channel.clone(),
             ),
-            Transform::elementwise(ElemType::U8, ElemType::F32, n, per_channel),
+            Transform::elementwise(ElemType::U8, ElemType::F32, n, per_channel.clone()),
+            // CHW→HWC: a 3-wide innermost axis (the short-row path), without and with
+            // conversion, and with coefficients per element of the wire's last axis.
+            Transform::permuted(
+                ElemType::U8,
+                ElemType::U8,
+                &[3, 32, 24],
+                &[1, 2, 0],
+                Affine::IDENTITY,
+            ),
+            Transform::permuted(
+                ElemType::U8,
+                ElemType::F32,
+                &[3, 32, 24],
+                &[1, 2, 0],
+                Affine::Scalar {
+                    a: 2.0 / 255.0,
+                    b: -1.0,
+                },
+            ),
+            Transform::permuted(
+                ElemType::U8,
+                ElemType::F32,
+                &[3, 96, 12],
+                &[1, 2, 0],
+                Affine::normalize(
+                    1.0,
+                    0.0,
+                    &[0.5; 12],
+                    &[1.0, 2.0, 3.0, 4.0, 0.5, 0.25, 1.0, 2.0, 3.0, 4.0, 0.5, 0.25],
+                ),
+            ),
             Transform::first_columns(
                 ElemType::U8,
                 ElemType::F32,
@@ -688,12 +767,13 @@ mod tests {
         ];
         for t in cases {
             assert!(!t.lut.is_empty(), "{t:?}");
+            let src = &src[..t.src_len * t.src_type.size()];
             let mut fast = vec![0u8; t.dst_bytes()];
-            assert!(t.apply(&src, ByteOrder::Little, &mut fast));
+            assert!(t.apply(src, ByteOrder::Little, &mut fast));
             let mut direct = t.clone();
             direct.lut.clear();
             let mut slow = vec![0u8; t.dst_bytes()];
-            assert!(direct.apply(&src, ByteOrder::Little, &mut slow));
+            assert!(direct.apply(src, ByteOrder::Little, &mut slow));
             assert_eq!(fast, slow, "{:?} -> {:?}", t.src_type, t.dst_type);
         }
     }

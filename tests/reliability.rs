@@ -325,36 +325,66 @@ async fn a_message_one_byte_over_the_limit_is_refused_and_the_socket_kept() {
     assert!(is_actions(&recv(&mut ws).await));
 }
 
+/// `POLICYD_RANDOM_FRAMES` random frames (100,000 by default) over 4 connections, pipelined in
+/// batches of 64: every one is answered with an error map (or, by chance, actions), in order;
+/// then each connection still serves a real request and every slot is back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn thousands_of_random_frames_each_get_an_error_and_serving_goes_on() {
+async fn a_hundred_thousand_random_frames_each_get_an_error_and_serving_goes_on() {
+    let total: u64 = std::env::var("POLICYD_RANDOM_FRAMES")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(100_000);
     let srv = start("", Behaviour::default()).await;
-    let mut ws = connect(&srv, VLLM).await;
-    // xorshift64: deterministic, no dependency.
-    let mut x = 0x9E37_79B9_7F4A_7C15u64;
-    let mut next = move || {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        x
-    };
-    let n = 3000;
     let t0 = Instant::now();
-    for i in 0..n {
-        let len = (next() % 300) as usize + 1;
-        let mut frame: Vec<u8> = (0..len).map(|_| next() as u8).collect();
-        if i % 3 == 0 {
-            // A map header now and then, so the decoder goes deeper than the first byte.
-            frame[0] = 0x80 | (next() % 16) as u8;
-        }
-        ws.send(Message::Binary(Bytes::from(frame))).await.unwrap();
-        let v = recv(&mut ws).await;
-        assert!(is_error_map(&v) || is_actions(&v), "frame {i}: {v}");
-        assert!(t0.elapsed() < Duration::from_secs(120), "bounded in time");
+    let mut clients = Vec::new();
+    for c in 0..4u64 {
+        let mut ws = connect(&srv, VLLM).await;
+        clients.push(tokio::spawn(async move {
+            // xorshift64: deterministic, no dependency; a different stream per connection.
+            let mut x = 0x9E37_79B9_7F4A_7C15u64 ^ (c + 1).wrapping_mul(0xD1B5_4A32_D192_ED03);
+            let mut next = move || {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x
+            };
+            let n = total / 4;
+            let mut sent = 0u64;
+            while sent < n {
+                let batch = (n - sent).min(64);
+                for i in 0..batch {
+                    let len = (next() % 300) as usize + 1;
+                    let mut frame: Vec<u8> = (0..len).map(|_| next() as u8).collect();
+                    if (sent + i).is_multiple_of(3) {
+                        // A map header now and then, so the decoder goes past the first byte.
+                        frame[0] = 0x80 | (next() % 16) as u8;
+                    }
+                    ws.feed(Message::Binary(Bytes::from(frame))).await.unwrap();
+                }
+                ws.flush().await.unwrap();
+                for i in 0..batch {
+                    let v = recv(&mut ws).await;
+                    assert!(
+                        is_error_map(&v) || is_actions(&v),
+                        "connection {c}, frame {}: {v}",
+                        sent + i
+                    );
+                }
+                sent += batch;
+                assert!(t0.elapsed() < Duration::from_secs(300), "bounded in time");
+            }
+            ws.send(Message::Binary(request(5.0, None).into()))
+                .await
+                .unwrap();
+            assert!(is_actions(&recv(&mut ws).await));
+            n
+        }));
     }
-    ws.send(Message::Binary(request(5.0, None).into()))
-        .await
-        .unwrap();
-    assert!(is_actions(&recv(&mut ws).await));
+    let mut answered = 0;
+    for c in clients {
+        answered += c.await.expect("a client task failed");
+    }
+    assert_eq!(answered, total / 4 * 4);
     all_slots_back(&srv).await;
 }
 
