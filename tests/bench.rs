@@ -25,18 +25,7 @@ fn args(line: &str) -> BenchArgs {
         .bench
 }
 
-const EXE: &str = env!("CARGO_BIN_EXE_policyd");
-
-/// The command that runs policyd: the binary, after the emulator when the tests run under one
-/// (`POLICYD_CROSS_RUNNER`, set by cross/env.sh for qemu-aarch64).
-fn policyd() -> Vec<std::ffi::OsString> {
-    let runner = std::env::var("POLICYD_CROSS_RUNNER").unwrap_or_default();
-    runner
-        .split_whitespace()
-        .chain([EXE])
-        .map(Into::into)
-        .collect()
-}
+use common::policyd_command as policyd;
 
 /// The runs time real requests: one at a time, so they do not load each other's CPU.
 static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());

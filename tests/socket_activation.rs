@@ -7,6 +7,8 @@ use std::net::TcpStream;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+mod common;
+
 #[test]
 fn policyd_serves_on_the_socket_systemd_passes() {
     let port = {
@@ -14,11 +16,10 @@ fn policyd_serves_on_the_socket_systemd_passes() {
         l.local_addr().unwrap().port()
     };
     // Under emulation (cross/test-aarch64) the binary needs its runner.
-    let runner = std::env::var("POLICYD_CROSS_RUNNER").unwrap_or_default();
     let mut child = Command::new("systemd-socket-activate")
         .args(["-l", &format!("127.0.0.1:{port}")])
-        .args(runner.split_whitespace())
-        .args([env!("CARGO_BIN_EXE_policyd"), "--port", "1"])
+        .args(common::policyd_command())
+        .args(["--port", "1"])
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()

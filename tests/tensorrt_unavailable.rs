@@ -5,6 +5,8 @@
 
 use std::process::Command;
 
+mod common;
+
 fn config_dir() -> std::path::PathBuf {
     let dir = std::env::temp_dir().join(format!("policyd-trt-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
@@ -35,22 +37,16 @@ tensor = "actions"
 fn tensorrt_without_cuda_or_tensorrt_fails_with_a_clear_message() {
     let dir = config_dir();
     let cfg = dir.join("policyd.toml");
-    let runner = std::env::var("POLICYD_CROSS_RUNNER").unwrap_or_default();
-    let mut words = runner.split_whitespace();
+    let policyd = common::policyd_command();
     for args in [
         vec!["check-config".to_string(), cfg.display().to_string()],
         vec!["--config".to_string(), cfg.display().to_string()],
     ] {
-        let mut cmd = match words.next() {
-            Some(r) => {
-                let mut c = Command::new(r);
-                c.args(words.clone()).arg(env!("CARGO_BIN_EXE_policyd"));
-                c
-            }
-            None => Command::new(env!("CARGO_BIN_EXE_policyd")),
-        };
-        words = runner.split_whitespace();
-        let out = cmd.args(&args).output().unwrap();
+        let out = Command::new(&policyd[0])
+            .args(&policyd[1..])
+            .args(&args)
+            .output()
+            .unwrap();
         let err = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
         assert!(!err.contains("panicked"), "{args:?}: {err}");

@@ -126,6 +126,20 @@ struct Target {
     cpu: Option<Duration>,
 }
 
+impl Target {
+    /// A target whose server process is `pid`, or, when not given, the process listening on
+    /// the URL's port on this machine.
+    fn new(name: &str, url: &str, pid: Option<u32>) -> Target {
+        Target {
+            name: name.to_string(),
+            url: url.to_string(),
+            pid: pid.or_else(|| local_port(url).and_then(cpu::listener_pid)),
+            outcome: Outcome::new(),
+            cpu: Some(Duration::ZERO),
+        }
+    }
+}
+
 /// The transport floor process, stopped when dropped.
 struct FloorProcess(Child);
 
@@ -244,27 +258,11 @@ pub fn run(
     };
 
     // Probe every server once: a wrong profile fails here with the server's own message.
-    let mut targets = vec![Target {
-        name: args.name.clone(),
-        url: args.url.clone(),
-        pid: args
-            .pid
-            .or_else(|| local_port(&args.url).and_then(cpu::listener_pid)),
-        outcome: Outcome::new(),
-        cpu: Some(Duration::ZERO),
-    }];
+    let mut targets = vec![Target::new(&args.name, &args.url, args.pid)];
     let first_reply = load::probe(&args.url, &spec, &profile)?;
     if let Some(url) = &args.compare {
         load::probe(url, &spec, &profile)?;
-        targets.push(Target {
-            name: args.compare_name.clone(),
-            url: url.clone(),
-            pid: args
-                .compare_pid
-                .or_else(|| local_port(url).and_then(cpu::listener_pid)),
-            outcome: Outcome::new(),
-            cpu: Some(Duration::ZERO),
-        });
+        targets.push(Target::new(&args.compare_name, url, args.compare_pid));
     }
     let mut _floor = None;
     if args.floor {
@@ -272,13 +270,7 @@ pub fn run(
         let (p, url) = start_floor(policyd, &shape)?;
         let pid = p.0.id();
         _floor = Some(p);
-        targets.push(Target {
-            name: "floor".into(),
-            url,
-            pid: Some(pid),
-            outcome: Outcome::new(),
-            cpu: Some(Duration::ZERO),
-        });
+        targets.push(Target::new("floor", &url, Some(pid)));
     }
 
     let frame_bytes = profile.encode(1).0.len();

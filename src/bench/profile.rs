@@ -229,11 +229,6 @@ impl FramePool {
         FramePool { frames }
     }
 
-    /// Bytes of one request.
-    pub fn frame_bytes(&self) -> usize {
-        self.frames[0].0.len()
-    }
-
     /// The frame for request `k` (copied, so the send owns it; done outside the timed span).
     pub fn request(&mut self, k: u64) -> Bytes {
         let n = self.frames.len();

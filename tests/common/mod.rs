@@ -1,6 +1,7 @@
 //! What several integration tests share: a server on loopback with a synthetic engine (state
 //! [8] in, a [10, 7] action chunk out, compute time and failures set by a `Behaviour`), a
-//! client connection that has read the metadata frame, and a raw HTTP GET.
+//! client connection that has read the metadata frame, a raw HTTP GET, and the command that
+//! runs the policyd binary.
 #![allow(dead_code)]
 
 use std::net::SocketAddr;
@@ -109,4 +110,15 @@ pub async fn http_get(addr: SocketAddr, path: &str, headers: &str) -> String {
     let mut resp = String::new();
     tcp.read_to_string(&mut resp).await.expect("reads");
     resp
+}
+
+/// The command that runs the policyd binary: the binary itself, after the emulator when the
+/// tests run under one (`POLICYD_CROSS_RUNNER`, set by cross/env.sh for qemu-aarch64).
+pub fn policyd_command() -> Vec<std::ffi::OsString> {
+    let runner = std::env::var("POLICYD_CROSS_RUNNER").unwrap_or_default();
+    runner
+        .split_whitespace()
+        .chain([env!("CARGO_BIN_EXE_policyd")])
+        .map(Into::into)
+        .collect()
 }

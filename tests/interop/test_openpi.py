@@ -35,10 +35,15 @@ def free_port():
 def start_policyd(config, port, cafile=None):
     """Starts policyd and waits until /healthz says it is ready (it answers 503 while the
     engine loads)."""
-    import ssl
-    import urllib.request
     proc = subprocess.Popen([BIN, "--config", str(config), "--port", str(port)],
                             stderr=subprocess.PIPE)
+    return wait_healthy(proc, port, "policyd", cafile)
+
+
+def wait_healthy(proc, port, name, cafile=None):
+    """Waits until the server `proc` started answers 200 on /healthz; returns `proc`."""
+    import ssl
+    import urllib.request
     scheme = "https" if cafile else "http"
     ctx = ssl.create_default_context(cafile=str(cafile)) if cafile else None
     host = "localhost" if cafile else "127.0.0.1"
@@ -51,7 +56,8 @@ def start_policyd(config, port, cafile=None):
             pass
         time.sleep(0.05)
     proc.kill()
-    raise RuntimeError(f"policyd on port {port} never became ready: {proc.stderr.read().decode()}")
+    err = proc.stderr.read().decode() if proc.stderr else ""
+    raise RuntimeError(f"{name} on port {port} never became ready: {err}")
 
 
 @pytest.fixture(scope="module", params=["aloha", "droid", "libero", "tiny"])
@@ -316,13 +322,7 @@ def test_policyd_bench_drives_openpis_own_python_server():
                            "--config", str(cfg), "--port", str(py_port)])
     pd = start_policyd(cfg, pd_port)
     try:
-        import urllib.request  # the Python server has /healthz too
-        for _ in range(400):
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{py_port}/healthz", timeout=1):
-                    break
-            except OSError:
-                time.sleep(0.05)
+        wait_healthy(py, py_port, "openpi-server")  # it has /healthz too
         out = subprocess.run(
             [BIN, "bench", f"ws://127.0.0.1:{pd_port}", "--profile", "tiny", "--name", "policyd",
              "--compare", f"ws://127.0.0.1:{py_port}", "--compare-name", "python",
