@@ -203,12 +203,13 @@ fn open_loop_connections_are_spread_over_the_period_unless_told_to_burst() {
     let burst = run("--burst");
     assert!(burst.run.burst && !spread.run.burst);
     let (s, b) = (&spread.targets[0].latency_ms, &burst.targets[0].latency_ms);
+    // Burst: ~20 ms for the second of each pair; spread: ~10 ms, with room for emulation.
     assert!(
-        b.p90 > 14.0,
+        b.p90 > 18.0,
         "bursts queue behind each other: p90 {}",
         b.p90
     );
-    assert!(s.p90 < 12.0, "spread requests do not: p90 {}", s.p90);
+    assert!(s.p90 < 16.0, "spread requests do not: p90 {}", s.p90);
 }
 
 #[test]
