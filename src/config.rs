@@ -58,6 +58,9 @@ pub struct Config {
     /// TLS (`wss://`).
     #[serde(default)]
     pub tls: TlsConfig,
+    /// The optional task planner (a vision-language model that names the next subtask).
+    #[serde(default)]
+    pub planner: PlannerConfig,
     /// Where the model comes from (resolved from `engine.model`, or embedded).
     #[serde(skip)]
     pub model: Option<ModelSource>,
@@ -73,6 +76,103 @@ pub struct TlsConfig {
     /// The acceptor, built at start-up.
     #[serde(skip)]
     pub acceptor: Option<crate::tls::Tls>,
+}
+
+/// `[planner]`: a vision-language model behind an OpenAI-compatible chat-completions API that
+/// names the policy's next subtask from the instruction and the current camera view. Off by
+/// default; when on, it runs on its own thread at its own rate and the request path only reads
+/// its latest answer (see docs/planner.md).
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PlannerConfig {
+    pub enabled: bool,
+    /// Base URLs (`http://host:port`), used round-robin; `/v1/chat/completions` and
+    /// `/v1/models` (the readiness probe) are appended.
+    pub endpoints: Vec<String>,
+    /// The `model` field of each request.
+    pub model: String,
+    /// Sent as `Authorization: Bearer …` (prefer `api_key_file`).
+    pub api_key: Option<Secret>,
+    /// A file holding the API key, relative to the config file.
+    pub api_key_file: Option<PathBuf>,
+    /// The system message; `{instruction}` and `{subtask}` are replaced.
+    pub system_prompt: String,
+    /// The high-level instruction (a client's prompt replaces it when `precedence = "planner"`).
+    pub instruction: String,
+    /// Planner calls per second (at most; a slow endpoint makes it slower).
+    pub rate_hz: f64,
+    /// The image input binding (its `key`) whose latest frame is sent, or none for text only.
+    /// It must accept `uint8` in HWC or CHW layout with 1, 3 or 4 channels.
+    pub camera: Option<String>,
+    /// The text input binding the subtask fills.
+    pub prompt_key: String,
+    /// `client`: a prompt the client sends wins, the subtask fills in when it sends none.
+    /// `planner`: the subtask wins once there is one, and the client's prompt becomes the
+    /// planner's instruction.
+    pub precedence: String,
+    pub max_tokens: u32,
+    pub temperature: f64,
+    /// Ask for JSON output (`response_format: {"type": "json_object"}`); turn off for a server
+    /// that rejects the field.
+    pub json_mode: bool,
+    /// Longest a planner call may take, connection included.
+    pub request_timeout_s: f64,
+    /// Longest wait between readiness probes of a failing endpoint (the backoff doubles from
+    /// 0.5 s up to this).
+    pub max_backoff_s: f64,
+    /// A local model server to start and supervise (argv; empty: none).
+    pub serve_command: Vec<String>,
+    /// A line of the server's output that says it is ready (else: the readiness probe).
+    pub ready_marker: Option<String>,
+    /// Longest wait for `serve_command` to become ready before the planner goes on without it.
+    pub ready_timeout_s: f64,
+    /// On shutdown the server gets SIGINT, then SIGKILL after this many seconds.
+    pub stop_grace_s: f64,
+}
+
+/// A secret from the config: kept out of `Debug` output and logs.
+#[derive(Clone, Deserialize, PartialEq, Eq)]
+#[serde(transparent)]
+pub struct Secret(pub String);
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("\"[redacted]\"")
+    }
+}
+
+/// The planner's default system message.
+pub const DEFAULT_PLANNER_PROMPT: &str = "You plan the next step of a robot arm. The overall \
+instruction is: {instruction}. Look at the camera image and name the single next subtask the \
+robot should do now, as a short imperative phrase. The current subtask is: {subtask}. Answer with \
+only a JSON object: {\"subtask\": \"<next subtask>\", \"done\": <true when the instruction is \
+complete>}.";
+
+impl Default for PlannerConfig {
+    fn default() -> Self {
+        PlannerConfig {
+            enabled: false,
+            endpoints: Vec::new(),
+            model: String::new(),
+            api_key: None,
+            api_key_file: None,
+            system_prompt: DEFAULT_PLANNER_PROMPT.into(),
+            instruction: String::new(),
+            rate_hz: 1.0,
+            camera: None,
+            prompt_key: "prompt".into(),
+            precedence: "client".into(),
+            max_tokens: 128,
+            temperature: 0.0,
+            json_mode: true,
+            request_timeout_s: 10.0,
+            max_backoff_s: 30.0,
+            serve_command: Vec::new(),
+            ready_marker: None,
+            ready_timeout_s: 300.0,
+            stop_grace_s: 5.0,
+        }
+    }
 }
 
 /// `[auth]`: who may open a WebSocket. With no key configured, anyone on the network can.
@@ -430,6 +530,16 @@ impl Config {
                 ));
             }
         };
+        if let Some(f) = cfg.planner.api_key_file.clone() {
+            let path = resolve(&f);
+            let text = std::fs::read_to_string(&path).map_err(|e| {
+                invalid(
+                    "planner.api_key_file",
+                    format!("cannot read {}: {e}", path.display()),
+                )
+            })?;
+            cfg.planner.api_key = Some(Secret(text.trim().to_string()));
+        }
         cfg.validate()?;
         Ok(cfg)
     }
@@ -757,6 +867,103 @@ impl Config {
         for (key, v) in &self.metadata {
             check_metadata(&format!("metadata.{key}"), v)?;
         }
+        self.validate_planner()
+    }
+
+    /// `[planner]`'s own values; its bindings are checked against the plan.
+    fn validate_planner(&self) -> Result<(), ConfigError> {
+        let p = &self.planner;
+        if !p.enabled {
+            return Ok(());
+        }
+        if p.endpoints.is_empty() {
+            return Err(invalid(
+                "planner.endpoints",
+                "missing: give at least one base URL, e.g. [\"http://127.0.0.1:8080\"]",
+            ));
+        }
+        for (i, e) in p.endpoints.iter().enumerate() {
+            if let Err(why) = crate::planner::endpoint::check_url(e) {
+                return Err(invalid(format!("planner.endpoints[{i}]"), why));
+            }
+        }
+        if p.model.trim().is_empty() {
+            return Err(invalid(
+                "planner.model",
+                "missing: the model name the endpoints serve (as listed by GET /v1/models)",
+            ));
+        }
+        if let Some(k) = &p.api_key
+            && (k.0.is_empty() || k.0.chars().any(|c| c.is_control()))
+        {
+            return Err(invalid(
+                "planner.api_key",
+                "must be non-empty and on one line",
+            ));
+        }
+        if p.system_prompt.trim().is_empty() {
+            return Err(invalid("planner.system_prompt", "must not be empty"));
+        }
+        if !(p.rate_hz.is_finite() && p.rate_hz > 0.0 && p.rate_hz <= 50.0) {
+            return Err(invalid(
+                "planner.rate_hz",
+                format!("must be above 0 and at most 50, got {}", p.rate_hz),
+            ));
+        }
+        if !matches!(p.precedence.as_str(), "client" | "planner") {
+            return Err(invalid(
+                "planner.precedence",
+                format!(
+                    "must be \"client\" or \"planner\", got \"{}\"",
+                    p.precedence
+                ),
+            ));
+        }
+        if p.max_tokens == 0 || p.max_tokens > 32768 {
+            return Err(invalid(
+                "planner.max_tokens",
+                format!("must be between 1 and 32768, got {}", p.max_tokens),
+            ));
+        }
+        if !(p.temperature.is_finite() && (0.0..=2.0).contains(&p.temperature)) {
+            return Err(invalid(
+                "planner.temperature",
+                format!("must be between 0 and 2, got {}", p.temperature),
+            ));
+        }
+        for (key, v, min, max) in [
+            (
+                "planner.request_timeout_s",
+                p.request_timeout_s,
+                0.01,
+                600.0,
+            ),
+            ("planner.max_backoff_s", p.max_backoff_s, 0.5, 3600.0),
+            ("planner.ready_timeout_s", p.ready_timeout_s, 0.0, 3600.0),
+            ("planner.stop_grace_s", p.stop_grace_s, 0.0, 600.0),
+        ] {
+            if !(v.is_finite() && (min..=max).contains(&v)) {
+                return Err(invalid(
+                    key,
+                    format!("must be a number of seconds between {min} and {max}, got {v}"),
+                ));
+            }
+        }
+        if p.serve_command.first().is_some_and(|c| c.trim().is_empty()) {
+            return Err(invalid(
+                "planner.serve_command",
+                "the first element must be the program to run",
+            ));
+        }
+        if p.serve_command.is_empty() && p.ready_marker.is_some() {
+            return Err(invalid(
+                "planner.ready_marker",
+                "applies to planner.serve_command, which is not set",
+            ));
+        }
+        if p.ready_marker.as_deref().is_some_and(|m| m.is_empty()) {
+            return Err(invalid("planner.ready_marker", "must not be empty"));
+        }
         Ok(())
     }
 }
@@ -932,6 +1139,49 @@ tensor = "actions"
         assert!(
             matches!(c.model, Some(ModelSource::File(ref p)) if p == Path::new("/etc/policyd/m.onnx"))
         );
+    }
+
+    #[test]
+    fn planner_errors_name_the_key() {
+        let on = |extra: &str| {
+            err(&format!(
+                "[planner]\nenabled = true\nendpoints = [\"http://127.0.0.1:8080\"]\n\
+                 model = \"m\"\n{extra}"
+            ))
+        };
+        assert!(err("[planner]\nenabled = true\nmodel = \"m\"").contains("planner.endpoints"));
+        assert!(
+            err("[planner]\nenabled = true\nendpoints = [\"http://h\"]").contains("planner.model")
+        );
+        let https = err(
+            "[planner]\nenabled = true\nmodel = \"m\"\nendpoints = [\"http://a\", \"https://b\"]",
+        );
+        assert!(
+            https.contains("planner.endpoints[1]") && https.contains("https"),
+            "{https}"
+        );
+        assert!(on("rate_hz = 0.0").contains("planner.rate_hz"));
+        assert!(on("precedence = \"robot\"").contains("planner.precedence"));
+        assert!(on("max_tokens = 0").contains("planner.max_tokens"));
+        assert!(on("temperature = 3.0").contains("planner.temperature"));
+        assert!(on("request_timeout_s = 0.0").contains("planner.request_timeout_s"));
+        assert!(on("ready_marker = \"up\"").contains("planner.ready_marker"));
+        assert!(on("serve_command = [\"\"]").contains("planner.serve_command"));
+        assert!(on("api_key_file = \"missing-key\"").contains("planner.api_key_file"));
+        assert!(on("tempo = 1").contains("tempo"));
+        // Off (the default), nothing is required.
+        let ok = format!("{MIN}\n[planner]\nrate_hz = 2.0");
+        assert!(Config::parse(&ok, "t", None).is_ok());
+    }
+
+    #[test]
+    fn the_api_key_is_never_printed() {
+        let text = format!(
+            "{MIN}\n[planner]\nenabled = true\nendpoints = [\"http://h\"]\nmodel = \"m\"\n\
+             api_key = \"sk-secret-123\""
+        );
+        let cfg = Config::parse(&text, "t", None).expect("parses");
+        assert!(!format!("{cfg:?}").contains("sk-secret-123"));
     }
 
     #[test]

@@ -17,6 +17,7 @@ pub mod frame_guard;
 pub mod metrics;
 pub mod pacing;
 pub mod plan;
+pub mod planner;
 pub mod scheduler;
 pub mod server;
 pub mod session;

@@ -195,6 +195,8 @@ pub struct Live {
     pub budget_bytes: u64,
     pub warmup_s: f64,
     pub backend: &'static str,
+    /// The task planner's link, when `[planner]` is on.
+    pub planner: Option<Arc<crate::planner::Link>>,
 }
 
 impl std::fmt::Debug for Live {
@@ -236,6 +238,107 @@ fn counter(
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ReasonLabels {
     reason: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct SubtaskLabels {
+    subtask: String,
+}
+
+/// The planner's figures: its health, its calls by outcome, and the current subtask (an info
+/// metric whose one label is the subtask, quotes and line breaks replaced).
+fn encode_planner(
+    e: &mut DescriptorEncoder,
+    l: &crate::planner::Link,
+) -> Result<(), std::fmt::Error> {
+    let h = &l.health;
+    let load = |v: &std::sync::atomic::AtomicU64| v.load(Ordering::Relaxed);
+    gauge(
+        e,
+        "policyd_planner_up",
+        "1 when the planner's last call produced a subtask",
+        if h.up.load(Ordering::Relaxed) {
+            1.0
+        } else {
+            0.0
+        },
+    )?;
+    gauge(
+        e,
+        "policyd_planner_endpoints_ready",
+        "planner endpoints that answered their last call or readiness probe",
+        load(&h.endpoints_ready) as f64,
+    )?;
+    gauge(
+        e,
+        "policyd_planner_done",
+        "1 when the planner reports the instruction complete",
+        if h.done.load(Ordering::Relaxed) {
+            1.0
+        } else {
+            0.0
+        },
+    )?;
+    if let Some(age) = l.subtask_age() {
+        gauge(
+            e,
+            "policyd_planner_subtask_age_seconds",
+            "time since the planner last named a subtask",
+            age,
+        )?;
+    }
+    let c = ConstCounter::new(0u64);
+    let mut m = e.encode_descriptor(
+        "policyd_planner_calls",
+        "planner calls, by outcome",
+        None,
+        c.metric_type(),
+    )?;
+    for (result, v) in [
+        ("ok", &h.ok),
+        ("unparsable", &h.parse_failures),
+        ("failed", &h.call_failures),
+        ("timeout", &h.timeouts),
+        ("no_observation", &h.no_observation),
+    ] {
+        let labels = ResultLabels { result };
+        let fm = m.encode_family(&labels)?;
+        ConstCounter::new(load(v)).encode(fm)?;
+    }
+    counter(
+        e,
+        "policyd_planner_parse_retries",
+        "planner answers that could not be parsed and were asked for again",
+        load(&h.retries),
+    )?;
+    if let Some(s) = l.subtask().as_deref() {
+        let g = ConstGauge::new(1i64);
+        let mut m = e.encode_descriptor(
+            "policyd_planner_subtask",
+            "the subtask the policy is prompted with",
+            None,
+            g.metric_type(),
+        )?;
+        let subtask = s
+            .chars()
+            .map(|c| {
+                if matches!(c, '"' | '\\') || c.is_control() {
+                    '\''
+                } else {
+                    c
+                }
+            })
+            .collect();
+        let labels = SubtaskLabels { subtask };
+        let fm = m.encode_family(&labels)?;
+        g.encode(fm)?;
+    }
+    Ok(())
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ResultLabels {
+    result: &'static str,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -351,7 +454,11 @@ impl Collector for Live {
             backend: self.backend,
         };
         let fm = m.encode_family(&labels)?;
-        g.encode(fm)
+        g.encode(fm)?;
+        match &self.planner {
+            Some(l) => encode_planner(&mut e, l),
+            None => Ok(()),
+        }
     }
 }
 

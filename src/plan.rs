@@ -62,7 +62,105 @@ pub struct Plan {
     pub horizon: usize,
     /// Index of the binding the similarity filter reads, if it is on.
     pub similarity_input: Option<usize>,
+    /// Where the request path meets the task planner, when `[planner]` is on.
+    pub planner: Option<PlannerTap>,
     pub budget: Budget,
+}
+
+/// The request path's side of the planner: which bindings it reads and fills.
+#[derive(Clone)]
+pub struct PlannerTap {
+    pub link: std::sync::Arc<crate::planner::Link>,
+    /// The text binding the subtask fills (`planner.prompt_key`).
+    pub prompt: usize,
+    /// The image binding whose frames the planner sees (`planner.camera`).
+    pub camera: Option<usize>,
+}
+
+impl std::fmt::Debug for PlannerTap {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PlannerTap")
+            .field("prompt", &self.prompt)
+            .field("camera", &self.camera)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Checks `[planner]`'s bindings against the compiled inputs and makes the link.
+fn planner_tap(
+    cfg: &Config,
+    inputs: &[InputBinding],
+    io: &IoSpec,
+) -> Result<Option<PlannerTap>, ConfigError> {
+    let p = &cfg.planner;
+    if !p.enabled {
+        return Ok(None);
+    }
+    let keys = || {
+        inputs
+            .iter()
+            .map(|b| format!("\"{}\"", b.key))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let prompt = inputs
+        .iter()
+        .position(|b| b.key == p.prompt_key)
+        .ok_or_else(|| {
+            invalid(
+                "planner.prompt_key",
+                format!(
+                    "no input binding has key \"{}\" (the inputs are {})",
+                    p.prompt_key,
+                    keys()
+                ),
+            )
+        })?;
+    if !inputs[prompt].text {
+        return Err(invalid(
+            "planner.prompt_key",
+            format!(
+                "\"{}\" is not a text binding (dtypes = [\"text\"]): the subtask is a string",
+                p.prompt_key
+            ),
+        ));
+    }
+    let max_subtask = io.inputs[inputs[prompt].index].elements();
+    let (camera, geometry) = match &p.camera {
+        None => (None, None),
+        Some(key) => {
+            let i = inputs.iter().position(|b| &b.key == key).ok_or_else(|| {
+                invalid(
+                    "planner.camera",
+                    format!(
+                        "no input binding has key \"{key}\" (the inputs are {})",
+                        keys()
+                    ),
+                )
+            })?;
+            let b = &inputs[i];
+            let g = crate::planner::Geometry::of(&b.shape);
+            let u8_ok = b.accepted.iter().any(|(t, _)| *t == ElemType::U8);
+            match g {
+                Some(g) if u8_ok && !b.text => (Some(i), Some(g)),
+                _ => {
+                    return Err(invalid(
+                        "planner.camera",
+                        format!(
+                            "\"{key}\" must be an image binding that accepts uint8, shaped \
+                             [H, W, C] or [C, H, W] with 1, 3 or 4 channels (got shape {:?})",
+                            b.shape
+                        ),
+                    ));
+                }
+            }
+        }
+    };
+    Ok(Some(PlannerTap {
+        link: std::sync::Arc::new(crate::planner::Link::new(p, geometry, max_subtask)),
+        prompt,
+        camera,
+    }))
 }
 
 /// Drops leading size-1 axes while more than `min_rank` remain.
@@ -279,7 +377,14 @@ impl Plan {
                         )
                 })
                 .sum::<usize>();
-        let budget = Budget::compute(cfg, io, reply_capacity, scratch_bytes, metadata.len());
+        let planner = planner_tap(cfg, &inputs, io)?;
+        let mut budget = Budget::compute(cfg, io, reply_capacity, scratch_bytes, metadata.len());
+        if let Some(g) = planner.as_ref().and_then(|t| t.link.camera) {
+            budget.add(vec![(
+                "planner      camera frame handed to the planner".to_string(),
+                g.bytes() as u64,
+            )]);
+        }
         Ok(Plan {
             inputs,
             outputs,
@@ -299,6 +404,7 @@ impl Plan {
                         .position(|b| b.key == cfg.pacing.similarity_key)
                 })
                 .flatten(),
+            planner,
             budget,
         })
     }
@@ -321,9 +427,25 @@ impl Plan {
         if meta.endpoint == wire::Endpoint::Reset {
             return Ok(meta);
         }
-        for (b, seen) in self.inputs.iter().zip(w.seen.iter()) {
+        if let Some(tap) = &self.planner {
+            let b = &self.inputs[tap.prompt];
+            let sent = w.seen[tap.prompt];
+            if !sent || tap.link.planner_first {
+                let subtask = tap.link.subtask();
+                if let Some(s) = subtask.as_deref() {
+                    // The planner checked the length; a failure leaves the client's prompt.
+                    if write_text(b, None, s.as_bytes(), w.bufs[b.index].bytes_mut()).is_ok() {
+                        w.seen[tap.prompt] = true;
+                    }
+                }
+            }
+        }
+        for (i, (b, seen)) in self.inputs.iter().zip(w.seen.iter()).enumerate() {
             if !*seen {
                 if !b.optional {
+                    if self.planner.as_ref().is_some_and(|t| t.prompt == i) {
+                        return Err(WireError::NoSubtaskYet { key: b.key.clone() });
+                    }
                     return Err(WireError::MissingKey { key: b.key.clone() });
                 }
                 crate::transform::fill_bytes(b.engine_type, b.fill, w.bufs[b.index].bytes_mut());
@@ -633,7 +755,31 @@ impl Visitor for SlotWriter<'_> {
                 });
             }
             Value::Text { dtype, data } if b.text => {
-                return write_text(b, dtype, data, self.bufs[b.index].bytes_mut());
+                write_text(b, dtype, data, self.bufs[b.index].bytes_mut())?;
+                if let Some(tap) = &self.plan.planner
+                    && tap.prompt == i
+                    && tap.link.planner_first
+                {
+                    // The client's prompt is the planner's instruction (valid UTF-8 by now).
+                    match dtype {
+                        None | Some(WireDType::Bytes(_)) => {
+                            let end = data.iter().rposition(|&c| c != 0).map_or(0, |e| e + 1);
+                            tap.link.client_instruction(&data[..end]);
+                        }
+                        // UTF-32: re-read as the UTF-8 bytes just written (rare; allocates).
+                        Some(_) => {
+                            let buf = self.bufs[b.index].bytes_mut();
+                            let t = b.engine_type;
+                            let bytes: Vec<u8> = (0..buf.len() / t.size())
+                                .map(|k| load_f64(t, buf, k))
+                                .take_while(|&v| v != b.fill)
+                                .map(|v| v as u8)
+                                .collect();
+                            tap.link.client_instruction(&bytes);
+                        }
+                    }
+                }
+                return Ok(());
             }
             Value::Array(a) => a,
             Value::Text { dtype, .. } => {
@@ -668,6 +814,12 @@ impl Visitor for SlotWriter<'_> {
                 expected: b.shape.clone(),
                 got: a.shape.to_vec(),
             });
+        }
+        if let Some(tap) = &self.plan.planner
+            && tap.camera == Some(i)
+            && a.storage == ElemType::U8
+        {
+            tap.link.offer_image(a.data);
         }
         let dst = self.bufs[b.index].bytes_mut();
         let ok = match pos {
@@ -1008,5 +1160,66 @@ tensor = "actions"
                 .to_string()
                 .contains("inputs[1].shape")
         );
+    }
+
+    #[test]
+    fn planner_bindings_are_checked_at_start_up() {
+        let on = |extra: &str| {
+            format!(
+                "{CFG}\n[planner]\nenabled = true\nendpoints = [\"http://127.0.0.1:9\"]\n\
+                 model = \"m\"\n{extra}"
+            )
+        };
+        let p = plan(&on("")).expect("the prompt binding is a text binding");
+        let tap = p.planner.as_ref().expect("a planner tap");
+        assert_eq!((tap.prompt, tap.camera, tap.link.max_subtask), (1, None, 8));
+        let err = |extra: &str| plan(&on(extra)).unwrap_err().to_string();
+        assert!(err("prompt_key = \"state\"").contains("planner.prompt_key"));
+        assert!(err("prompt_key = \"task\"").contains("\"state\", \"prompt\""));
+        assert!(err("camera = \"state\"").contains("planner.camera"));
+        assert!(err("camera = \"cam\"").contains("no input binding"));
+    }
+
+    #[test]
+    fn the_subtask_fills_the_prompt_by_precedence() {
+        use crate::planner::reply::Answer;
+        let on = |precedence: &str| {
+            plan(&format!(
+                "{CFG}\n[planner]\nenabled = true\nendpoints = [\"http://127.0.0.1:9\"]\n\
+                 model = \"m\"\nprecedence = \"{precedence}\"\ninstruction = \"tidy up\""
+            ))
+            .expect("plan")
+        };
+        let say = |p: &Plan, s: &str| {
+            p.planner.as_ref().expect("tap").link.publish(&Answer {
+                subtask: s.into(),
+                done: false,
+            })
+        };
+        let no_prompt = {
+            let mut buf = Vec::new();
+            let mut e = Encoder { buf: &mut buf };
+            e.map(1);
+            e.str("state");
+            e.ndarray(ElemType::F64, &[2], 16, |d| d.fill(0));
+            buf
+        };
+        let client = p_frame("go");
+        let p = on("client");
+        let e = tokens(&p, &no_prompt).unwrap_err();
+        assert!(matches!(e, WireError::NoSubtaskYet { .. }), "{e}");
+        say(&p, "ab");
+        assert_eq!(tokens(&p, &no_prompt).expect("ok")[..3], [97, 98, -1]);
+        assert_eq!(tokens(&p, &client).expect("ok")[..3], [103, 111, -1]);
+        let p = on("planner");
+        assert_eq!(tokens(&p, &client).expect("ok")[..3], [103, 111, -1]);
+        let link = p.planner.as_ref().expect("tap").link.clone();
+        assert_eq!(link.instruction().as_str(), "go");
+        say(&p, "ab");
+        assert_eq!(tokens(&p, &client).expect("ok")[..3], [97, 98, -1]);
+    }
+
+    fn p_frame(prompt: &str) -> Vec<u8> {
+        frame(&msgpack_str(prompt))
     }
 }

@@ -37,6 +37,8 @@ pub enum ServerError {
     Config(#[from] ConfigError),
     #[error(transparent)]
     Engine(#[from] EngineError),
+    #[error("cannot start the task planner: {0}")]
+    Planner(std::io::Error),
     #[error(
         "cannot listen on {addr}: {source} (is another server using the port? set server.port or --port)"
     )]
@@ -194,6 +196,7 @@ pub async fn serve(
         budget_bytes: loaded.plan.budget.total,
         warmup_s: loaded.warmup.as_secs_f64(),
         backend: loaded.backend,
+        planner: loaded.plan.planner.as_ref().map(|t| t.link.clone()),
     };
     let registry = crate::metrics::registry(&loaded.stats.metrics, live);
     let shared = Arc::new(Shared {
@@ -218,6 +221,14 @@ pub async fn serve(
             Duration::from_millis(shared.cfg.engine.timeout_ms),
         ))
     });
+    // The planner runs beside the request path for as long as the server does.
+    let planner = match &shared.plan.planner {
+        Some(tap) => Some(
+            crate::planner::Planner::start(&shared.cfg.planner, tap.link.clone())
+                .map_err(ServerError::Planner)?,
+        ),
+        None => None,
+    };
     tokio::pin!(shutdown);
     loop {
         tokio::select! {
@@ -253,6 +264,10 @@ pub async fn serve(
     }
     if let Some(m) = monitor {
         m.abort();
+    }
+    if let Some(p) = planner {
+        // Stopping waits for the model server's grace period: off the async threads.
+        let _ = tokio::task::spawn_blocking(move || drop(p)).await;
     }
     let r = shared.stats.release.summary();
     if r.paced > 0 {

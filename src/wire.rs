@@ -110,6 +110,11 @@ pub enum WireError {
     Observe { problem: &'static str },
     #[error("missing required key '{key}'")]
     MissingKey { key: String },
+    #[error(
+        "missing required key '{key}', and the task planner has not named a subtask yet: send \
+         a prompt, or wait for the planner (see /metrics, policyd_planner_up)"
+    )]
+    NoSubtaskYet { key: String },
     #[error("key '{key}' appears twice")]
     DuplicateKey { key: String },
     #[error("unknown endpoint '{got}'; expected one of: infer, observe, reset")]

@@ -322,8 +322,76 @@ async fn server_per_request(n: u64) -> f64 {
     per
 }
 
+/// Decoding with the task planner on: the subtask fills the prompt (a pointer load) and a
+/// camera frame is copied into the planner's preallocated buffer whenever it asks.
+fn planner_path(n: usize) -> u64 {
+    let text = r#"
+[engine]
+model = "synthetic"
+[[inputs]]
+key = "prompt"
+tensor = "prompt"
+dtypes = ["text"]
+shape = [32]
+[[inputs]]
+key = "cam"
+tensor = "cam"
+dtypes = ["uint8"]
+shape = [8, 8, 3]
+[[outputs]]
+tensor = "actions"
+[planner]
+enabled = true
+endpoints = ["http://127.0.0.1:9"]
+model = "m"
+camera = "cam"
+"#;
+    let cfg = Config::parse(text, "test", None).unwrap();
+    let t = |name: &str, dtype, shape: &[usize]| TensorSpec {
+        name: name.into(),
+        dtype,
+        shape: shape.to_vec(),
+    };
+    let io = IoSpec {
+        inputs: vec![
+            t("prompt", ElemType::I64, &[1, 32]),
+            t("cam", ElemType::F32, &[1, 8, 8, 3]),
+        ],
+        outputs: vec![t("actions", ElemType::F32, &[1, 10, 7])],
+    };
+    let engine = Box::new(SyntheticEngine::new(io, Behaviour::default()));
+    let loaded = server::load_engine(&cfg, engine).unwrap();
+    let plan = &loaded.plan;
+    let link = plan.planner.as_ref().unwrap().link.clone();
+    link.publish(&policyd::planner::reply::Answer {
+        subtask: "pick up the red cup".into(),
+        done: false,
+    });
+    let mut frame = Vec::new();
+    let mut e = Encoder { buf: &mut frame };
+    e.map(1);
+    e.str("cam");
+    e.ndarray(ElemType::U8, &[8, 8, 3], 192, |d| d.fill(9));
+    let mut lease = loaded.worker.pool.try_acquire().unwrap();
+    let slot = lease.slot();
+    // Warm-up: arc-swap gives each thread its debt list on its first load.
+    plan.decode(&frame, &mut slot.inputs, &mut slot.seen)
+        .unwrap();
+
+    let before = allocs();
+    for _ in 0..n {
+        link.want_frame();
+        plan.decode(&frame, &mut slot.inputs, &mut slot.seen)
+            .unwrap();
+    }
+    allocs() - before
+}
+
 #[test]
 fn steady_state_allocations() {
+    // First, while no other thread runs in this process.
+    let planner = planner_path(1000);
+    println!("decoding with the planner on: {planner} allocations over 1000 requests");
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -336,4 +404,8 @@ fn steady_state_allocations() {
     let whole = rt.block_on(server_per_request(1000));
     println!("whole server over a socket (synthetic engine): {whole:.2} allocations per request");
     assert_eq!(own, 0, "policyd's own request path allocated");
+    assert_eq!(
+        planner, 0,
+        "the planner's side of the request path allocated"
+    );
 }

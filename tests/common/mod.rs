@@ -69,7 +69,12 @@ impl Drop for Running {
 
 /// Starts `cfg` with a synthetic engine behaving as `behaviour`, on the current runtime.
 pub async fn start(cfg: Config, behaviour: Behaviour) -> Running {
-    let engine = Box::new(SyntheticEngine::new(io(), behaviour));
+    start_io(cfg, io(), behaviour).await
+}
+
+/// [`start`] with the synthetic engine's inputs and outputs given.
+pub async fn start_io(cfg: Config, io: IoSpec, behaviour: Behaviour) -> Running {
+    let engine = Box::new(SyntheticEngine::new(io, behaviour));
     let loaded = server::load_engine(&cfg, engine).expect("loads");
     let stats = loaded.stats.clone();
     let pool = loaded.worker.pool.clone();
