@@ -143,6 +143,20 @@ fn run(cli: Cli) -> Result<(), String> {
             for s in &engine.io().outputs {
                 println!("  output '{}' {} {:?}", s.name, s.dtype, s.shape);
             }
+            if let Some(tap) = &plan.planner {
+                let p = &cfg.planner;
+                println!(
+                    "  planner: {} at {} Hz via {}; subtask fills '{}' (at most {} bytes, {} \
+                     first); camera: {}",
+                    p.model,
+                    p.rate_hz,
+                    p.endpoints.join(", "),
+                    p.prompt_key,
+                    tap.link.max_subtask,
+                    p.precedence,
+                    p.camera.as_deref().unwrap_or("none (text only)")
+                );
+            }
             print!("{}", plan.budget.render());
             Ok(())
         }

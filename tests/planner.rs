@@ -26,6 +26,8 @@ enum Reply {
     Status(u16),
     /// Says nothing for this long, then closes.
     Hang(Duration),
+    /// Answers with this content after this long.
+    Slow(Duration, String),
 }
 
 /// A chat request the fake endpoint received.
@@ -136,7 +138,11 @@ impl FakeVlm {
                 body,
             });
             let next = self.script.lock().expect("lock").pop_front();
-            let reply = next.unwrap_or_else(|| self.fallback.lock().expect("lock").clone());
+            let mut reply = next.unwrap_or_else(|| self.fallback.lock().expect("lock").clone());
+            if let Reply::Slow(d, c) = reply {
+                std::thread::sleep(d);
+                reply = Reply::Content(c);
+            }
             match reply {
                 Reply::Content(c) => (
                     200,
@@ -148,6 +154,7 @@ impl FakeVlm {
                     .to_string(),
                 ),
                 Reply::Status(s) => (s, r#"{"error":"scripted"}"#.to_string()),
+                Reply::Slow(..) => unreachable!("answered above"),
                 Reply::Hang(d) => {
                     self.in_flight.fetch_add(1, Ordering::SeqCst);
                     std::thread::sleep(d);
@@ -357,6 +364,22 @@ fn a_hung_endpoint_times_out_and_the_subtask_stays() {
     });
     assert_eq!(subtask(&link).as_deref(), Some("hold the lid"));
     assert!(count(&link.health.call_failures) >= 1);
+}
+
+#[test]
+fn a_slow_answer_within_the_timeout_is_used() {
+    let vlm = FakeVlm::start(
+        vec![Reply::Slow(Duration::from_millis(400), json("lift slowly"))],
+        Reply::Hang(Duration::from_secs(30)),
+    );
+    let c = cfg(&[&vlm]);
+    let link = Arc::new(Link::new(&c, None, 64));
+    let _p = Planner::start(&c, link.clone()).expect("starts");
+    wait_for("the subtask", Duration::from_secs(10), || {
+        subtask(&link).is_some()
+    });
+    assert_eq!(subtask(&link).as_deref(), Some("lift slowly"));
+    assert_eq!(count(&link.health.timeouts), 0);
 }
 
 #[test]
