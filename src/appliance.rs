@@ -16,10 +16,12 @@ use std::time::{Duration, Instant};
 use sd_notify::NotifyState;
 use tokio::net::TcpListener;
 
+use arc_swap::ArcSwap;
+
 use crate::config::Config;
 use crate::engine::Engine;
+use crate::policy::{OpenFn, PolicySet};
 use crate::server::{self, ServerError};
-use crate::worker::WorkerState;
 
 /// Sends notifications to systemd, if it is listening.
 pub fn notify(states: &[NotifyState<'_>]) {
@@ -34,23 +36,37 @@ pub fn watchdog_interval() -> Option<Duration> {
     sd_notify::watchdog_enabled(false, &mut usec).then(|| Duration::from_micros(usec / 2))
 }
 
-/// Pings the watchdog every `every` while the engine worker's beat moves and the engine is
-/// healthy; skips a ping otherwise, so that a stuck or broken engine lets the watchdog fire.
-pub async fn heartbeat(state: Arc<WorkerState>, every: Duration) {
-    let mut last = state.beats.load(Ordering::Relaxed);
+/// Pings the watchdog every `every` while every policy's engine worker beats and is healthy;
+/// skips a ping otherwise, so that a stuck or broken engine lets the watchdog fire.
+pub async fn heartbeat(policies: Arc<ArcSwap<PolicySet>>, every: Duration) {
+    // Each worker's beat counter at the last tick, by worker.
+    let mut last: Vec<(usize, u64)> = Vec::new();
     let mut stuck_since: Option<Instant> = None;
     let mut tick = tokio::time::interval(every.max(Duration::from_millis(10)));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
-        let now = state.beats.load(Ordering::Relaxed);
-        if !state.healthy.load(Ordering::Relaxed) {
+        let set = policies.load();
+        let now: Vec<(usize, u64)> = set
+            .policies
+            .iter()
+            .map(|p| {
+                let st = &p.worker.state;
+                (Arc::as_ptr(st) as usize, st.beats.load(Ordering::Relaxed))
+            })
+            .collect();
+        // A worker new since the last tick (a reload) counts as moving.
+        let moved = now.iter().all(|(w, b)| {
+            last.iter()
+                .find(|(v, _)| v == w)
+                .is_none_or(|(_, old)| old != b)
+        });
+        last = now;
+        if !set.healthy() {
             // A broken engine (see worker::FATAL_AFTER): let the watchdog restart us.
-            last = now;
             continue;
         }
-        if now != last {
-            last = now;
+        if moved {
             if let Some(t) = stuck_since.take() {
                 log::warn!(
                     "engine worker moving again after {:.1} s",
@@ -90,23 +106,55 @@ pub async fn listener(cfg: &Config) -> Result<TcpListener, ServerError> {
 }
 
 /// Serves `cfg` as a service: listen, load (answering 503 meanwhile), notify, serve until
-/// `shutdown`, then stop gracefully. `open` opens the engine (on a blocking thread).
+/// `shutdown`, then stop gracefully. `open` opens an engine (on a blocking thread).
 pub async fn run<F>(cfg: Config, open: F, shutdown: impl Future<Output = ()>) -> Result<(), String>
 where
-    F: FnOnce(&Config) -> Result<Box<dyn Engine>, ServerError> + Send + 'static,
+    F: Fn(&Config) -> Result<Box<dyn Engine>, ServerError> + Send + Sync + 'static,
 {
-    let origin = cfg.model.as_ref().map(|m| m.describe()).unwrap_or_default();
+    run_with_reload(cfg, open, shutdown, None).await
+}
+
+/// Where a reload re-reads the config, and the reload requests (`SIGHUP`).
+pub struct ReloadSource {
+    pub load: Arc<dyn Fn() -> Result<Config, String> + Send + Sync>,
+    pub requests: tokio::sync::mpsc::Receiver<()>,
+}
+
+/// [`run`], re-reading the config on each reload request.
+pub async fn run_with_reload<F>(
+    cfg: Config,
+    open: F,
+    shutdown: impl Future<Output = ()>,
+    reload: Option<ReloadSource>,
+) -> Result<(), String>
+where
+    F: Fn(&Config) -> Result<Box<dyn Engine>, ServerError> + Send + Sync + 'static,
+{
+    let open: Arc<OpenFn> = Arc::new(open);
+    let origin = cfg
+        .policy_configs()
+        .iter()
+        .map(|c| {
+            let model = c.model.as_ref().map(|m| m.describe()).unwrap_or_default();
+            if cfg.policies.is_empty() {
+                model
+            } else {
+                format!("{} ({model})", c.policy.name)
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(", ");
     let listener = listener(&cfg).await.map_err(|e| e.to_string())?;
     let addr = listener.local_addr().map_err(|e| e.to_string())?;
     notify(&[NotifyState::Status("loading the engine")]);
     let t0 = Instant::now();
     let load_cfg = cfg.clone();
+    let opener = open.clone();
     let loading = tokio::task::spawn_blocking(move || {
-        let engine = open(&load_cfg)?;
-        server::load_engine(&load_cfg, engine)
+        crate::policy::build(&load_cfg, None, opener.as_ref()).map(|b| b.set)
     });
     let timeout = Duration::from_secs_f64(cfg.server.handshake_timeout_s);
-    let loaded =
+    let set =
         match server::while_loading(&listener, timeout, cfg.tls.acceptor.clone(), loading).await {
             Ok(Ok(l)) => l,
             Ok(Err(e)) => {
@@ -115,37 +163,69 @@ where
             }
             Err(e) => return Err(format!("engine loading stopped: {e}")),
         };
+    let backends = set
+        .policies
+        .iter()
+        .map(|p| p.backend)
+        .collect::<Vec<_>>()
+        .join(", ");
+    let warmup = set
+        .policies
+        .iter()
+        .map(|p| p.warmup)
+        .max()
+        .unwrap_or_default();
     let status = format!(
-        "serving {} on {}://{addr} ({} backend, loaded in {:.0} ms)",
+        "serving {} on {}://{addr} ({backends} backend, loaded in {:.0} ms)",
         origin,
         if cfg.tls.acceptor.is_some() {
             "wss"
         } else {
             "ws"
         },
-        loaded.backend,
         t0.elapsed().as_secs_f64() * 1e3
     );
     log::info!(
         "{status}; warm-up {:.1} ms; vllm-omni on {}, health on /healthz",
-        loaded.warmup.as_secs_f64() * 1e3,
+        warmup.as_secs_f64() * 1e3,
         server::VLLM_PATH
     );
+    if set.policies.len() > 1 {
+        log::info!(
+            "policies: {} (default \"{}\"), chosen with /policies/<name> or a `policy` field",
+            set.names(),
+            set.default_policy().name
+        );
+    }
+    let policies = Arc::new(ArcSwap::from_pointee(set));
     let beat = match watchdog_interval() {
         Some(every) => {
             log::info!("systemd watchdog: pinging every {every:?} while the engine progresses");
-            Some(tokio::spawn(heartbeat(loaded.worker.state.clone(), every)))
+            Some(tokio::spawn(heartbeat(policies.clone(), every)))
         }
         None => None,
     };
     notify(&[NotifyState::Ready, NotifyState::Status(&status)]);
-    let result = server::serve(cfg, loaded, listener, async {
-        shutdown.await;
-        notify(&[
-            NotifyState::Stopping,
-            NotifyState::Status("stopping: finishing in-flight requests"),
-        ]);
-    })
+    let stats = Arc::new(server::Stats::new());
+    let reloader = reload.map(|r| server::Reloader {
+        load: r.load,
+        open: open.clone(),
+        requests: r.requests,
+    });
+    let result = server::serve_set(
+        cfg,
+        policies,
+        stats,
+        listener,
+        async {
+            shutdown.await;
+            notify(&[
+                NotifyState::Stopping,
+                NotifyState::Status("stopping: finishing in-flight requests"),
+            ]);
+        },
+        reloader,
+    )
     .await
     .map_err(|e| e.to_string());
     if let Some(b) = beat {

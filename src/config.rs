@@ -39,6 +39,8 @@ pub(crate) fn invalid(key: impl Into<String>, message: impl Into<String>) -> Con
 pub struct Config {
     #[serde(default)]
     pub server: ServerConfig,
+    /// The engine of a single-policy config (with `[[policies]]`, each has its own).
+    #[serde(default)]
     pub engine: EngineConfig,
     /// Observation key → engine input.
     #[serde(default)]
@@ -61,10 +63,67 @@ pub struct Config {
     /// The optional task planner (a vision-language model that names the next subtask).
     #[serde(default)]
     pub planner: PlannerConfig,
+    /// Reset a session when its prompt changes (single-policy configs; with `[[policies]]`,
+    /// each policy has its own).
+    #[serde(default)]
+    pub reset_on_prompt_change: bool,
+    /// Several policies served at once, each with its own engine, bindings and metadata;
+    /// clients choose one by name (see docs/policies.md). Without it, the top-level
+    /// `[engine]`, `[[inputs]]`, `[[outputs]]` and `[metadata]` are the one policy.
+    #[serde(default)]
+    pub policies: Vec<PolicyConfig>,
     /// Where the model comes from (resolved from `engine.model`, or embedded).
     #[serde(skip)]
     pub model: Option<ModelSource>,
+    /// The policy this config describes, once split by [`Config::policy_configs`].
+    #[serde(skip)]
+    pub policy: PolicyIdentity,
 }
+
+/// Which policy a per-policy config is, and its per-policy options.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PolicyIdentity {
+    /// `default` for a single-policy config.
+    pub name: String,
+    pub is_default: bool,
+    /// A session whose prompt changes is reset (a new instruction starts fresh).
+    pub reset_on_prompt_change: bool,
+}
+
+/// `[[policies]]`: one named policy.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PolicyConfig {
+    /// Chosen by clients with the path `/policies/<name>` or a `policy` field.
+    pub name: String,
+    /// Served to clients that name no policy (exactly one policy has it, or the first).
+    #[serde(default)]
+    pub default: bool,
+    pub engine: EngineConfig,
+    #[serde(default)]
+    pub inputs: Vec<InputConfig>,
+    #[serde(default)]
+    pub outputs: Vec<OutputConfig>,
+    #[serde(default)]
+    pub metadata: toml::Table,
+    /// This policy's `[pacing]` (replaces the top-level table when given).
+    #[serde(default)]
+    pub pacing: Option<PacingConfig>,
+    /// Shorthand for `pacing.actions_per_chunk` of this policy.
+    #[serde(default)]
+    pub actions_per_chunk: Option<usize>,
+    /// Reset a session when its prompt changes, as if the client had sent `reset`.
+    #[serde(default)]
+    pub reset_on_prompt_change: bool,
+    /// Resolved from `engine.model`.
+    #[serde(skip)]
+    pub model: Option<ModelSource>,
+}
+
+/// Longest policy name (it travels in paths and messages).
+pub const MAX_POLICY_NAME: usize = 64;
+/// Most policies one config may declare.
+pub const MAX_POLICIES: usize = 16;
 
 /// `[tls]`: serve `wss://` (and `https://` health) with this certificate and key (PEM),
 /// relative to the config file. Both or neither.
@@ -244,6 +303,9 @@ pub struct ServerConfig {
     pub max_depth: usize,
     /// Most entries accepted in any map or list of a request.
     pub max_map_entries: usize,
+    /// Memory the policies may allocate at start-up, in MiB (0 = unchecked): a config whose
+    /// policies need more is refused, naming each policy's share.
+    pub memory_budget_mb: u64,
 }
 
 impl Default for ServerConfig {
@@ -262,6 +324,7 @@ impl Default for ServerConfig {
             reset_reply: "msgpack".into(),
             max_depth: 16,
             max_map_entries: 1024,
+            memory_budget_mb: 0,
         }
     }
 }
@@ -365,6 +428,23 @@ pub struct EngineConfig {
     /// get a timeout error, new ones are refused, health answers 503 until it finishes.
     #[serde(default = "default_engine_timeout")]
     pub timeout_ms: u64,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            backend: default_backend(),
+            model: None,
+            device: None,
+            dla_core: None,
+            cuda_graph: None,
+            zero_copy: None,
+            tensorrt_library: None,
+            slots: default_slots(),
+            warmup_runs: default_warmup(),
+            timeout_ms: default_engine_timeout(),
+        }
+    }
 }
 
 fn default_backend() -> String {
@@ -515,6 +595,13 @@ impl Config {
         if let (Some(model), Some(base)) = (&cfg.engine.model, base) {
             cfg.model = Some(ModelSource::File(base.join(model)));
         }
+        for p in &mut cfg.policies {
+            p.model = match (&p.engine.model, base) {
+                (Some(m), Some(b)) => Some(ModelSource::File(b.join(m))),
+                (Some(m), None) => Some(ModelSource::File(m.clone())),
+                (None, _) => None,
+            };
+        }
         // Files named in the config are relative to its folder.
         let resolve = |f: &PathBuf| base.map_or_else(|| f.clone(), |b| b.join(f));
         let key_file = cfg.auth.key_file.as_ref().map(resolve);
@@ -544,8 +631,153 @@ impl Config {
         Ok(cfg)
     }
 
-    /// Checks every value on its own; engine-dependent checks are in [`crate::plan`].
+    /// Checks every value on its own, each policy's too; engine-dependent checks are in
+    /// [`crate::plan`].
     pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.policies.is_empty() {
+            return self.validate_one();
+        }
+        self.check_policy_list()?;
+        for (i, (c, p)) in self.policy_configs().iter().zip(&self.policies).enumerate() {
+            c.validate_one().map_err(|e| match e {
+                ConfigError::Invalid { key, message }
+                    if !key.starts_with("pacing.") || p.pacing.is_some() =>
+                {
+                    let own = ["engine", "inputs", "outputs", "metadata", "pacing"]
+                        .iter()
+                        .any(|k| key.starts_with(k));
+                    ConfigError::Invalid {
+                        key: if own {
+                            format!("policies[{i}].{key}")
+                        } else {
+                            key
+                        },
+                        message: format!("{message} (policy \"{}\")", c.policy.name),
+                    }
+                }
+                other => other,
+            })?;
+        }
+        Ok(())
+    }
+
+    /// The index of the default policy in `policies`: the one marked, else the first.
+    pub fn default_policy(&self) -> usize {
+        self.policies.iter().position(|p| p.default).unwrap_or(0)
+    }
+
+    /// One config per policy, each a whole config as a single-policy file would give (the
+    /// shared sections, the policy's engine, bindings, metadata and pacing). A single-policy
+    /// config gives itself, named `default`. The planner serves the default policy only.
+    pub fn policy_configs(&self) -> Vec<Config> {
+        if self.policies.is_empty() {
+            let mut c = self.clone();
+            c.policy = PolicyIdentity {
+                name: "default".into(),
+                is_default: true,
+                reset_on_prompt_change: self.reset_on_prompt_change,
+            };
+            return vec![c];
+        }
+        let default = self.default_policy();
+        self.policies
+            .iter()
+            .enumerate()
+            .map(|(i, p)| {
+                let mut c = self.clone();
+                c.policies = Vec::new();
+                c.engine = p.engine.clone();
+                c.inputs = p.inputs.clone();
+                c.outputs = p.outputs.clone();
+                c.metadata = p.metadata.clone();
+                c.model = p.model.clone();
+                if let Some(pc) = &p.pacing {
+                    c.pacing = pc.clone();
+                }
+                if let Some(n) = p.actions_per_chunk {
+                    c.pacing.actions_per_chunk = n;
+                }
+                c.planner.enabled &= i == default;
+                c.reset_on_prompt_change = p.reset_on_prompt_change;
+                c.policy = PolicyIdentity {
+                    name: p.name.clone(),
+                    is_default: i == default,
+                    reset_on_prompt_change: p.reset_on_prompt_change,
+                };
+                c
+            })
+            .collect()
+    }
+
+    /// `[[policies]]` as a list: names, the default, and nothing left at the top level.
+    fn check_policy_list(&self) -> Result<(), ConfigError> {
+        if self.policies.len() > MAX_POLICIES {
+            return Err(invalid(
+                "policies",
+                format!(
+                    "{} policies declared; at most {MAX_POLICIES}",
+                    self.policies.len()
+                ),
+            ));
+        }
+        for (i, p) in self.policies.iter().enumerate() {
+            let ok = !p.name.is_empty()
+                && p.name.len() <= MAX_POLICY_NAME
+                && p.name
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'));
+            if !ok {
+                return Err(invalid(
+                    format!("policies[{i}].name"),
+                    format!(
+                        "\"{}\": use 1-{MAX_POLICY_NAME} letters, digits, '-', '_' or '.' (it \
+                         goes in the path /policies/<name>)",
+                        p.name
+                    ),
+                ));
+            }
+            if let Some(j) = self.policies[..i].iter().position(|q| q.name == p.name) {
+                return Err(invalid(
+                    format!("policies[{i}].name"),
+                    format!("\"{}\" is also the name of policies[{j}]", p.name),
+                ));
+            }
+        }
+        let defaults: Vec<&str> = self
+            .policies
+            .iter()
+            .filter(|p| p.default)
+            .map(|p| p.name.as_str())
+            .collect();
+        if defaults.len() > 1 {
+            return Err(invalid(
+                "policies.default",
+                format!(
+                    "only one policy may be the default; {} are",
+                    defaults.join(", ")
+                ),
+            ));
+        }
+        for (key, set) in [
+            ("engine", self.engine.model.is_some()),
+            ("inputs", !self.inputs.is_empty()),
+            ("outputs", !self.outputs.is_empty()),
+            ("metadata", !self.metadata.is_empty()),
+            ("reset_on_prompt_change", self.reset_on_prompt_change),
+        ] {
+            if set {
+                return Err(invalid(
+                    key,
+                    "with [[policies]], give it inside each policy ([policies.engine], \
+                     [[policies.inputs]], [[policies.outputs]], [policies.metadata], \
+                     reset_on_prompt_change)",
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    fn validate_one(&self) -> Result<(), ConfigError> {
         let s = &self.server;
         if s.host.trim().is_empty() {
             return Err(invalid("server.host", "must not be empty"));
@@ -608,6 +840,15 @@ impl Config {
             return Err(invalid(
                 "server.max_depth",
                 format!("must be between 2 and 64, got {}", s.max_depth),
+            ));
+        }
+        if s.memory_budget_mb > 1 << 24 {
+            return Err(invalid(
+                "server.memory_budget_mb",
+                format!(
+                    "must be at most 16777216 (16 TiB), got {}",
+                    s.memory_budget_mb
+                ),
             ));
         }
         if !(8..=1_000_000).contains(&s.max_map_entries) {

@@ -29,11 +29,12 @@ use crate::frame_guard::oversize_marker;
 use crate::metrics::{self, Route};
 use crate::pacing::Release;
 use crate::plan::{Plan, ReplyParts};
+use crate::policy::Policy;
 use crate::scheduler::{Filters, Kind, SessionKey, SkipReason};
 use crate::server::Shared;
 use crate::session::Sessions;
 use crate::wire::{self, Endpoint, Timing};
-use crate::worker::{Lease, ReplyPort, Ticket};
+use crate::worker::{Lease, ReplyPort, Slot, Ticket};
 
 /// Which protocol dialect a connection speaks (chosen by path).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -107,6 +108,10 @@ impl SendBuf {
 struct Conn<'a, S> {
     ws: WebSocketStream<S>,
     shared: &'a Shared,
+    /// The policy this connection is served by (until it switches, see [`Change`]).
+    policy: Arc<Policy>,
+    /// A policy switch waiting for the requests in flight to finish.
+    change: Option<Change>,
     dialect: Dialect,
     id: u64,
     sessions: Box<Sessions>,
@@ -132,64 +137,118 @@ struct Conn<'a, S> {
     abandoned: usize,
 }
 
-/// Serves a connection until it closes; returns why it ended.
-pub async fn serve<S>(ws: WebSocketStream<S>, shared: &Shared, dialect: Dialect) -> String
+/// Why a connection leaves its current policy.
+enum Change {
+    /// A reload replaced the policy (same name, new engine or config).
+    Replaced(Arc<Policy>),
+    /// A reload removed the policy: the connection closes with 1001.
+    Removed,
+    /// The client named another policy (`policy` field); this frame goes to it.
+    Named(Arc<Policy>, Bytes, Instant),
+}
+
+/// How a connection's time with one policy ended.
+enum End {
+    Closed(String),
+    /// Go on with another policy (fresh sessions), starting with this frame.
+    Switch {
+        to: Arc<Policy>,
+        frame: Option<(Bytes, Instant)>,
+    },
+}
+
+/// Serves a connection until it closes; returns why it ended. It starts with `policy`; a
+/// `policy` field naming another one, or a reload that replaces it, moves the connection to
+/// the other policy between requests, with fresh sessions.
+pub async fn serve<S>(
+    mut ws: WebSocketStream<S>,
+    shared: &Shared,
+    dialect: Dialect,
+    mut policy: Arc<Policy>,
+) -> String
 where
     S: AsyncRead + AsyncWrite + Unpin,
 {
-    let cfg = &shared.cfg;
-    let mut c = Conn {
-        ws,
-        shared,
-        dialect,
-        id: NEXT_CONN.fetch_add(1, Ordering::Relaxed),
-        sessions: Box::new(Sessions::new(
-            cfg.server.max_sessions,
-            cfg.pacing.latency_window,
-        )),
-        port: ReplyPort::new(&shared.worker.pool),
-        out: Vec::with_capacity(shared.plan.reply_capacity.max(1024)),
-        send: SendBuf::new(shared.plan.reply_capacity.max(1024)),
-        outstanding: 0,
-        infer_busy: false,
-        releasing: heapless::Deque::new(),
-        wake: Arc::new(Notify::new()),
-        prev_total_ms: None,
-        filters: Filters {
-            skip_predicted_timesteps: cfg.pacing.skip_predicted_timesteps,
-            similarity_atol: cfg.pacing.similarity_atol,
-        },
-        counted_sessions: 0,
-        epoch: 0,
-        abandoned: 0,
-    };
-    let why = c.run().await;
-    shared.stats.metrics.sessions.dec_by(c.counted_sessions);
-    // Waiting entries of this connection go back to the pool now; running ones come back to
-    // the port, whose drop returns them.
-    shared
-        .worker
-        .scheduler
-        .remove_conn(c.id, |job| job.recycle());
-    why
+    let id = NEXT_CONN.fetch_add(1, Ordering::Relaxed);
+    let mut first = None;
+    let mut send_metadata = true;
+    loop {
+        let cfg = &policy.cfg;
+        let capacity = policy.plan.reply_capacity.max(1024);
+        let mut c = Conn {
+            ws,
+            shared,
+            dialect,
+            id,
+            sessions: Box::new(Sessions::new(
+                cfg.server.max_sessions,
+                cfg.pacing.latency_window,
+            )),
+            port: ReplyPort::new(&policy.worker.pool),
+            out: Vec::with_capacity(capacity),
+            send: SendBuf::new(capacity),
+            outstanding: 0,
+            infer_busy: false,
+            releasing: heapless::Deque::new(),
+            wake: Arc::new(Notify::new()),
+            prev_total_ms: None,
+            filters: Filters {
+                skip_predicted_timesteps: cfg.pacing.skip_predicted_timesteps,
+                similarity_atol: cfg.pacing.similarity_atol,
+            },
+            counted_sessions: 0,
+            epoch: 0,
+            abandoned: 0,
+            policy: policy.clone(),
+            change: None,
+        };
+        let end = c.run(send_metadata, first.take()).await;
+        shared.stats.metrics.sessions.dec_by(c.counted_sessions);
+        // Waiting entries of this connection go back to the pool now; running ones come back
+        // to the port, whose drop returns them.
+        policy
+            .worker
+            .scheduler
+            .remove_conn(c.id, |job| job.recycle());
+        match end {
+            End::Closed(why) => return why,
+            End::Switch { to, frame } => {
+                log::info!(
+                    "connection {id}: policy \"{}\" -> \"{}\" (sessions start afresh)",
+                    policy.name,
+                    to.name
+                );
+                drop(c.port);
+                ws = c.ws;
+                policy = to;
+                first = frame;
+                send_metadata = false;
+            }
+        }
+    }
 }
 
 impl<S> Conn<'_, S>
 where
     S: AsyncRead + AsyncWrite + Unpin,
 {
-    async fn run(&mut self) -> String {
+    async fn run(&mut self, send_metadata: bool, first: Option<(Bytes, Instant)>) -> End {
         let shared = self.shared;
+        let policy = self.policy.clone();
         let cfg = &shared.cfg.server;
-        if self
-            .ws
-            .send(Message::Binary(shared.metadata.clone()))
-            .await
-            .is_err()
+        if send_metadata
+            && self
+                .ws
+                .send(Message::Binary(policy.metadata.clone()))
+                .await
+                .is_err()
         {
-            return "client left before the metadata frame".into();
+            return End::Closed("client left before the metadata frame".into());
         }
-        let mut pending: Option<(Bytes, Instant)> = None;
+        let mut pending: Option<(Bytes, Instant)> = first;
+        let mut generation = shared.generation.subscribe();
+        // A reload may have come between the handshake and now.
+        self.change = self.reloaded();
         let mut shutdown = shared.shutdown.clone();
         let mut stopping = *shutdown.borrow();
 
@@ -202,22 +261,47 @@ where
         let mut ping_sent: Option<Instant> = None;
         let idle = (cfg.idle_timeout_s > 0.0).then(|| Duration::from_secs_f64(cfg.idle_timeout_s));
         let mut last_activity = Instant::now();
-        let mut stalled = shared.worker.state.stalled.subscribe();
+        let mut stalled = policy.worker.state.stalled.subscribe();
 
         loop {
             // On shutdown, everything already read is still answered.
             if stopping && self.outstanding == 0 && pending.is_none() && self.releasing.is_empty() {
                 close(&mut self.ws, CloseCode::Away, "server shutting down").await;
-                return "server shutdown (1001)".into();
+                return End::Closed("server shutdown (1001)".into());
+            }
+            // A policy change waits for the requests in flight: they are answered first.
+            if self.change.is_some()
+                && self.outstanding == 0
+                && self.releasing.is_empty()
+                && let Some(change) = self.change.take()
+            {
+                match change {
+                    Change::Removed => {
+                        close(&mut self.ws, CloseCode::Away, "policy removed by a reload").await;
+                        return End::Closed("policy removed by a reload (1001)".into());
+                    }
+                    Change::Replaced(to) => {
+                        return End::Switch {
+                            to,
+                            frame: pending.take(),
+                        };
+                    }
+                    Change::Named(to, frame, received) => {
+                        return End::Switch {
+                            to,
+                            frame: Some((frame, received)),
+                        };
+                    }
+                }
             }
             // Start the next frame if no `infer` is ahead of it and a slot is free.
-            if !self.infer_busy && pending.is_some() {
-                let lease = shared.worker.pool.try_acquire();
+            if !self.infer_busy && pending.is_some() && self.change.is_none() {
+                let lease = policy.worker.pool.try_acquire();
                 if let Some(lease) = lease
                     && let Some((frame, received)) = pending.take()
                 {
                     if let Some(why) = self.start(&frame, received, lease).await {
-                        return why;
+                        return End::Closed(why);
                     }
                     continue;
                 }
@@ -229,18 +313,23 @@ where
                 .and_then(|l| l.peek().ticket.release_at)
                 .map(|t| t + Duration::from_millis(2));
             let quiet = self.outstanding == 0 && pending.is_none() && self.releasing.is_empty();
-            let wants_slot = !self.infer_busy && pending.is_some();
+            let wants_slot = !self.infer_busy && pending.is_some() && self.change.is_none();
             tokio::select! {
+                changed = generation.changed() => {
+                    if changed.is_ok() && self.change.is_none() {
+                        self.change = self.reloaded();
+                    }
+                }
                 changed = shutdown.changed(), if !stopping => {
                     if changed.is_err() || *shutdown.borrow() {
                         stopping = true;
                     }
                 }
-                lease = shared.worker.pool.acquire(), if wants_slot => {
+                lease = policy.worker.pool.acquire(), if wants_slot => {
                     if let Some((frame, received)) = pending.take()
                         && let Some(why) = self.start(&frame, received, lease).await
                     {
-                        return why;
+                        return End::Closed(why);
                     }
                 }
                 lease = self.port.recv(), if self.outstanding + self.abandoned > 0 => {
@@ -251,7 +340,7 @@ where
                     }
                     self.outstanding -= 1;
                     if let Some(why) = self.finished(lease).await {
-                        return why;
+                        return End::Closed(why);
                     }
                     last_activity = Instant::now();
                 }
@@ -262,30 +351,30 @@ where
                         self.outstanding = 0;
                         self.infer_busy = false;
                         if let Some(why) = self.fail(self.stall_failure()).await {
-                            return why;
+                            return End::Closed(why);
                         }
                     }
                 }
                 _ = self.wake.notified(), if !self.releasing.is_empty() => {
                     if let Some(why) = self.release_due().await {
-                        return why;
+                        return End::Closed(why);
                     }
                 }
                 _ = sleep_until_opt(release_backstop), if release_backstop.is_some() => {
                     if let Some(why) = self.release_due().await {
-                        return why;
+                        return End::Closed(why);
                     }
                 }
-                msg = self.ws.next(), if pending.is_none() && !stopping => {
+                msg = self.ws.next(), if pending.is_none() && !stopping && self.change.is_none() => {
                     last_activity = Instant::now();
                     match msg {
-                        None => return "client closed the connection".into(),
+                        None => return End::Closed("client closed the connection".into()),
                         Some(Ok(Message::Binary(b))) => match oversize_marker(&b) {
                             None => pending = Some((b, Instant::now())),
                             Some(size) => {
                                 let f = oversize(size, cfg.max_message_bytes);
                                 if let Some(why) = self.fail(f).await {
-                                    return why;
+                                    return End::Closed(why);
                                 }
                             }
                         },
@@ -295,7 +384,7 @@ where
                                 None => Failure::Request("text frames are not accepted; send the observation as a binary msgpack frame".into()),
                             };
                             if let Some(why) = self.fail(f).await {
-                                return why;
+                                return End::Closed(why);
                             }
                         }
                         Some(Ok(Message::Pong(_))) => ping_sent = None,
@@ -303,21 +392,21 @@ where
                         Some(Ok(Message::Close(_))) => {
                             // tungstenite answers the close; drive it to the end.
                             while let Ok(Some(_)) = tokio::time::timeout(Duration::from_secs(1), self.ws.next()).await {}
-                            return "client closed the connection".into();
+                            return End::Closed("client closed the connection".into());
                         }
-                        Some(Err(e)) => return format!("protocol error: {e}"),
+                        Some(Err(e)) => return End::Closed(format!("protocol error: {e}")),
                     }
                 }
                 _ = ping.tick(), if ping_every.is_some() => {
                     match ping_sent {
                         Some(t) if t.elapsed() >= pong_timeout => {
                             close(&mut self.ws, CloseCode::Error, "keepalive ping timeout").await;
-                            return "keepalive ping timeout".into();
+                            return End::Closed("keepalive ping timeout".into());
                         }
                         Some(_) => {}
                         None => {
                             if self.ws.send(Message::Ping(Bytes::new())).await.is_err() {
-                                return "client went away".into();
+                                return End::Closed("client went away".into());
                             }
                             ping_sent = Some(Instant::now());
                         }
@@ -325,23 +414,61 @@ where
                 }
                 _ = sleep_until_opt(idle_deadline), if idle_deadline.is_some() && quiet => {
                     close(&mut self.ws, CloseCode::Normal, "idle timeout").await;
-                    return "idle timeout".into();
+                    return End::Closed("idle timeout".into());
                 }
             }
         }
     }
 
+    /// What a reload did to this connection's policy, if anything.
+    fn reloaded(&self) -> Option<Change> {
+        let set = self.shared.policies.load();
+        match set.get(&self.policy.name) {
+            Some(p) if Arc::ptr_eq(p, &self.policy) => None,
+            Some(p) => Some(Change::Replaced(p.clone())),
+            None => Some(Change::Removed),
+        }
+    }
+
     /// Decodes a frame into `lease`'s slot and queues it (or answers it directly).
-    async fn start(&mut self, frame: &[u8], received: Instant, mut lease: Lease) -> Option<String> {
+    async fn start(
+        &mut self,
+        frame: &Bytes,
+        received: Instant,
+        mut lease: Lease,
+    ) -> Option<String> {
         let shared = self.shared;
-        let plan = &shared.plan;
-        let pacing = &shared.cfg.pacing;
+        let policy = self.policy.clone();
+        let plan = &policy.plan;
+        let pacing = &policy.cfg.pacing;
         let slot = lease.slot();
-        let meta = match plan.decode(frame, &mut slot.inputs, &mut slot.seen) {
+        let decoded = plan.decode(frame, &mut slot.inputs, &mut slot.seen);
+        // A frame naming another policy is that policy's to decode (it may not even fit this
+        // one's bindings); the connection moves once its requests in flight are answered.
+        let named = match &decoded {
+            Ok(m) => m.policy.clone(),
+            Err(_) => wire::peek_policy(frame, &plan.limits),
+        };
+        if let Some(name) = named
+            && name.as_str() != policy.name
+        {
+            drop(lease);
+            let set = shared.policies.load();
+            let Some(to) = set.get(&name) else {
+                let e = format!(
+                    "no policy named \"{name}\"; this server serves: {}",
+                    set.names()
+                );
+                return self.fail(Failure::Request(e)).await;
+            };
+            self.change = Some(Change::Named(to.clone(), frame.clone(), received));
+            return None;
+        }
+        let meta = match decoded {
             Ok(m) => m,
             Err(e) => return self.fail(Failure::Request(e.to_string())).await,
         };
-        if meta.endpoint != Endpoint::Reset && *shared.worker.state.stalled.borrow() {
+        if meta.endpoint != Endpoint::Reset && *policy.worker.state.stalled.borrow() {
             drop(lease);
             return self.fail(self.stall_failure()).await;
         }
@@ -359,7 +486,7 @@ where
                 self.count_sessions();
                 let key = self.key(self.sessions.current().clone());
                 let mut dropped = 0;
-                shared.worker.scheduler.remove_session(&key, |job| {
+                policy.worker.scheduler.remove_session(&key, |job| {
                     dropped += 1;
                     job.recycle();
                 });
@@ -372,6 +499,7 @@ where
                 self.send_msg(msg).await
             }
             Endpoint::Infer => {
+                self.check_prompt(&policy, meta.session_id.as_ref(), slot);
                 let (reset, _) = self.sessions.begin(meta.session_id.as_ref());
                 slot.reset = reset;
                 self.count_sessions();
@@ -386,7 +514,7 @@ where
                     timestamp: 0.0,
                 };
                 let key = self.key(slot.ticket.session.clone());
-                match lease.submit(&shared.worker, &self.port, key) {
+                match lease.submit(&policy.worker, &self.port, key) {
                     Ok(_) => {
                         self.outstanding += 1;
                         self.infer_busy = true;
@@ -406,6 +534,7 @@ where
                     Err(e) => return self.fail(Failure::Request(e.to_string())).await,
                 };
                 shared.stats.skips.observed.fetch_add(1, Ordering::Relaxed);
+                self.check_prompt(&policy, meta.session_id.as_ref(), slot);
                 let mut state = [0f64; crate::config::MAX_SIMILARITY_STATE];
                 let state = plan.similarity_state(&mut slot.inputs, &mut state);
                 let (reset, session) = self.sessions.begin(meta.session_id.as_ref());
@@ -435,7 +564,7 @@ where
                     timestamp,
                 };
                 let key = self.key(slot.ticket.session.clone());
-                match lease.submit(&shared.worker, &self.port, key) {
+                match lease.submit(&policy.worker, &self.port, key) {
                     Ok(None) => {
                         self.outstanding += 1;
                         None
@@ -465,8 +594,27 @@ where
         Failure::Inference(format!(
             "the engine has been running one inference for over {} ms (engine.timeout_ms); \
              it may be stuck, so this request was not run",
-            self.shared.cfg.engine.timeout_ms
+            self.policy.cfg.engine.timeout_ms
         ))
+    }
+
+    /// `reset_on_prompt_change`: a session whose prompt differs from its last one starts
+    /// afresh, as after `endpoint: reset` (its waiting observations are dropped too).
+    fn check_prompt(&mut self, policy: &Policy, id: Option<&wire::SessionId>, slot: &mut Slot) {
+        if !policy.cfg.policy.reset_on_prompt_change {
+            return;
+        }
+        let hash = policy.plan.prompt_hash(&mut slot.inputs);
+        if self.sessions.prompt_changed(id, hash) {
+            let key = self.key(self.sessions.current().clone());
+            let mut dropped = 0;
+            policy.worker.scheduler.remove_session(&key, |job| {
+                dropped += 1;
+                job.recycle();
+            });
+            self.outstanding -= dropped;
+            log::debug!("session {}: new prompt, session reset", key.session);
+        }
     }
 
     /// Brings the sessions gauge in line with this connection's table.
@@ -492,7 +640,7 @@ where
     /// Counts a skipped observation and, if configured, tells the client.
     async fn skipped(&mut self, timestep: i64, why: SkipReason) -> Option<String> {
         self.shared.stats.skips.count(why);
-        if !self.shared.cfg.pacing.report_skipped {
+        if !self.policy.cfg.pacing.report_skipped {
             return None;
         }
         Plan::encode_skipped(timestep, why.as_str(), &mut self.out);
@@ -503,7 +651,8 @@ where
     /// A slot came back from the engine: report a failure, or release the result (now, or at
     /// its release time).
     async fn finished(&mut self, mut lease: Lease) -> Option<String> {
-        let plan = &self.shared.plan;
+        let policy = self.policy.clone();
+        let plan = &policy.plan;
         let slot = lease.slot();
         let failure = match slot.result.take() {
             Some(Ok(stats)) => {
@@ -585,8 +734,9 @@ where
     /// Encodes a result and sends it.
     async fn release(&mut self, mut lease: Lease, paced: bool) -> Option<String> {
         let shared = self.shared;
-        let plan = &shared.plan;
-        let pacing = &shared.cfg.pacing;
+        let policy = self.policy.clone();
+        let plan = &policy.plan;
+        let pacing = &policy.cfg.pacing;
         let now = Instant::now();
         let slot = lease.slot();
         let t = slot.ticket.clone();

@@ -18,6 +18,7 @@ pub mod metrics;
 pub mod pacing;
 pub mod plan;
 pub mod planner;
+pub mod policy;
 pub mod scheduler;
 pub mod server;
 pub mod session;

@@ -2,6 +2,7 @@
 
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::Arc;
 
 use clap::{Parser, Subcommand};
 
@@ -126,38 +127,72 @@ fn run(cli: Cli) -> Result<(), String> {
         }
         Some(Command::CheckConfig { file }) => {
             let cfg = load_config(Some(file), &cli)?;
-            let engine = server::open_engine(&cfg).map_err(|e| e.to_string())?;
-            let mut plan =
-                policyd::plan::Plan::compile(&cfg, engine.io()).map_err(|e| e.to_string())?;
-            plan.budget.add(engine.working_memory());
-            println!(
-                "{}: OK ({} backend, {} inputs, {} outputs)",
-                file.display(),
-                engine.backend(),
-                plan.inputs.len(),
-                plan.outputs.len()
-            );
-            for s in &engine.io().inputs {
-                println!("  input  '{}' {} {:?}", s.name, s.dtype, s.shape);
-            }
-            for s in &engine.io().outputs {
-                println!("  output '{}' {} {:?}", s.name, s.dtype, s.shape);
-            }
-            if let Some(tap) = &plan.planner {
-                let p = &cfg.planner;
+            let mut plans = Vec::new();
+            for c in cfg.policy_configs() {
+                let named = |e: String| {
+                    if cfg.policies.is_empty() {
+                        e
+                    } else {
+                        format!("policy \"{}\": {e}", c.policy.name)
+                    }
+                };
+                let engine = server::open_engine(&c).map_err(|e| named(e.to_string()))?;
+                let mut plan = policyd::plan::Plan::compile(&c, engine.io())
+                    .map_err(|e| named(e.to_string()))?;
+                plan.budget.add(engine.working_memory());
+                let title = if cfg.policies.is_empty() {
+                    String::new()
+                } else {
+                    format!(
+                        "policy \"{}\"{}: ",
+                        c.policy.name,
+                        if c.policy.is_default {
+                            " (default)"
+                        } else {
+                            ""
+                        }
+                    )
+                };
                 println!(
-                    "  planner: {} at {} Hz via {}; subtask fills '{}' (at most {} bytes, {} \
-                     first); camera: {}",
-                    p.model,
-                    p.rate_hz,
-                    p.endpoints.join(", "),
-                    p.prompt_key,
-                    tap.link.max_subtask,
-                    p.precedence,
-                    p.camera.as_deref().unwrap_or("none (text only)")
+                    "{title}{}: OK ({} backend, {} inputs, {} outputs)",
+                    file.display(),
+                    engine.backend(),
+                    plan.inputs.len(),
+                    plan.outputs.len()
+                );
+                for s in &engine.io().inputs {
+                    println!("  input  '{}' {} {:?}", s.name, s.dtype, s.shape);
+                }
+                for s in &engine.io().outputs {
+                    println!("  output '{}' {} {:?}", s.name, s.dtype, s.shape);
+                }
+                if let Some(tap) = &plan.planner {
+                    let p = &c.planner;
+                    println!(
+                        "  planner: {} at {} Hz via {}; subtask fills '{}' (at most {} bytes, {} \
+                         first); camera: {}",
+                        p.model,
+                        p.rate_hz,
+                        p.endpoints.join(", "),
+                        p.prompt_key,
+                        tap.link.max_subtask,
+                        p.precedence,
+                        p.camera.as_deref().unwrap_or("none (text only)")
+                    );
+                }
+                print!("{}", plan.budget.render());
+                plans.push((c.policy.name.clone(), plan));
+            }
+            let items: Vec<(&str, &policyd::plan::Budget)> =
+                plans.iter().map(|(n, p)| (n.as_str(), &p.budget)).collect();
+            let total = policyd::policy::budget_of(&cfg, &items).map_err(|e| e.to_string())?;
+            if plans.len() > 1 {
+                println!(
+                    "all {} policies: {total} bytes ({:.1} MiB; connection buffers counted once)",
+                    plans.len(),
+                    total as f64 / (1024.0 * 1024.0)
                 );
             }
-            print!("{}", plan.budget.render());
             Ok(())
         }
         Some(Command::Bench(args)) => {
@@ -188,22 +223,68 @@ fn run(cli: Cli) -> Result<(), String> {
         }
         Some(Command::Serve) | None => {
             let cfg = load_config(cli.config.as_ref(), &cli)?;
-            serve(cfg)
+            // A reload re-reads the same file with the same command-line overrides.
+            let path = cli.config.clone();
+            let (host, port) = (cli.host.clone(), cli.port);
+            let reload = path.map(|p| {
+                let load = move || {
+                    let mut c = Config::load(&p).map_err(|e| e.to_string())?;
+                    if let Some(h) = &host {
+                        c.server.host = h.clone();
+                    }
+                    if let Some(port) = port {
+                        c.server.port = port;
+                    }
+                    c.validate().map_err(|e| e.to_string())?;
+                    Ok(c)
+                };
+                Arc::new(load) as Arc<dyn Fn() -> Result<Config, String> + Send + Sync>
+            });
+            serve(cfg, reload)
         }
     }
 }
 
-fn serve(cfg: Config) -> Result<(), String> {
+fn serve(
+    cfg: Config,
+    reload: Option<Arc<dyn Fn() -> Result<Config, String> + Send + Sync>>,
+) -> Result<(), String> {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
         .map_err(|e| format!("cannot start the async runtime: {e}"))?;
-    rt.block_on(policyd::appliance::run(
-        cfg,
-        server::open_engine,
-        shutdown_signal(),
-    ))
+    rt.block_on(async {
+        let (tx, rx) = tokio::sync::mpsc::channel(4);
+        tokio::spawn(reload_signal(tx, reload.is_some()));
+        let source = reload.map(|load| policyd::appliance::ReloadSource { load, requests: rx });
+        policyd::appliance::run_with_reload(cfg, server::open_engine, shutdown_signal(), source)
+            .await
+    })
+}
+
+/// `SIGHUP` (`systemctl reload policyd`) asks for a reload of the config file.
+async fn reload_signal(tx: tokio::sync::mpsc::Sender<()>, from_file: bool) {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        let Ok(mut hup) = signal(SignalKind::hangup()) else {
+            return;
+        };
+        while hup.recv().await.is_some() {
+            if !from_file {
+                log::warn!("SIGHUP: nothing to reload (serving the embedded demo config)");
+                continue;
+            }
+            log::info!("SIGHUP received: reloading the config");
+            // A full queue means a reload is already due.
+            let _ = tx.try_send(());
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = (tx, from_file);
+    }
 }
 
 async fn shutdown_signal() {

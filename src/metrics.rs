@@ -19,7 +19,6 @@ use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
 use crate::scheduler::SkipStats;
-use crate::worker::WorkerState;
 
 /// The WebSocket dialect a request came in on (label `route`).
 #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
@@ -188,13 +187,12 @@ impl Metrics {
 /// What the scrape-time collector reads.
 pub struct Live {
     pub stats: Arc<crate::server::Stats>,
-    pub worker: Arc<WorkerState>,
+    /// The policies served now (engine health, runs and memory are read from them).
+    pub policies: Arc<arc_swap::ArcSwap<crate::policy::PolicySet>>,
+    pub reloads: Arc<crate::policy::ReloadStatus>,
     pub connections: Arc<tokio::sync::Semaphore>,
     pub max_connections: usize,
     pub max_sessions: usize,
-    pub budget_bytes: u64,
-    pub warmup_s: f64,
-    pub backend: &'static str,
     /// The task planner's link, when `[planner]` is on.
     pub planner: Option<Arc<crate::planner::Link>>,
 }
@@ -319,21 +317,37 @@ fn encode_planner(
             None,
             g.metric_type(),
         )?;
-        let subtask = s
-            .chars()
-            .map(|c| {
-                if matches!(c, '"' | '\\') || c.is_control() {
-                    '\''
-                } else {
-                    c
-                }
-            })
-            .collect();
+        let subtask = label_text(s);
         let labels = SubtaskLabels { subtask };
         let fm = m.encode_family(&labels)?;
         g.encode(fm)?;
     }
     Ok(())
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PolicyLabels {
+    policy: String,
+    backend: &'static str,
+    default: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ErrorLabels2 {
+    error: String,
+}
+
+/// Text made safe for a label value: quotes, backslashes and control characters become `'`.
+fn label_text(s: &str) -> String {
+    s.chars()
+        .map(|c| {
+            if matches!(c, '"' | '\\') || c.is_control() {
+                '\''
+            } else {
+                c
+            }
+        })
+        .collect()
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -406,27 +420,27 @@ impl Collector for Live {
             "replies released on a latency budget",
             r.paced,
         )?;
+        let set = self.policies.load();
         counter(
             &mut e,
             "policyd_engine_runs",
-            "engine runs, warm-up included",
-            self.worker.runs.load(Ordering::Relaxed),
+            "engine runs of the policies served now, warm-up included",
+            set.policies
+                .iter()
+                .map(|p| p.worker.state.runs.load(Ordering::Relaxed))
+                .sum(),
         )?;
         gauge(
             &mut e,
             "policyd_healthy",
-            "1 while the engine serves; 0 after it failed repeatedly",
-            if self.worker.healthy.load(Ordering::Relaxed) {
-                1.0
-            } else {
-                0.0
-            },
+            "1 while every policy's engine serves; 0 after one failed repeatedly",
+            if set.healthy() { 1.0 } else { 0.0 },
         )?;
         gauge(
             &mut e,
             "policyd_memory_budget_bytes",
-            "memory the config allocates at start-up (check-config's budget)",
-            self.budget_bytes as f64,
+            "memory the policies allocate at start-up (check-config's budget)",
+            set.budget as f64,
         )?;
         if let Some(rss) = rss_bytes() {
             gauge(
@@ -439,10 +453,59 @@ impl Collector for Live {
         gauge(
             &mut e,
             "policyd_engine_warmup_seconds",
-            "time the engine's warm-up took",
-            self.warmup_s,
+            "the longest warm-up of the policies served now",
+            set.policies
+                .iter()
+                .map(|p| p.warmup.as_secs_f64())
+                .fold(0.0, f64::max),
         )?;
         let g = ConstGauge::new(1i64);
+        let mut m = e.encode_descriptor(
+            "policyd_policy",
+            "the policies served now (1 each)",
+            None,
+            g.metric_type(),
+        )?;
+        for (i, p) in set.policies.iter().enumerate() {
+            let labels = PolicyLabels {
+                policy: p.name.clone(),
+                backend: p.backend,
+                default: if i == set.default { "true" } else { "false" },
+            };
+            let fm = m.encode_family(&labels)?;
+            g.encode(fm)?;
+        }
+        let c = ConstCounter::new(0u64);
+        let mut m = e.encode_descriptor(
+            "policyd_config_reloads",
+            "config reloads (SIGHUP), by result",
+            None,
+            c.metric_type(),
+        )?;
+        for (result, v) in [("ok", &self.reloads.ok), ("refused", &self.reloads.failed)] {
+            let labels = ResultLabels { result };
+            let fm = m.encode_family(&labels)?;
+            ConstCounter::new(v.load(Ordering::Relaxed)).encode(fm)?;
+        }
+        let last = self
+            .reloads
+            .last_error
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        if let Some(error) = last {
+            let mut m = e.encode_descriptor(
+                "policyd_config_reload_error",
+                "why the last reload was refused (until one succeeds)",
+                None,
+                g.metric_type(),
+            )?;
+            let labels = ErrorLabels2 {
+                error: label_text(&error),
+            };
+            let fm = m.encode_family(&labels)?;
+            g.encode(fm)?;
+        }
         let mut m = e.encode_descriptor(
             "policyd_build_info",
             "the running build",
@@ -451,7 +514,7 @@ impl Collector for Live {
         )?;
         let labels = BuildLabels {
             version: env!("CARGO_PKG_VERSION"),
-            backend: self.backend,
+            backend: set.default_policy().backend,
         };
         let fm = m.encode_family(&labels)?;
         g.encode(fm)?;

@@ -454,6 +454,18 @@ impl Plan {
         Ok(meta)
     }
 
+    /// A hash of what the text bindings (the prompt) put in the engine inputs, for
+    /// `reset_on_prompt_change` (FNV-1a: a few hundred bytes, no allocation).
+    pub fn prompt_hash(&self, bufs: &mut [Box<dyn InputBuffer>]) -> u64 {
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        for b in self.inputs.iter().filter(|b| b.text) {
+            for &byte in bufs[b.index].bytes_mut().iter() {
+                h = (h ^ u64::from(byte)).wrapping_mul(0x0100_0000_01b3);
+            }
+        }
+        h
+    }
+
     /// Fills every input with its fill value (for warm-up).
     pub fn fill_all(&self, bufs: &mut [Box<dyn InputBuffer>]) {
         for b in &self.inputs {
@@ -939,6 +951,8 @@ fn n_utf8_total(data: &[u8], order: crate::dtype::ByteOrder) -> usize {
 pub struct Budget {
     pub lines: Vec<(String, u64)>,
     pub total: u64,
+    /// Of `total`, the connections' buffers (shared by all policies of a server).
+    pub connections: u64,
 }
 
 /// tungstenite's read buffer, allocated per connection.
@@ -973,7 +987,11 @@ impl Budget {
             ("model        weights as stored".to_string(), model),
         ];
         let total = lines.iter().map(|(_, v)| v).sum();
-        Budget { lines, total }
+        Budget {
+            lines,
+            total,
+            connections: conns * per_conn,
+        }
     }
 
     /// Adds the engine's own memory (see [`crate::engine::Engine::working_memory`]).

@@ -6,14 +6,12 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Semaphore, watch};
 use tokio_tungstenite::WebSocketStream;
-use tokio_tungstenite::tungstenite::Bytes;
 use tokio_tungstenite::tungstenite::handshake::derive_accept_key;
 use tokio_tungstenite::tungstenite::protocol::{Role, WebSocketConfig};
 
@@ -22,7 +20,10 @@ use crate::connection::{self, Dialect};
 use crate::engine::{Engine, EngineError, cpu::CpuEngine};
 use crate::frame_guard::{FrameGuard, MARKER_LEN};
 use crate::plan::Plan;
+use crate::policy::{OpenFn, Policy, PolicySet, ReloadStatus};
 use crate::worker::WorkerHandle;
+use arc_swap::ArcSwap;
+use sd_notify::NotifyState;
 
 /// The path that selects the vllm-omni dialect.
 pub const VLLM_PATH: &str = "/v1/realtime/robot/openpi";
@@ -37,6 +38,11 @@ pub enum ServerError {
     Config(#[from] ConfigError),
     #[error(transparent)]
     Engine(#[from] EngineError),
+    #[error("policy \"{name}\": {source}")]
+    Policy {
+        name: String,
+        source: Box<ServerError>,
+    },
     #[error("cannot start the task planner: {0}")]
     Planner(std::io::Error),
     #[error(
@@ -56,21 +62,51 @@ pub struct Stats {
     pub metrics: crate::metrics::Metrics,
 }
 
+impl Stats {
+    pub fn new() -> Stats {
+        Stats {
+            release: crate::pacing::ReleaseStats::new(),
+            skips: Default::default(),
+            metrics: Default::default(),
+        }
+    }
+}
+
+impl Default for Stats {
+    fn default() -> Self {
+        Stats::new()
+    }
+}
+
 /// Everything a connection needs, shared by all of them.
 pub struct Shared {
     /// Wakes connections at their replies' release times.
     pub pacer: crate::pacing::Pacer,
     pub stats: Arc<Stats>,
+    /// The config the server started with (its `[server]`, `[auth]` and `[tls]` hold until a
+    /// restart; each policy's own config is in its [`Policy`]).
     pub cfg: Config,
-    pub plan: Plan,
-    pub worker: WorkerHandle,
-    pub metadata: Bytes,
+    /// The policies served now; a reload swaps the whole set.
+    pub policies: Arc<ArcSwap<PolicySet>>,
+    /// The set's generation, for connections to notice a reload.
+    pub generation: watch::Sender<u64>,
     pub ws_config: WebSocketConfig,
     /// One permit per connection that may be served.
     pub connections: Arc<Semaphore>,
     pub shutdown: watch::Receiver<bool>,
     /// What `/metrics` encodes.
     pub registry: prometheus_client::registry::Registry,
+}
+
+/// Re-reading the config on `SIGHUP`: where the config comes from, how engines are opened,
+/// and the signals.
+pub struct Reloader {
+    /// Reads and checks the config again (`Config::load` of the file the server started
+    /// with).
+    pub load: Arc<dyn Fn() -> Result<Config, String> + Send + Sync>,
+    pub open: Arc<OpenFn>,
+    /// One message per reload request.
+    pub requests: tokio::sync::mpsc::Receiver<()>,
 }
 
 /// A loaded, checked and warmed engine with its plan: what the server serves.
@@ -144,11 +180,7 @@ pub fn load_engine(cfg: &Config, engine: Box<dyn Engine>) -> Result<Loaded, Serv
         WorkerHandle::start(engine, &plan, cfg.engine.slots, cfg.engine.warmup_runs)?;
     Ok(Loaded {
         plan,
-        stats: Arc::new(Stats {
-            release: crate::pacing::ReleaseStats::new(),
-            skips: Default::default(),
-            metrics: Default::default(),
-        }),
+        stats: Arc::new(Stats::new()),
         worker,
         backend,
         warmup,
@@ -163,13 +195,37 @@ pub async fn bind(cfg: &Config) -> Result<TcpListener, ServerError> {
         .map_err(|source| ServerError::Bind { addr, source })
 }
 
-/// Serves until `shutdown` resolves; then stops accepting, lets in-flight requests finish,
-/// closes connections with 1001 and returns.
+/// Serves one loaded policy until `shutdown` resolves (see [`serve_set`]).
 pub async fn serve(
     cfg: Config,
     loaded: Loaded,
     listener: TcpListener,
     shutdown: impl std::future::Future<Output = ()>,
+) -> Result<(), ServerError> {
+    let stats = loaded.stats.clone();
+    let own = cfg.policy_configs().swap_remove(0);
+    let set = PolicySet::single(Policy::new(own, loaded));
+    serve_set(
+        cfg,
+        Arc::new(ArcSwap::from_pointee(set)),
+        stats,
+        listener,
+        shutdown,
+        None,
+    )
+    .await
+}
+
+/// Serves a set of policies until `shutdown` resolves; then stops accepting, lets in-flight
+/// requests finish, closes connections with 1001 and returns. With a [`Reloader`], each
+/// request re-reads the config and swaps in the new set once it is loaded and warm.
+pub async fn serve_set(
+    cfg: Config,
+    policies: Arc<ArcSwap<PolicySet>>,
+    stats: Arc<Stats>,
+    listener: TcpListener,
+    shutdown: impl std::future::Future<Output = ()>,
+    reloader: Option<Reloader>,
 ) -> Result<(), ServerError> {
     let (stop_tx, stop_rx) = watch::channel(false);
     let s = &cfg.server;
@@ -187,48 +243,53 @@ pub async fn serve(
         )))
     })?;
     let connections = Arc::new(Semaphore::new(max));
+    let set = policies.load_full();
+    for p in &set.policies {
+        p.watch();
+    }
+    let planner_link = set
+        .default_policy()
+        .plan
+        .planner
+        .as_ref()
+        .map(|t| t.link.clone());
+    let generation = watch::Sender::new(set.generation);
+    drop(set);
+    let reloads = Arc::new(ReloadStatus::default());
     let live = crate::metrics::Live {
-        stats: loaded.stats.clone(),
-        worker: loaded.worker.state.clone(),
+        stats: stats.clone(),
+        policies: policies.clone(),
+        reloads: reloads.clone(),
         connections: connections.clone(),
         max_connections: max,
         max_sessions: s.max_sessions,
-        budget_bytes: loaded.plan.budget.total,
-        warmup_s: loaded.warmup.as_secs_f64(),
-        backend: loaded.backend,
-        planner: loaded.plan.planner.as_ref().map(|t| t.link.clone()),
+        planner: planner_link.clone(),
     };
-    let registry = crate::metrics::registry(&loaded.stats.metrics, live);
+    let registry = crate::metrics::registry(&stats.metrics, live);
     let shared = Arc::new(Shared {
         pacer,
         registry,
-        stats: loaded.stats,
-        metadata: Bytes::from(loaded.plan.metadata.clone()),
-        plan: loaded.plan,
-        worker: loaded.worker,
+        stats,
+        policies,
+        generation,
         ws_config,
         connections,
         shutdown: stop_rx,
         cfg,
     });
-    // Handshakes in progress are bounded too, so a flood of idle TCP connections cannot pile
-    // up tasks and buffers (each holds at most an 8 KiB head buffer until its handshake
-    // timeout). Room for 16 times the connection limit, so a burst of clients gets its 503.
-    let handshakes = Arc::new(Semaphore::new((max * 16 + 64).min(MAX_HANDSHAKES)));
-    let monitor = (shared.cfg.engine.timeout_ms > 0).then(|| {
-        tokio::spawn(crate::worker::stall_monitor(
-            shared.worker.state.clone(),
-            Duration::from_millis(shared.cfg.engine.timeout_ms),
-        ))
-    });
+    let reloading = reloader.map(|r| tokio::spawn(reload_loop(shared.clone(), r, reloads)));
     // The planner runs beside the request path for as long as the server does.
-    let planner = match &shared.plan.planner {
-        Some(tap) => Some(
-            crate::planner::Planner::start(&shared.cfg.planner, tap.link.clone())
+    let planner = match planner_link {
+        Some(link) => Some(
+            crate::planner::Planner::start(&shared.cfg.planner, link)
                 .map_err(ServerError::Planner)?,
         ),
         None => None,
     };
+    // Handshakes in progress are bounded too, so a flood of idle TCP connections cannot pile
+    // up tasks and buffers (each holds at most an 8 KiB head buffer until its handshake
+    // timeout). Room for 16 times the connection limit, so a burst of clients gets its 503.
+    let handshakes = Arc::new(Semaphore::new((max * 16 + 64).min(MAX_HANDSHAKES)));
     tokio::pin!(shutdown);
     loop {
         tokio::select! {
@@ -262,8 +323,8 @@ pub async fn serve(
     if drained.is_err() {
         log::warn!("some connections did not close within 10 s");
     }
-    if let Some(m) = monitor {
-        m.abort();
+    if let Some(r) = reloading {
+        r.abort();
     }
     if let Some(p) = planner {
         // Stopping waits for the model server's grace period: off the async threads.
@@ -281,6 +342,98 @@ pub async fn serve(
         );
     }
     Ok(())
+}
+
+/// Serves reload requests one at a time: re-read the config, build the new set beside the
+/// old one (which keeps serving), swap it in. A config that fails is logged and reported in
+/// `/metrics`, and nothing changes.
+async fn reload_loop(shared: Arc<Shared>, mut r: Reloader, status: Arc<ReloadStatus>) {
+    while r.requests.recv().await.is_some() {
+        // Requests that came in meanwhile are served by this one reload.
+        while r.requests.try_recv().is_ok() {}
+        // systemd (Type=notify-reload or ExecReload=) sees the reload start and end.
+        let mut start = vec![
+            NotifyState::Reloading,
+            NotifyState::Status("reloading the config"),
+        ];
+        if let Ok(now) = NotifyState::monotonic_usec_now() {
+            start.push(now);
+        }
+        crate::appliance::notify(&start);
+        log::info!("reloading the config");
+        let current = shared.policies.load_full();
+        let (load, open) = (r.load.clone(), r.open.clone());
+        let started = shared.cfg.clone();
+        let built = tokio::task::spawn_blocking(move || {
+            let cfg = load()?;
+            warn_fixed_sections(&started, &cfg);
+            crate::policy::build(&cfg, Some(&current), open.as_ref()).map_err(|e| e.to_string())
+        })
+        .await
+        .map_err(|e| format!("the reload task failed: {e}"))
+        .and_then(|r| r);
+        let message = match built {
+            Ok(b) => {
+                for p in &b.set.policies {
+                    p.watch();
+                }
+                let generation = b.set.generation;
+                let summary = format!(
+                    "config reloaded: serving {} (loaded: {}; kept: {})",
+                    b.set.names(),
+                    list_or_none(&b.loaded),
+                    list_or_none(&b.kept)
+                );
+                shared.policies.store(Arc::new(b.set));
+                shared.generation.send_replace(generation);
+                status.succeeded();
+                log::info!("{summary}");
+                summary
+            }
+            Err(e) => {
+                log::error!("config reload refused, still serving the previous config: {e}");
+                status.failed(&e);
+                format!("reload refused: {e}")
+            }
+        };
+        crate::appliance::notify(&[NotifyState::Ready, NotifyState::Status(&message)]);
+    }
+}
+
+fn list_or_none(names: &[String]) -> String {
+    if names.is_empty() {
+        "none".into()
+    } else {
+        names.join(", ")
+    }
+}
+
+/// A reload changes policies only; the listener, limits, keys, TLS and planner hold until a
+/// restart. Says so when the file changed them.
+fn warn_fixed_sections(old: &Config, new: &Config) {
+    let changed = [
+        (
+            "[server]",
+            format!("{:?}", old.server) != format!("{:?}", new.server),
+        ),
+        (
+            "[auth]",
+            format!("{:?}", old.auth) != format!("{:?}", new.auth),
+        ),
+        (
+            "[tls]",
+            (&old.tls.cert, &old.tls.key) != (&new.tls.cert, &new.tls.key),
+        ),
+        (
+            "[planner]",
+            format!("{:?}", old.planner) != format!("{:?}", new.planner),
+        ),
+    ];
+    for (section, differs) in changed {
+        if differs {
+            log::warn!("{section} changed: it takes effect when policyd restarts, not on reload");
+        }
+    }
 }
 
 /// Answers every connection with 503 until `load` completes, then returns its output; the
@@ -463,7 +616,7 @@ async fn handle(
             return;
         }
     };
-    let healthy = shared.worker.state.healthy.load(Ordering::Relaxed);
+    let healthy = shared.policies.load().healthy();
     if head.method == "GET" && head.path == "/healthz" && !head.upgrade {
         if healthy {
             respond(
@@ -596,6 +749,44 @@ async fn handle(
         .await;
         return;
     }
+    // `/policies/<name>` (openpi) or `/policies/<name>/v1/realtime/robot/openpi`
+    // (vllm-omni) chooses a policy; other paths get the default one.
+    let route = {
+        let set = shared.policies.load();
+        let (named, rest) = match head.path.strip_prefix("/policies/") {
+            Some(r) => {
+                let end = r.find('/').unwrap_or(r.len());
+                (Some(&r[..end]), &r[end..])
+            }
+            None => (None, head.path.as_str()),
+        };
+        let dialect = if rest == VLLM_PATH {
+            Dialect::Vllm
+        } else {
+            Dialect::Openpi
+        };
+        match named {
+            None => (dialect, set.default_policy().clone()),
+            Some(name) => match set.get(name) {
+                Some(p) => (dialect, p.clone()),
+                None => {
+                    log::info!("{peer}: refused: no policy named \"{name}\"");
+                    respond(
+                        &mut stream,
+                        "404 Not Found",
+                        "text/plain; charset=utf-8",
+                        &format!(
+                            "policyd serves no policy named \"{name}\"; it serves: {}\n",
+                            set.names()
+                        ),
+                        "",
+                    )
+                    .await;
+                    return;
+                }
+            },
+        }
+    };
     let Ok(permit) = shared.connections.clone().try_acquire_owned() else {
         log::warn!(
             "{peer}: refused: at the connection limit (server.max_connections = {})",
@@ -622,12 +813,13 @@ async fn handle(
         return;
     }
     drop(handshake);
-    let dialect = if head.path == VLLM_PATH {
-        Dialect::Vllm
-    } else {
-        Dialect::Openpi
-    };
-    log::info!("{peer}: connected on {} ({})", head.path, dialect.name());
+    let (dialect, policy) = route;
+    log::info!(
+        "{peer}: connected on {} ({}, policy \"{}\")",
+        head.path,
+        dialect.name(),
+        policy.name
+    );
     let server = &shared.cfg.server;
     let frame_timeout =
         (server.frame_timeout_s > 0.0).then(|| Duration::from_secs_f64(server.frame_timeout_s));
@@ -644,7 +836,7 @@ async fn handle(
         }
     };
     let ws = WebSocketStream::from_raw_socket(stream, Role::Server, Some(shared.ws_config)).await;
-    let why = connection::serve(ws, &shared, dialect).await;
+    let why = connection::serve(ws, &shared, dialect, policy).await;
     log::info!("{peer}: closed ({why})");
     drop(permit);
 }

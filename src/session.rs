@@ -19,6 +19,8 @@ struct Entry {
     count: u64,
     /// Filters and latency window of the session's `observe` stream.
     pacing: SessionPacing,
+    /// A hash of the session's last prompt (`reset_on_prompt_change`).
+    prompt: Option<u64>,
 }
 
 /// Sessions of one connection.
@@ -83,6 +85,24 @@ impl Sessions {
         e.pacing.clear();
     }
 
+    /// `reset_on_prompt_change`: records the session's prompt (a hash) and, when it differs
+    /// from the previous one, resets the session as `endpoint: reset` would. True if it did.
+    pub fn prompt_changed(&mut self, id: Option<&SessionId>, prompt: u64) -> bool {
+        if let Some(id) = id {
+            self.current.clone_from(id);
+        }
+        self.tick += 1;
+        let tick = self.tick;
+        let e = self.entry(tick);
+        let changed = e.prompt.is_some_and(|p| p != prompt);
+        e.prompt = Some(prompt);
+        if changed {
+            e.count = 0;
+            e.pacing.clear();
+        }
+        changed
+    }
+
     /// The session requests without `session_id` go to.
     pub fn current(&self) -> &SessionId {
         &self.current
@@ -123,6 +143,7 @@ impl Sessions {
             last_used: tick,
             count: 0,
             pacing: SessionPacing::new(self.window),
+            prompt: None,
         });
         let last = self.entries.len() - 1;
         &mut self.entries[last]

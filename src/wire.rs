@@ -170,11 +170,17 @@ pub struct RequestMeta {
     pub timestep: Option<i64>,
     pub timestamp: Option<f64>,
     pub must_go: Option<bool>,
+    /// The policy the client names (servers with several policies).
+    pub policy: Option<PolicyName>,
 }
 
+/// A policy's name as a request carries it.
+pub type PolicyName = heapless::String<64>;
+
 /// Top-level keys policyd interprets itself; bindings may not name them.
-pub const RESERVED_KEYS: [&str; 7] = [
+pub const RESERVED_KEYS: [&str; 8] = [
     "endpoint",
+    "policy",
     "session_id",
     "seed",
     "sampling_params",
@@ -217,6 +223,21 @@ pub trait Visitor {
     fn binding(&self, path: &[u8]) -> Option<usize>;
     /// A value for binding `index`, found at `path`.
     fn value(&mut self, index: usize, path: &[u8], value: Value<'_>) -> Result<(), WireError>;
+}
+
+/// The `policy` a frame names, read without binding anything (for a frame that failed to
+/// decode against the current policy's bindings: it may be meant for another).
+pub fn peek_policy(frame: &[u8], limits: &Limits) -> Option<PolicyName> {
+    struct Nothing;
+    impl Visitor for Nothing {
+        fn binding(&self, _: &[u8]) -> Option<usize> {
+            None
+        }
+        fn value(&mut self, _: usize, _: &[u8], _: Value<'_>) -> Result<(), WireError> {
+            Ok(())
+        }
+    }
+    decode_request(frame, limits, &mut Nothing).ok()?.policy
 }
 
 /// Decodes one request frame: reserved keys into the returned [`RequestMeta`], bound values
@@ -391,6 +412,22 @@ fn read_reserved(
         b"must_go" => match cur.head()? {
             Head::Bool(b) => meta.must_go = Some(b),
             other => return Err(bad("must_go", "a bool", other.describe().into())),
+        },
+        b"policy" => match cur.head()? {
+            Head::Str(s) | Head::Bin(s) => {
+                let s = std::str::from_utf8(s)
+                    .map_err(|_| bad("policy", "UTF-8 text", "invalid UTF-8".into()))?;
+                let mut name = PolicyName::new();
+                name.push_str(s).map_err(|_| {
+                    bad(
+                        "policy",
+                        "a policy name of at most 64 bytes",
+                        format!("{} bytes", s.len()),
+                    )
+                })?;
+                meta.policy = Some(name);
+            }
+            other => return Err(bad("policy", "a string", other.describe().into())),
         },
         _ => return Ok(false),
     }

@@ -362,6 +362,18 @@ camera = "cam"
     let engine = Box::new(SyntheticEngine::new(io, Behaviour::default()));
     let loaded = server::load_engine(&cfg, engine).unwrap();
     let plan = &loaded.plan;
+    // The engine thread's first loop allocates its thread-locals: let it pass first.
+    let t0 = Instant::now();
+    while loaded
+        .worker
+        .state
+        .beats
+        .load(std::sync::atomic::Ordering::Relaxed)
+        < 2
+        && t0.elapsed() < Duration::from_secs(5)
+    {
+        std::thread::sleep(Duration::from_millis(5));
+    }
     let link = plan.planner.as_ref().unwrap().link.clone();
     link.publish(&policyd::planner::reply::Answer {
         subtask: "pick up the red cup".into(),
