@@ -122,6 +122,55 @@ def test_infer_matches_onnxruntime(server):
         assert ("prev_total_ms" in reply["server_timing"]) == (i > 0)
 
 
+def as_policy(profile, default=False):
+    """A demo profile's config rewritten as one `[[policies]]` entry."""
+    text = (ROOT / f"configs/{profile}.toml").read_text()
+    text = text[text.index("[engine]"):]  # drop the comments and [server]
+    for table in ["engine", "metadata", "pacing"]:
+        text = text.replace(f"[{table}]", f"[policies.{table}]")
+    for array in ["inputs", "outputs"]:
+        text = text.replace(f"[[{array}]]", f"[[policies.{array}]]")
+    text = text.replace('"../models/', f'"{ROOT}/models/')
+    head = f'[[policies]]\nname = "{profile}"\ndefault = {"true" if default else "false"}\n'
+    return head + text
+
+
+@pytest.fixture(scope="module")
+def two_policies(tmp_path_factory):
+    cfg = tmp_path_factory.mktemp("policies") / "policyd.toml"
+    cfg.write_text('[server]\nhost = "127.0.0.1"\n' + as_policy("tiny", default=True)
+                   + as_policy("libero"))
+    port = free_port()
+    proc = start_policyd(cfg, port)
+    yield port
+    proc.terminate()
+    proc.wait(timeout=15)
+
+
+def test_openpi_client_chooses_a_policy_by_url_or_field(two_policies):
+    port = two_policies
+    rng = np.random.default_rng(1)
+    # By URL: openpi-client takes a ws:// URL as its host.
+    libero = wcp.WebsocketClientPolicy(f"ws://127.0.0.1:{port}/policies/libero")
+    obs = observation("libero", rng)
+    want, _ = expected("libero", obs)
+    assert np.max(np.abs(libero.infer(obs)["actions"] - want)) <= 1e-4
+    # The default policy.
+    tiny = wcp.WebsocketClientPolicy("127.0.0.1", port)
+    obs = observation("tiny", rng)
+    want, _ = expected("tiny", obs)
+    assert np.max(np.abs(tiny.infer(obs)["actions"] - want)) <= 1e-4
+    # By field: the same connection moves to libero.
+    obs = observation("libero", rng)
+    want, _ = expected("libero", obs)
+    reply = tiny.infer({**obs, "policy": "libero"})
+    assert np.max(np.abs(reply["actions"] - want)) <= 1e-4
+    # An unknown policy is refused with the names served.
+    with pytest.raises(Exception) as err:
+        wcp.WebsocketClientPolicy(f"ws://127.0.0.1:{port}/policies/nope")
+    assert "404" in str(err.value) or "nope" in str(err.value)
+
+
 def test_aloha_sim_sends_only_cam_high(server):
     profile, port = server
     if profile != "aloha":
