@@ -234,7 +234,12 @@ pub fn run(
 ) -> Result<Report, BenchError> {
     args.check()?;
     let profile = match config {
-        Some(cfg) => Profile::from_config("config", cfg).map_err(BenchError::Usage)?,
+        // With `[[policies]]`, the default policy's inputs (the one a plain URL reaches).
+        Some(cfg) => {
+            let per = cfg.policy_configs();
+            let own = per.get(cfg.default_policy()).unwrap_or(cfg);
+            Profile::from_config("config", own).map_err(BenchError::Usage)?
+        }
         None => Profile::built_in(&args.profile).ok_or_else(|| {
             BenchError::Usage(format!(
                 "unknown --profile '{}': choose one of {}",
