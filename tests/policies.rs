@@ -380,7 +380,8 @@ async fn reloads_keep_unchanged_policies_swap_changed_ones_and_refuse_broken_con
 
     // gripper removed: its connection is closed with 1001 after its request is answered;
     // a good reload clears the error.
-    srv.reload_with(&config(std::slice::from_ref(&a)), "ok").await;
+    srv.reload_with(&config(std::slice::from_ref(&a)), "ok")
+        .await;
     let (ok_b, shapes_b, code) = tokio::time::timeout(Duration::from_secs(10), on_b)
         .await
         .expect("the removed policy's client is closed")
@@ -494,7 +495,10 @@ fn policy_lists_are_checked() {
         e.contains("policies[1].inputs[0].dtypes") && e.contains("\"g\""),
         "{e}"
     );
-    let top = format!("[engine]\nmodel = \"m.onnx\"\n{}", config(std::slice::from_ref(&a)));
+    let top = format!(
+        "[engine]\nmodel = \"m.onnx\"\n{}",
+        config(std::slice::from_ref(&a))
+    );
     assert!(err(top).contains("with [[policies]]"));
     // One config per policy, the marked default first in line for clients.
     let cfg = Config::parse(
