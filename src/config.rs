@@ -379,10 +379,11 @@ impl Default for PacingConfig {
 }
 
 /// The backends compiled into this build, for messages.
-pub const BACKENDS: &str = if cfg!(feature = "tensorrt") {
-    "cpu, tensorrt"
-} else {
-    "cpu"
+pub const BACKENDS: &str = match (cfg!(feature = "cpu"), cfg!(feature = "tensorrt")) {
+    (true, true) => "cpu, tensorrt",
+    (true, false) => "cpu",
+    (false, true) => "tensorrt",
+    (false, false) => "none",
 };
 
 /// Largest `engine.slots` (the scheduler's queue is a fixed array of this size).
@@ -860,7 +861,13 @@ impl Config {
 
         let e = &self.engine;
         match e.backend.as_str() {
-            "cpu" => {}
+            "cpu" if cfg!(feature = "cpu") => {}
+            "cpu" => {
+                return Err(invalid(
+                    "engine.backend",
+                    "\"cpu\" is not in this build (built without the `cpu` feature)",
+                ));
+            }
             "tensorrt" if cfg!(feature = "tensorrt") => {}
             "tensorrt" => {
                 return Err(invalid(

@@ -14,6 +14,8 @@ pub mod demo;
 pub mod dtype;
 pub mod engine;
 pub mod frame_guard;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod metrics;
 pub mod pacing;
 pub mod plan;

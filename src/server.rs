@@ -17,7 +17,7 @@ use tokio_tungstenite::tungstenite::protocol::{Role, WebSocketConfig};
 
 use crate::config::{Config, ConfigError};
 use crate::connection::{self, Dialect};
-use crate::engine::{Engine, EngineError, cpu::CpuEngine};
+use crate::engine::{Engine, EngineError};
 use crate::frame_guard::{FrameGuard, MARKER_LEN};
 use crate::plan::Plan;
 use crate::policy::{OpenFn, Policy, PolicySet, ReloadStatus};
@@ -129,7 +129,10 @@ pub fn open_engine(cfg: &Config) -> Result<Box<dyn Engine>, ServerError> {
         .filter_map(|b| b.engine_shape.clone().map(|s| (b.tensor.clone(), s)))
         .collect();
     match cfg.engine.backend.as_str() {
-        "cpu" => Ok(Box::new(CpuEngine::load(&model, &hints)?)),
+        #[cfg(feature = "cpu")]
+        "cpu" => Ok(Box::new(crate::engine::cpu::CpuEngine::load(
+            &model, &hints,
+        )?)),
         #[cfg(feature = "tensorrt")]
         "tensorrt" => {
             let crate::engine::ModelSource::File(path) = &model else {

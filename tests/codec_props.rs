@@ -8,6 +8,9 @@
 //! or without unnormalisation, any `actions_per_chunk`) encode to replies that msgpack decodes
 //! back to exactly the expected values, in both dialects, within the reply buffer sized at
 //! start-up (so encoding never reallocates).
+//!
+//! Fuzz regressions: every input kept under fuzz/ (the seed corpus and each crash ever found)
+//! replays through the fuzz targets' entry points.
 
 use policyd::config::Config;
 use policyd::dtype::{ALL_ELEM_TYPES, ElemType};
@@ -290,4 +293,36 @@ proptest! {
             "{:?}: vllm values differ", c
         );
     }
+}
+
+/// Every input the fuzz targets keep — their seed corpus and each crash ever found
+/// (fuzz/regressions) — runs through the same entry points as the fuzzers (scripts/fuzz,
+/// `cargo fuzz run`), without panicking.
+#[test]
+fn fuzz_corpus_and_regressions_replay_cleanly() {
+    assert_eq!(
+        policyd::fuzzing::binding_sets(),
+        3,
+        "every binding set of the decode target compiles"
+    );
+    let root = concat!(env!("CARGO_MANIFEST_DIR"), "/fuzz");
+    type Target = fn(&[u8]);
+    let targets: [(&str, Target); 2] = [
+        ("decode", policyd::fuzzing::decode),
+        ("config", policyd::fuzzing::config),
+    ];
+    let mut replayed = 0;
+    for (target, run) in targets {
+        for dir in ["corpus", "regressions"] {
+            let path = format!("{root}/{dir}/{target}");
+            let entries = std::fs::read_dir(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
+            for entry in entries {
+                let file = entry.expect("a directory entry").path();
+                let data = std::fs::read(&file).expect("readable");
+                run(&data);
+                replayed += 1;
+            }
+        }
+    }
+    assert!(replayed >= 50, "only {replayed} inputs under fuzz/");
 }

@@ -4,6 +4,7 @@
 //! buffers in the memory it prefers (tract tensors for the CPU backend; page-locked memory for a
 //! GPU backend), and runs. The engine worker thread owns it; nothing async ever waits on it.
 
+#[cfg(feature = "cpu")]
 pub mod cpu;
 pub mod synthetic;
 pub mod tensorrt;

@@ -5,6 +5,7 @@
 //! such as vLLM and llama.cpp shut down cleanly on it), then SIGKILL after a grace period.
 
 use std::io::{BufRead, BufReader, Read};
+use std::os::unix::process::CommandExt;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::mpsc::{Receiver, Sender, channel};
 use std::sync::{Arc, Mutex};
@@ -48,7 +49,23 @@ impl Supervisor {
 
     /// (Re)starts the process, with its output streamed to the log.
     pub fn spawn(&self) -> std::io::Result<()> {
-        let mut child = Command::new(&self.argv[0])
+        let mut cmd = Command::new(&self.argv[0]);
+        // SAFETY: the closure runs in the child between fork and exec and only calls
+        // signal(2) and sigprocmask(2), which are async-signal-safe.
+        unsafe {
+            cmd.pre_exec(|| {
+                // A shell that started policyd in the background may have left SIGINT ignored,
+                // and ignored signals survive exec: the server must get the stop signals.
+                for sig in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP] {
+                    libc::signal(sig, libc::SIG_DFL);
+                }
+                let mut none: libc::sigset_t = std::mem::zeroed();
+                libc::sigemptyset(&mut none);
+                libc::sigprocmask(libc::SIG_SETMASK, &none, std::ptr::null_mut());
+                Ok(())
+            });
+        }
+        let mut child = cmd
             .args(&self.argv[1..])
             .stdin(Stdio::null())
             .stdout(Stdio::piped())

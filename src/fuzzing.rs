@@ -1,0 +1,293 @@
+//! Fuzzing entry points: what the cargo-fuzz targets in `fuzz/` run, and what
+//! `tests/codec_props.rs` replays over the kept corpus and every crash ever found.
+//!
+//! Each takes arbitrary bytes and must return without panicking; a panic is the bug. They go
+//! through the public request path, not a copy of it: [`decode`] decodes a frame against one of
+//! several binding sets (nested keys, images with a layout change, text, optional scalars,
+//! every numeric dtype, the planner's tap) and encodes both dialects' replies; [`config`]
+//! parses a config and compiles each policy's plan against engine I/O shaped like its bindings.
+
+use std::cell::RefCell;
+
+use crate::config::Config;
+use crate::dtype::ElemType;
+use crate::engine::synthetic::HostBuffer;
+use crate::engine::{InputBuffer, IoSpec, TensorSpec};
+use crate::plan::{Plan, ReplyParts};
+use crate::wire::{self, Timing};
+
+/// Binding sets a decoded frame is checked against (the first input byte picks one). Keys
+/// match the golden fixtures', so seeds made from them reach the transforms.
+const CONFIGS: [&str; 3] = [
+    // libero-like: images with a layout change, state, prompt text.
+    r#"
+[engine]
+model = "m"
+[[inputs]]
+key = "observation/image"
+tensor = "image"
+dtypes = ["uint8", "float32"]
+shape = [8, 8, 3]
+layout = "hwc_to_chw"
+scale = 0.00392156862745098
+[[inputs]]
+key = "observation/wrist_image"
+tensor = "wrist"
+dtypes = ["uint8"]
+shape = [8, 8, 3]
+optional = true
+[[inputs]]
+key = "observation/state"
+tensor = "state"
+dtypes = ["float64", "float32"]
+shape = [8]
+mean = [0.5]
+std = [2.0]
+[[inputs]]
+key = "prompt"
+tensor = "prompt"
+dtypes = ["text"]
+shape = [32]
+optional = true
+[[outputs]]
+tensor = "actions"
+"#,
+    // aloha-like: nested image keys, CHW, the planner's tap on the camera and prompt.
+    r#"
+[engine]
+model = "m"
+[pacing]
+actions_per_chunk = 4
+skip_stale_actions = true
+similarity_atol = 0.01
+similarity_key = "state"
+[[inputs]]
+key = "state"
+tensor = "state"
+dtypes = ["float64", "float32"]
+shape = [14]
+[[inputs]]
+key = "images/cam_high"
+tensor = "cam_high"
+dtypes = ["uint8"]
+shape = [3, 8, 8]
+[[inputs]]
+key = "images/cam_low"
+tensor = "cam_low"
+dtypes = ["uint8"]
+shape = [3, 8, 8]
+optional = true
+fill = 0.5
+[[inputs]]
+key = "prompt"
+tensor = "prompt"
+dtypes = ["text"]
+shape = [32]
+[[outputs]]
+tensor = "actions"
+dtype = "float64"
+columns = 5
+[planner]
+enabled = true
+endpoints = ["http://127.0.0.1:9"]
+model = "m"
+camera = "images/cam_high"
+"#,
+    // Every numeric dtype, a scalar, and short text.
+    r#"
+[engine]
+model = "m"
+[[inputs]]
+key = "x"
+tensor = "x"
+dtypes = ["bool", "uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "int64", "float16", "float32", "float64"]
+shape = [2, 3]
+[[inputs]]
+key = "s"
+tensor = "s"
+dtypes = ["float64", "int64", "bool"]
+shape = []
+optional = true
+[[inputs]]
+key = "t"
+tensor = "t"
+dtypes = ["text"]
+shape = [4]
+optional = true
+[[outputs]]
+tensor = "actions"
+[[outputs]]
+tensor = "aux"
+key = "aux"
+"#,
+];
+
+/// Engine I/O shaped like a config's bindings, so that its plan compiles: each binding's
+/// wire shape (after its layout change) behind a batch axis, text as int64, and each output
+/// a 10-step chunk of its columns (7 unless the config says).
+pub fn io_for(cfg: &Config) -> IoSpec {
+    let mut inputs: Vec<TensorSpec> = Vec::new();
+    for b in &cfg.inputs {
+        if inputs.iter().any(|t| t.name == b.tensor) {
+            continue;
+        }
+        let mut shape = b.engine_shape.clone().unwrap_or_else(|| {
+            let mut s = b.shape.clone();
+            if let Some(p) = b.layout().perm()
+                && s.len() >= 3
+            {
+                let n = s.len();
+                let last: Vec<usize> = p.iter().map(|&i| b.shape[n - 3 + i]).collect();
+                s[n - 3..].copy_from_slice(&last);
+            }
+            s
+        });
+        if b.engine_shape.is_none() {
+            shape.insert(0, 1);
+        }
+        let dtype = if b.is_text() {
+            ElemType::I64
+        } else {
+            ElemType::F32
+        };
+        inputs.push(TensorSpec {
+            name: b.tensor.clone(),
+            dtype,
+            shape,
+        });
+    }
+    let mut outputs: Vec<TensorSpec> = Vec::new();
+    for o in &cfg.outputs {
+        if outputs.iter().any(|t| t.name == o.tensor) {
+            continue;
+        }
+        let d = o.columns.unwrap_or(7).max(o.mean.len()).clamp(1, 64);
+        outputs.push(TensorSpec {
+            name: o.tensor.clone(),
+            dtype: ElemType::F32,
+            shape: vec![1, 10, d],
+        });
+    }
+    IoSpec { inputs, outputs }
+}
+
+/// One binding set with its buffers, allocated once per thread.
+struct Case {
+    cfg: Config,
+    plan: Plan,
+    inputs: Vec<Box<dyn InputBuffer>>,
+    seen: Vec<bool>,
+    outputs: Vec<Vec<u8>>,
+    scratch: Vec<u8>,
+    reply: Vec<u8>,
+}
+
+fn cases() -> Vec<Case> {
+    CONFIGS
+        .iter()
+        .filter_map(|text| {
+            let cfg = Config::parse(text, "fuzz", None).ok()?;
+            let io = io_for(&cfg);
+            let plan = Plan::compile(&cfg, &io).ok()?;
+            Some(Case {
+                inputs: io
+                    .inputs
+                    .iter()
+                    .map(|s| Box::new(HostBuffer(vec![0; s.bytes()])) as Box<dyn InputBuffer>)
+                    .collect(),
+                seen: vec![false; plan.inputs.len()],
+                outputs: io.outputs.iter().map(|s| vec![0; s.bytes()]).collect(),
+                scratch: vec![0; plan.scratch_bytes],
+                reply: Vec::with_capacity(plan.reply_capacity),
+                cfg,
+                plan,
+            })
+        })
+        .collect()
+}
+
+thread_local! {
+    static CASES: RefCell<Vec<Case>> = RefCell::new(cases());
+}
+
+/// How many binding sets [`decode`] chooses from (a test checks they all compile).
+pub fn binding_sets() -> usize {
+    CASES.with(|c| c.borrow().len())
+}
+
+/// The wire decoder: the first byte picks a binding set, the rest is a request frame. A frame
+/// that decodes is then answered in both dialects, from outputs filled with its own bytes
+/// (any bit pattern, NaN included), as the connection would.
+pub fn decode(data: &[u8]) {
+    let Some((&pick, frame)) = data.split_first() else {
+        return;
+    };
+    CASES.with(|cases| {
+        let mut cases = cases.borrow_mut();
+        let n = cases.len();
+        if n == 0 {
+            return;
+        }
+        let c = &mut cases[pick as usize % n];
+        let decoded = c.plan.decode(frame, &mut c.inputs, &mut c.seen);
+        let _ = wire::peek_policy(frame, &c.plan.limits);
+        let Ok(meta) = decoded else { return };
+        let _ = meta.observed_at();
+        let _ = c.plan.prompt_hash(&mut c.inputs);
+        let mut state = [0f64; crate::config::MAX_SIMILARITY_STATE];
+        let _ = c.plan.similarity_state(&mut c.inputs, &mut state);
+        for out in &mut c.outputs {
+            for (i, b) in out.iter_mut().enumerate() {
+                *b = frame.get(i % frame.len().max(1)).copied().unwrap_or(0);
+            }
+        }
+        let _ = c.plan.non_finite_output(&c.outputs);
+        let delay = u32::from(pick) % 12;
+        let mut parts = ReplyParts {
+            outputs: &c.outputs,
+            scratch: &mut c.scratch,
+            chunk: c.plan.chunk(&c.cfg.pacing, delay),
+        };
+        let timing = Timing {
+            policy_infer_ms: 1.0,
+            server_infer_ms: 2.0,
+            prev_total_ms: Some(3.0),
+        };
+        c.plan
+            .encode_openpi(&mut parts, &timing, Some(delay), &mut c.reply);
+        assert!(
+            c.reply.len() <= c.plan.reply_capacity,
+            "reply over its capacity"
+        );
+        c.plan.encode_vllm(&mut parts, &mut c.reply);
+        c.plan.encode_observe(
+            &mut parts,
+            (7, 0.25),
+            1.0 / 30.0,
+            delay,
+            pick % 2 == 0,
+            &mut c.reply,
+        );
+        assert!(
+            c.reply.len() <= c.plan.reply_capacity,
+            "reply over its capacity"
+        );
+    });
+}
+
+/// The config parser: any UTF-8 text is parsed and checked; a config that passes has each
+/// policy's plan compiled against engine I/O shaped like its bindings.
+pub fn config(data: &[u8]) {
+    let Ok(text) = std::str::from_utf8(data) else {
+        return;
+    };
+    let Ok(cfg) = Config::parse(text, "fuzz", None) else {
+        return;
+    };
+    for c in cfg.policy_configs() {
+        let io = io_for(&c);
+        if let Ok(plan) = Plan::compile(&c, &io) {
+            let _ = plan.budget.render();
+        }
+    }
+}
