@@ -484,13 +484,7 @@ where
                 drop(lease);
                 self.sessions.reset(meta.session_id.as_ref());
                 self.count_sessions();
-                let key = self.key(self.sessions.current().clone());
-                let mut dropped = 0;
-                policy.worker.scheduler.remove_session(&key, |job| {
-                    dropped += 1;
-                    job.recycle();
-                });
-                self.outstanding -= dropped;
+                self.drop_waiting(&policy);
                 if shared.cfg.server.reset_reply == "text" {
                     return self.send_msg(Message::text("reset successful")).await;
                 }
@@ -606,15 +600,23 @@ where
         }
         let hash = policy.plan.prompt_hash(&mut slot.inputs);
         if self.sessions.prompt_changed(id, hash) {
-            let key = self.key(self.sessions.current().clone());
-            let mut dropped = 0;
-            policy.worker.scheduler.remove_session(&key, |job| {
-                dropped += 1;
-                job.recycle();
-            });
-            self.outstanding -= dropped;
-            log::debug!("session {}: new prompt, session reset", key.session);
+            self.drop_waiting(policy);
+            log::debug!(
+                "session {}: new prompt, session reset",
+                self.sessions.current()
+            );
         }
+    }
+
+    /// Drops the current session's observations still waiting for the engine (a reset).
+    fn drop_waiting(&mut self, policy: &Policy) {
+        let key = self.key(self.sessions.current().clone());
+        let mut dropped = 0;
+        policy.worker.scheduler.remove_session(&key, |job| {
+            dropped += 1;
+            job.recycle();
+        });
+        self.outstanding -= dropped;
     }
 
     /// Brings the sessions gauge in line with this connection's table.
