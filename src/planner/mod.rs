@@ -338,7 +338,6 @@ fn run(
     let frame_wait = period.min(Duration::from_secs(1));
     let mut restart_backoff = Duration::from_secs(1);
     let mut restart_at: Option<Instant> = None;
-    let mut png = Vec::new();
     loop {
         let tick = Instant::now();
         if let Some(s) = server
@@ -374,7 +373,7 @@ fn run(
                 }
             },
         };
-        let outcome = ask(cfg, link, &mut endpoints, image.as_deref(), &mut png);
+        let outcome = ask(cfg, link, &mut endpoints, image.as_deref());
         let h = &link.health;
         h.endpoints_ready
             .store(endpoints.ready() as u64, Ordering::Relaxed);
@@ -420,7 +419,6 @@ fn ask(
     link: &Link,
     endpoints: &mut Endpoints,
     image: Option<&str>,
-    _scratch: &mut Vec<u8>,
 ) -> Result<Answer, AskError> {
     let instruction = link.instruction();
     let current = link.subtask();
