@@ -392,6 +392,24 @@ pub const MAX_SLOTS: usize = 64;
 pub const MAX_LATENCY_WINDOW: usize = 256;
 /// Largest state vector the similarity filter keeps per session.
 pub const MAX_SIMILARITY_STATE: usize = 64;
+/// The most elements one binding's shape (or `engine_shape`) may hold: 2^31, 8 GiB as
+/// float32, far beyond any observation, and small enough that every buffer size computed from
+/// it fits a usize. The config fuzzer found a shape whose product overflowed.
+pub const MAX_ELEMENTS: usize = 1 << 31;
+
+/// The number of elements in `shape`, or an error naming `key` if it is over [`MAX_ELEMENTS`].
+pub(crate) fn elements(key: &str, shape: &[usize]) -> Result<usize, ConfigError> {
+    shape
+        .iter()
+        .try_fold(1usize, |n, &d| n.checked_mul(d))
+        .filter(|&n| n <= MAX_ELEMENTS)
+        .ok_or_else(|| {
+            invalid(
+                key,
+                format!("{shape:?} holds more than {MAX_ELEMENTS} elements; check the dimensions"),
+            )
+        })
+}
 
 /// `[engine]`: which backend runs which model.
 #[derive(Clone, Debug, Deserialize)]
@@ -1049,6 +1067,19 @@ impl Config {
             if b.shape.contains(&0) {
                 return Err(invalid(k("shape"), "dimensions must be positive"));
             }
+            let elements = elements(&k("shape"), &b.shape)?;
+            if let Some(es) = &b.engine_shape {
+                if es.is_empty() || es.len() > crate::wire::MAX_RANK || es.contains(&0) {
+                    return Err(invalid(
+                        k("engine_shape"),
+                        format!(
+                            "needs 1 to {} positive dimensions, got {es:?}",
+                            crate::wire::MAX_RANK
+                        ),
+                    ));
+                }
+                self::elements(&k("engine_shape"), es)?;
+            }
             let layout_ok = matches!(
                 b.layout.as_deref(),
                 None | Some("none" | "hwc_to_chw" | "chw_to_hwc")
@@ -1071,7 +1102,6 @@ impl Config {
                     "scale, offset and fill must be finite numbers",
                 ));
             }
-            let elements: usize = b.shape.iter().product();
             check_norm(
                 &k("mean"),
                 &k("std"),
@@ -1313,7 +1343,7 @@ impl Config {
                     ),
                 ));
             };
-            let n: usize = b.shape.iter().product();
+            let n = elements("pacing.similarity_key", &b.shape).unwrap_or(usize::MAX);
             if b.is_text() || n > MAX_SIMILARITY_STATE {
                 return Err(invalid(
                     "pacing.similarity_key",
@@ -1465,6 +1495,26 @@ tensor = "actions"
             .contains("inputs[0].mean")
         );
         assert!(replace("shape = [8]", "shape = [8]\nmean = [0.0]").contains("inputs[0].mean"));
+        // Shapes whose element count overflows (found by the config fuzzer) or is beyond any
+        // buffer; an engine_shape likewise.
+        for shape in ["[4444444444444444443, 224, 224]", "[65536, 65536]"] {
+            let e = replace("shape = [8]", &format!("shape = {shape}"));
+            assert!(
+                e.contains("inputs[0].shape") && e.contains("elements"),
+                "{e}"
+            );
+        }
+        assert!(
+            replace(
+                "shape = [8]",
+                "shape = [8]\nengine_shape = [1, 4294967296, 4294967296]"
+            )
+            .contains("inputs[0].engine_shape")
+        );
+        assert!(
+            replace("shape = [8]", "shape = [8]\nengine_shape = [1, 0]")
+                .contains("inputs[0].engine_shape")
+        );
         assert!(replace("key = \"state\"", "key = \"endpoint\"").contains("inputs[0].key"));
         assert!(
             replace(

@@ -182,6 +182,23 @@ impl Plan {
                 .collect::<Vec<_>>()
                 .join(", ")
         };
+        // The model's own shapes are sized before anything else uses them: a model file
+        // declaring an absurd shape is refused instead of overflowing a size.
+        for (side, specs) in [("input", &io.inputs), ("output", &io.outputs)] {
+            for spec in specs {
+                crate::config::elements("engine.model", &spec.shape).map_err(|_| {
+                    invalid(
+                        "engine.model",
+                        format!(
+                            "model {side} '{}' declares shape {:?}, over {} elements",
+                            spec.name,
+                            spec.shape,
+                            crate::config::MAX_ELEMENTS
+                        ),
+                    )
+                })?;
+            }
+        }
         let mut inputs = Vec::new();
         for (i, b) in cfg.inputs.iter().enumerate() {
             let k = |f: &str| format!("inputs[{i}].{f}");
@@ -1062,6 +1079,28 @@ tensor = "actions"
             }],
         };
         Plan::compile(&cfg, &io)
+    }
+
+    #[test]
+    fn a_model_declaring_an_absurd_shape_is_refused() {
+        let cfg = Config::parse(CFG, "test", None).unwrap();
+        let spec = |name: &str, dtype, shape: Vec<usize>| TensorSpec {
+            name: name.into(),
+            dtype,
+            shape,
+        };
+        let io = IoSpec {
+            inputs: vec![
+                spec("state", ElemType::F32, vec![1, 2]),
+                spec("tokens", ElemType::I64, vec![1, 8]),
+            ],
+            outputs: vec![spec("actions", ElemType::F32, vec![1 << 40, 1 << 40, 2])],
+        };
+        let Err(e) = Plan::compile(&cfg, &io) else {
+            panic!("a model declaring a 2^81-element output was accepted")
+        };
+        let e = e.to_string();
+        assert!(e.contains("engine.model") && e.contains("'actions'"), "{e}");
     }
 
     /// `{"state": <f8[2]>, "prompt": prompt}` with `prompt` already msgpack-encoded.

@@ -477,7 +477,7 @@ fn p99_ms(h: &hdrhistogram::Histogram<u64>) -> f64 {
 }
 
 /// A bounded soak: 4 clients (both dialects) at a 50 Hz control-loop rate for
-/// `POLICYD_SOAK_SECS` (20 s by default; CI runs 180 s, and longer is a real soak). Zero
+/// `POLICYD_SOAK_SECS` (20 s by default; CI runs 300 s, and longer is a real soak). Zero
 /// errors, every request answered, RSS flat after warm-up (sampled every second), and the p99
 /// of the last minute no worse than three times the first minute's plus 20 ms (thirds of a run
 /// shorter than 3 minutes): loose enough for a noisy machine, tight enough to catch latency
