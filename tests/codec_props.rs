@@ -325,4 +325,5 @@ fn fuzz_corpus_and_regressions_replay_cleanly() {
         }
     }
     assert!(replayed >= 50, "only {replayed} inputs under fuzz/");
+    eprintln!("replayed {replayed} inputs from fuzz/corpus and fuzz/regressions");
 }
