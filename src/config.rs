@@ -397,18 +397,22 @@ pub const MAX_SIMILARITY_STATE: usize = 64;
 /// it fits a usize. The config fuzzer found a shape whose product overflowed.
 pub const MAX_ELEMENTS: usize = 1 << 31;
 
-/// The number of elements in `shape`, or an error naming `key` if it is over [`MAX_ELEMENTS`].
-pub(crate) fn elements(key: &str, shape: &[usize]) -> Result<usize, ConfigError> {
+/// The number of elements in `shape`, if it is at most [`MAX_ELEMENTS`].
+pub fn element_count(shape: &[usize]) -> Option<usize> {
     shape
         .iter()
         .try_fold(1usize, |n, &d| n.checked_mul(d))
         .filter(|&n| n <= MAX_ELEMENTS)
-        .ok_or_else(|| {
-            invalid(
-                key,
-                format!("{shape:?} holds more than {MAX_ELEMENTS} elements; check the dimensions"),
-            )
-        })
+}
+
+/// [`element_count`], or an error naming `key`.
+fn elements(key: &str, shape: &[usize]) -> Result<usize, ConfigError> {
+    element_count(shape).ok_or_else(|| {
+        invalid(
+            key,
+            format!("{shape:?} holds more than {MAX_ELEMENTS} elements; check the dimensions"),
+        )
+    })
 }
 
 /// `[engine]`: which backend runs which model.
@@ -1067,7 +1071,7 @@ impl Config {
             if b.shape.contains(&0) {
                 return Err(invalid(k("shape"), "dimensions must be positive"));
             }
-            let elements = elements(&k("shape"), &b.shape)?;
+            let count = elements(&k("shape"), &b.shape)?;
             if let Some(es) = &b.engine_shape {
                 if es.is_empty() || es.len() > crate::wire::MAX_RANK || es.contains(&0) {
                     return Err(invalid(
@@ -1078,7 +1082,7 @@ impl Config {
                         ),
                     ));
                 }
-                self::elements(&k("engine_shape"), es)?;
+                elements(&k("engine_shape"), es)?;
             }
             let layout_ok = matches!(
                 b.layout.as_deref(),
@@ -1107,7 +1111,7 @@ impl Config {
                 &k("std"),
                 &b.mean,
                 &b.std,
-                &[1, *b.shape.last().unwrap_or(&1), elements],
+                &[1, *b.shape.last().unwrap_or(&1), count],
             )?;
         }
         if self.outputs.is_empty() {
@@ -1343,7 +1347,7 @@ impl Config {
                     ),
                 ));
             };
-            let n = elements("pacing.similarity_key", &b.shape).unwrap_or(usize::MAX);
+            let n = element_count(&b.shape).unwrap_or(usize::MAX);
             if b.is_text() || n > MAX_SIMILARITY_STATE {
                 return Err(invalid(
                     "pacing.similarity_key",

@@ -182,23 +182,7 @@ impl Plan {
                 .collect::<Vec<_>>()
                 .join(", ")
         };
-        // The model's own shapes are sized before anything else uses them: a model file
-        // declaring an absurd shape is refused instead of overflowing a size.
-        for (side, specs) in [("input", &io.inputs), ("output", &io.outputs)] {
-            for spec in specs {
-                crate::config::elements("engine.model", &spec.shape).map_err(|_| {
-                    invalid(
-                        "engine.model",
-                        format!(
-                            "model {side} '{}' declares shape {:?}, over {} elements",
-                            spec.name,
-                            spec.shape,
-                            crate::config::MAX_ELEMENTS
-                        ),
-                    )
-                })?;
-            }
-        }
+        io.check_sizes().map_err(|m| invalid("engine.model", m))?;
         let mut inputs = Vec::new();
         for (i, b) in cfg.inputs.iter().enumerate() {
             let k = |f: &str| format!("inputs[{i}].{f}");

@@ -38,6 +38,28 @@ pub struct IoSpec {
     pub outputs: Vec<TensorSpec>,
 }
 
+impl IoSpec {
+    /// Refuses shapes too large to size (over [`crate::config::MAX_ELEMENTS`] elements), so
+    /// that `elements()` and `bytes()` never overflow afterwards. A backend that sizes buffers
+    /// from the model's shapes calls it before it allocates; [`crate::plan::Plan::compile`]
+    /// calls it for every engine.
+    pub fn check_sizes(&self) -> Result<(), String> {
+        for (side, specs) in [("input", &self.inputs), ("output", &self.outputs)] {
+            for s in specs {
+                if crate::config::element_count(&s.shape).is_none() {
+                    return Err(format!(
+                        "model {side} '{}' declares shape {:?}, over {} elements",
+                        s.name,
+                        s.shape,
+                        crate::config::MAX_ELEMENTS
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
 /// A host buffer holding one input tensor, in memory the backend chose. The wire decoder
 /// writes into `bytes_mut()`; the backend downcasts to its own type to run.
 pub trait InputBuffer: Send {

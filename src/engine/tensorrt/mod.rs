@@ -236,6 +236,7 @@ impl TensorRtEngine {
         if io.inputs.is_empty() || io.outputs.is_empty() {
             return Err(load_err(model, "the engine has no inputs or no outputs"));
         }
+        io.check_sizes().map_err(|m| load_err(model, m))?;
 
         let mut engine = TensorRtEngine {
             handle: None,
@@ -880,6 +881,10 @@ mod tests {
         let bf16 = "input x 7 1,4\noutput y 0 1,4";
         let err = open(bf16, &dev, &o).err().unwrap().to_string();
         assert!(err.contains("input 'x'") && err.contains("kBF16"), "{err}");
+        // Sized before any buffer is allocated from it: no overflow, a clear refusal.
+        let huge = "input x 0 1,4\noutput y 0 1099511627776,1099511627776";
+        let err = open(huge, &dev, &o).err().unwrap().to_string();
+        assert!(err.contains("output 'y'") && err.contains("elements"), "{err}");
         let mut dla = o.clone();
         dla.dla_core = Some(3);
         let err = open(PLAN, &dev, &dla).err().unwrap().to_string();
