@@ -6,10 +6,10 @@ use std::path::Path;
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use policyd::bench::profile::Profile;
+use policyd::bind::{Plan, ReplyParts};
 use policyd::config::Config;
-use policyd::plan::{Plan, ReplyParts};
-use policyd::server::open_engine;
-use policyd::wire::Timing;
+use policyd::policy::build::open_engine;
+use policyd::protocol::{Dialect, Timing};
 
 fn bench(c: &mut Criterion) {
     for profile in ["aloha", "droid", "libero", "tiny"] {
@@ -45,10 +45,17 @@ fn bench(c: &mut Criterion) {
             scratch: &mut scratch,
             chunk,
         };
-        plan.encode_openpi(&mut parts, &timing, Some(1), &mut out);
+        Dialect::Openpi.encode_infer(&mut plan.reply(&mut parts), &timing, Some(1), &mut out);
         g.throughput(Throughput::Bytes(out.len() as u64));
         g.bench_function(format!("encode {} B reply", out.len()), |b| {
-            b.iter(|| plan.encode_openpi(&mut parts, &timing, Some(1), &mut out))
+            b.iter(|| {
+                Dialect::Openpi.encode_infer(
+                    &mut plan.reply(&mut parts),
+                    &timing,
+                    Some(1),
+                    &mut out,
+                )
+            })
         });
         g.finish();
     }

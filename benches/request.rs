@@ -12,7 +12,6 @@ use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use policyd::bench::load::{self, Reply};
 use policyd::bench::profile::Profile;
 use policyd::config::Config;
-use policyd::server;
 
 fn bench(c: &mut Criterion) {
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -23,13 +22,18 @@ fn bench(c: &mut Criterion) {
     for profile in ["tiny", "libero", "aloha"] {
         let mut cfg = Config::load(Path::new(&format!("configs/{profile}.toml"))).unwrap();
         cfg.server.port = 0;
-        let loaded = server::load(&cfg).unwrap();
-        let listener = rt.block_on(server::bind(&cfg)).unwrap();
+        let loaded = policyd::policy::build::load(&cfg).unwrap();
+        let listener = rt.block_on(policyd::net::listener::bind(&cfg)).unwrap();
         let addr = listener.local_addr().unwrap();
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        rt.spawn(server::serve(cfg, loaded, listener, async {
-            let _ = stopped.await;
-        }));
+        rt.spawn(policyd::net::listener::serve(
+            cfg,
+            loaded,
+            listener,
+            async {
+                let _ = stopped.await;
+            },
+        ));
         let mut ws = load::connect(&format!("ws://{addr}"), None).unwrap();
         let frame = bytes::Bytes::from(Profile::built_in(profile).unwrap().encode(1).0);
         let (reply, bytes) = load::request(&mut ws, frame.clone()).unwrap();

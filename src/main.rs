@@ -1,4 +1,5 @@
-//! The `policyd` binary: serve (the default), or check a config.
+//! The `policyd` binary's command line: serve (the default), check a config, print the
+//! embedded one, or benchmark a server. Everything it runs lives in the library.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -7,7 +8,8 @@ use std::sync::Arc;
 use clap::{Parser, Subcommand};
 
 use policyd::config::Config;
-use policyd::server;
+use policyd::policy::build::open_engine;
+use policyd::policy::reload::Reloader;
 
 /// A robot-policy inference server speaking the OpenPI WebSocket protocol.
 ///
@@ -104,95 +106,33 @@ fn main() -> ExitCode {
     }
 }
 
-fn load_config(path: Option<&PathBuf>, cli: &Cli) -> Result<Config, String> {
+/// The config to serve or check: the file, or the embedded demo, with `--host`/`--port` applied
+/// (the same overrides on every reload).
+fn load_config(
+    path: Option<&PathBuf>,
+    host: Option<&str>,
+    port: Option<u16>,
+) -> Result<Config, String> {
     let mut cfg = match path {
         Some(p) => Config::load(p).map_err(|e| e.to_string())?,
         None => policyd::demo::config().map_err(|e| e.to_string())?,
     };
-    if let Some(h) = &cli.host {
-        cfg.server.host = h.clone();
-    }
-    if let Some(p) = cli.port {
-        cfg.server.port = p;
-    }
-    cfg.validate().map_err(|e| e.to_string())?;
+    cfg.override_listen(host, port).map_err(|e| e.to_string())?;
     Ok(cfg)
 }
 
 fn run(cli: Cli) -> Result<(), String> {
+    let (host, port) = (cli.host.clone(), cli.port);
     match &cli.command {
         Some(Command::PrintDefaultConfig) => {
             print!("{}", policyd::demo::CONFIG);
             Ok(())
         }
         Some(Command::CheckConfig { file }) => {
-            let cfg = load_config(Some(file), &cli)?;
-            let mut plans = Vec::new();
-            for c in cfg.policy_configs() {
-                let named = |e: String| {
-                    if cfg.policies.is_empty() {
-                        e
-                    } else {
-                        format!("policy \"{}\": {e}", c.policy.name)
-                    }
-                };
-                let engine = server::open_engine(&c).map_err(|e| named(e.to_string()))?;
-                let mut plan = policyd::plan::Plan::compile(&c, engine.io())
-                    .map_err(|e| named(e.to_string()))?;
-                plan.budget.add(engine.working_memory());
-                let title = if cfg.policies.is_empty() {
-                    String::new()
-                } else {
-                    format!(
-                        "policy \"{}\"{}: ",
-                        c.policy.name,
-                        if c.policy.is_default {
-                            " (default)"
-                        } else {
-                            ""
-                        }
-                    )
-                };
-                println!(
-                    "{title}{}: OK ({} backend, {} inputs, {} outputs)",
-                    file.display(),
-                    engine.backend(),
-                    plan.inputs.len(),
-                    plan.outputs.len()
-                );
-                for s in &engine.io().inputs {
-                    println!("  input  '{}' {} {:?}", s.name, s.dtype, s.shape);
-                }
-                for s in &engine.io().outputs {
-                    println!("  output '{}' {} {:?}", s.name, s.dtype, s.shape);
-                }
-                if let Some(tap) = &plan.planner {
-                    let p = &c.planner;
-                    println!(
-                        "  planner: {} at {} Hz via {}; subtask fills '{}' (at most {} bytes, {} \
-                         first); camera: {}",
-                        p.model,
-                        p.rate_hz,
-                        p.endpoints.join(", "),
-                        p.prompt_key,
-                        tap.link.max_subtask,
-                        p.precedence,
-                        p.camera.as_deref().unwrap_or("none (text only)")
-                    );
-                }
-                print!("{}", plan.budget.render());
-                plans.push((c.policy.name.clone(), plan));
-            }
-            let items: Vec<(&str, &policyd::plan::Budget)> =
-                plans.iter().map(|(n, p)| (n.as_str(), &p.budget)).collect();
-            let total = policyd::policy::budget_of(&cfg, &items).map_err(|e| e.to_string())?;
-            if plans.len() > 1 {
-                println!(
-                    "all {} policies: {total} bytes ({:.1} MiB; connection buffers counted once)",
-                    plans.len(),
-                    total as f64 / (1024.0 * 1024.0)
-                );
-            }
+            let cfg = load_config(Some(file), host.as_deref(), port)?;
+            let report = policyd::policy::build::check(&cfg, &file.display().to_string())
+                .map_err(|e| e.to_string())?;
+            print!("{report}");
             Ok(())
         }
         Some(Command::Bench(args)) => {
@@ -222,22 +162,10 @@ fn run(cli: Cli) -> Result<(), String> {
             policyd::bench::floor::run(*listen, &shape)
         }
         Some(Command::Serve) | None => {
-            let cfg = load_config(cli.config.as_ref(), &cli)?;
+            let cfg = load_config(cli.config.as_ref(), host.as_deref(), port)?;
             // A reload re-reads the same file with the same command-line overrides.
-            let path = cli.config.clone();
-            let (host, port) = (cli.host.clone(), cli.port);
-            let reload = path.map(|p| {
-                let load = move || {
-                    let mut c = Config::load(&p).map_err(|e| e.to_string())?;
-                    if let Some(h) = &host {
-                        c.server.host = h.clone();
-                    }
-                    if let Some(port) = port {
-                        c.server.port = port;
-                    }
-                    c.validate().map_err(|e| e.to_string())?;
-                    Ok(c)
-                };
+            let reload = cli.config.clone().map(|p| {
+                let load = move || load_config(Some(&p), host.as_deref(), port);
                 Arc::new(load) as Arc<dyn Fn() -> Result<Config, String> + Send + Sync>
             });
             serve(cfg, reload)
@@ -257,9 +185,10 @@ fn serve(
     rt.block_on(async {
         let (tx, rx) = tokio::sync::mpsc::channel(4);
         tokio::spawn(reload_signal(tx, reload.is_some()));
-        let source = reload.map(|load| policyd::appliance::ReloadSource { load, requests: rx });
-        policyd::appliance::run_with_reload(cfg, server::open_engine, shutdown_signal(), source)
+        let source = reload.map(|load| Reloader { load, requests: rx });
+        policyd::app::run_with_reload(cfg, open_engine, shutdown_signal(), source)
             .await
+            .map_err(|e| e.to_string())
     })
 }
 

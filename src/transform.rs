@@ -446,7 +446,7 @@ fn run<S: Elem, D: Elem>(t: &Transform, src: &[u8], order: ByteOrder, dst: &mut 
     let inner = t.dims[rank - 1];
     let inner_stride = t.src_strides[rank - 1];
     let outer: usize = t.dims[..rank - 1].iter().product();
-    let mut idx = [0usize; crate::wire::MAX_RANK];
+    let mut idx = [0usize; crate::limits::MAX_RANK];
     let mut d_i = 0usize;
     for _ in 0..outer {
         let base: usize = (0..rank - 1).map(|k| idx[k] * t.src_strides[k]).sum();
@@ -495,7 +495,7 @@ fn run_lut<const N: usize>(t: &Transform, src: &[u8], dst: &mut [u8]) {
         run_lut_short_rows(t, lut, src, out, sets);
         return;
     }
-    let mut idx = [0usize; crate::wire::MAX_RANK];
+    let mut idx = [0usize; crate::limits::MAX_RANK];
     for (row, out_row) in out.chunks_exact_mut(inner.max(1)).enumerate() {
         let base: usize = (0..rank - 1).map(|k| idx[k] * t.src_strides[k]).sum();
         let wire_base = match t.wire_side {
@@ -549,7 +549,7 @@ fn run_lut_short_rows<const N: usize>(
     let (inner, mid) = (t.dims[rank - 1], t.dims[rank - 2]);
     let (stride, mid_stride) = (t.src_strides[rank - 1], t.src_strides[rank - 2]);
     let block = inner * mid;
-    let mut idx = [0usize; crate::wire::MAX_RANK];
+    let mut idx = [0usize; crate::limits::MAX_RANK];
     for (b, out_block) in out.chunks_exact_mut(block.max(1)).enumerate() {
         let base: usize = (0..rank - 2).map(|k| idx[k] * t.src_strides[k]).sum();
         for c in 0..inner {

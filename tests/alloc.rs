@@ -13,17 +13,17 @@ use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use policyd::bind::ReplyParts;
 use policyd::config::Config;
+use policyd::demo;
 use policyd::dtype::ElemType;
-use policyd::engine::synthetic::{Behaviour, SyntheticEngine};
 use policyd::engine::{IoSpec, TensorSpec};
-use policyd::pacing::Pacer;
-use policyd::plan::ReplyParts;
-use policyd::scheduler::{Filters, Kind, SessionKey};
-use policyd::session::Sessions;
-use policyd::wire::{Encoder, SessionId, Timing};
-use policyd::worker::{ReplyPort, Ticket};
-use policyd::{demo, server};
+use policyd::protocol::{Dialect, Encoder, SessionId, Timing};
+use policyd::runtime::pacing::Pacer;
+use policyd::runtime::scheduler::{Filters, Kind, SessionKey};
+use policyd::runtime::session::Sessions;
+use policyd::runtime::worker::{ReplyPort, Ticket};
+use policyd::testing::synthetic::{Behaviour, SyntheticEngine};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 struct Counting;
@@ -126,10 +126,10 @@ fn frame(i: usize, observe: bool) -> Vec<u8> {
 async fn own_path(n: usize) -> u64 {
     let cfg = Config::parse(CONFIG, "test", None).unwrap();
     let engine = Box::new(SyntheticEngine::new(io(), Behaviour::default()));
-    let loaded = server::load_engine(&cfg, engine).unwrap();
+    let loaded = policyd::policy::build::load_engine(&cfg, engine).unwrap();
     let (plan, worker) = (&loaded.plan, &loaded.worker);
     let port = ReplyPort::new(&worker.pool);
-    let pacer = Pacer::start(policyd::pacing::DEFAULT_SPIN).unwrap();
+    let pacer = Pacer::start(policyd::runtime::pacing::DEFAULT_SPIN).unwrap();
     let wake = std::sync::Arc::new(tokio::sync::Notify::new());
     let mut sessions = Box::new(Sessions::new(16, 100));
     let filters = Filters {
@@ -157,7 +157,7 @@ async fn own_path(n: usize) -> u64 {
             let sid = &sids[i % sids.len()];
             let (reset, pacing) = sessions.begin(Some(sid));
             if *observe {
-                let mut state = [0f64; policyd::config::MAX_SIMILARITY_STATE];
+                let mut state = [0f64; policyd::limits::MAX_SIMILARITY_STATE];
                 let state = plan.similarity_state(&mut slot.inputs, &mut state);
                 let ts = (timestep_base + i) as i64;
                 let _ = pacing.admit(&filters, ts, false, state);
@@ -191,12 +191,11 @@ async fn own_path(n: usize) -> u64 {
                 chunk: plan.chunk(&cfg.pacing, d),
             };
             if *observe {
-                plan.encode_observe(
-                    &mut parts,
+                Dialect::Openpi.encode_observe(
+                    &mut plan.reply(&mut parts),
                     (t.timestep, 0.5),
                     1.0 / 30.0,
                     d,
-                    false,
                     &mut slot.reply,
                 );
             } else {
@@ -205,7 +204,12 @@ async fn own_path(n: usize) -> u64 {
                     server_infer_ms: 2.0,
                     prev_total_ms: Some(3.0),
                 };
-                plan.encode_openpi(&mut parts, &timing, Some(d), &mut slot.reply);
+                Dialect::Openpi.encode_infer(
+                    &mut plan.reply(&mut parts),
+                    &timing,
+                    Some(d),
+                    &mut slot.reply,
+                );
             }
             assert!(slot.reply.len() > 100);
         }
@@ -219,7 +223,7 @@ async fn own_path(n: usize) -> u64 {
 /// Allocations of one tract run of the ALOHA demo, after warm-up.
 fn cpu_engine_per_run(n: u64) -> f64 {
     let cfg = demo::config().unwrap();
-    let mut engine = server::open_engine(&cfg).unwrap();
+    let mut engine = policyd::policy::build::open_engine(&cfg).unwrap();
     let mut inputs = engine.alloc_inputs().unwrap();
     let mut outputs: Vec<Vec<u8>> = engine
         .io()
@@ -278,12 +282,12 @@ async fn read_frame(tcp: &mut tokio::net::TcpStream, buf: &mut [u8]) -> usize {
 async fn server_per_request(n: u64) -> f64 {
     let cfg = Config::parse(CONFIG, "test", None).unwrap();
     let engine = Box::new(SyntheticEngine::new(io(), Behaviour::default()));
-    let loaded = server::load_engine(&cfg, engine).unwrap();
-    let listener = server::bind(&cfg).await.unwrap();
+    let loaded = policyd::policy::build::load_engine(&cfg, engine).unwrap();
+    let listener = policyd::net::listener::bind(&cfg).await.unwrap();
     let addr = listener.local_addr().unwrap();
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
     let srv = tokio::spawn(async move {
-        let _ = server::serve(cfg, loaded, listener, async {
+        let _ = policyd::net::listener::serve(cfg, loaded, listener, async {
             let _ = rx.await;
         })
         .await;
@@ -361,7 +365,7 @@ camera = "cam"
         outputs: vec![t("actions", ElemType::F32, &[1, 10, 7])],
     };
     let engine = Box::new(SyntheticEngine::new(io, Behaviour::default()));
-    let loaded = server::load_engine(&cfg, engine).unwrap();
+    let loaded = policyd::policy::build::load_engine(&cfg, engine).unwrap();
     let plan = &loaded.plan;
     // The engine thread's first loop allocates its thread-locals: let it pass first.
     let t0 = Instant::now();

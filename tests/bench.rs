@@ -7,7 +7,7 @@ use std::time::Duration;
 use clap::Parser;
 use policyd::bench::{self, BenchArgs};
 use policyd::config::Config;
-use policyd::engine::synthetic::Behaviour;
+use policyd::testing::synthetic::Behaviour;
 use serde_json::Value;
 
 mod common;

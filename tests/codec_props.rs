@@ -12,13 +12,13 @@
 //! Fuzz regressions: every input kept under fuzz/ (the seed corpus and each crash ever found)
 //! replays through the fuzz targets' entry points.
 
+use policyd::bind::{Plan, ReplyParts};
 use policyd::config::Config;
 use policyd::dtype::{ALL_ELEM_TYPES, ElemType};
-use policyd::engine::synthetic::HostBuffer;
 use policyd::engine::{InputBuffer, IoSpec, TensorSpec};
-use policyd::plan::{Plan, ReplyParts};
+use policyd::protocol::{Dialect, Encoder, Timing};
+use policyd::testing::synthetic::HostBuffer;
 use policyd::transform::{fill_bytes, load_f64};
-use policyd::wire::{Encoder, Timing};
 use proptest::prelude::*;
 use rmpv::Value;
 
@@ -267,7 +267,7 @@ proptest! {
         let mut buf = Vec::with_capacity(plan.reply_capacity);
         let timing = Timing { policy_infer_ms: 1.5, server_infer_ms: 2.5, prev_total_ms: Some(4.0) };
         let mut parts = ReplyParts { outputs: &outputs, scratch: &mut scratch, chunk };
-        plan.encode_openpi(&mut parts, &timing, Some(3), &mut buf);
+        Dialect::Openpi.encode_infer(&mut plan.reply(&mut parts), &timing, Some(3), &mut buf);
         prop_assert!(buf.len() <= plan.reply_capacity, "{} > {}", buf.len(), plan.reply_capacity);
         let v = rmpv::decode::read_value(&mut &buf[..]).expect("msgpack");
         let (dtype, shape, got) = elements(get(&v, "actions").expect("actions"));
@@ -279,7 +279,7 @@ proptest! {
         prop_assert_eq!(get(&v, "delay_steps").and_then(Value::as_i64), Some(3));
 
         let mut parts = ReplyParts { outputs: &outputs, scratch: &mut scratch, chunk };
-        plan.encode_vllm(&mut parts, &mut buf);
+        Dialect::Vllm.encode_infer(&mut plan.reply(&mut parts), &timing, None, &mut buf);
         prop_assert!(buf.len() <= plan.reply_capacity);
         let v = rmpv::decode::read_value(&mut &buf[..]).expect("msgpack");
         // vllm-omni: the bare array, always float32.
@@ -301,15 +301,15 @@ proptest! {
 #[test]
 fn fuzz_corpus_and_regressions_replay_cleanly() {
     assert_eq!(
-        policyd::fuzzing::binding_sets(),
+        policyd::testing::fuzz::binding_sets(),
         3,
         "every binding set of the decode target compiles"
     );
     let root = concat!(env!("CARGO_MANIFEST_DIR"), "/fuzz");
     type Target = fn(&[u8]);
     let targets: [(&str, Target); 2] = [
-        ("decode", policyd::fuzzing::decode),
-        ("config", policyd::fuzzing::config),
+        ("decode", policyd::testing::fuzz::decode),
+        ("config", policyd::testing::fuzz::config),
     ];
     let mut replayed = 0;
     for (target, run) in targets {

@@ -12,9 +12,9 @@ use std::time::{Duration, Instant};
 use futures_util::{SinkExt, StreamExt};
 use policyd::config::Config;
 use policyd::dtype::ElemType;
-use policyd::engine::synthetic::{Behaviour, SyntheticEngine};
 use policyd::engine::{Engine, IoSpec, TensorSpec};
-use policyd::wire::Encoder;
+use policyd::protocol::Encoder;
+use policyd::testing::synthetic::{Behaviour, SyntheticEngine};
 use tokio_tungstenite::tungstenite::Message;
 
 const CONFIG: &str = r#"
@@ -86,7 +86,7 @@ fn notify_sequence_and_watchdog() {
         .unwrap();
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let cfg = Config::parse(CONFIG, "test", None).unwrap();
-    let server = rt.spawn(policyd::appliance::run(cfg, |_| Ok(engine()), async {
+    let server = rt.spawn(policyd::app::run(cfg, |_| Ok(engine()), async {
         let _ = stop_rx.await;
     }));
 

@@ -5,8 +5,8 @@ use std::time::{Duration, Instant};
 
 use futures_util::{SinkExt, StreamExt};
 use policyd::dtype::ElemType;
-use policyd::engine::synthetic::Behaviour;
-use policyd::wire::Encoder;
+use policyd::protocol::Encoder;
+use policyd::testing::synthetic::Behaviour;
 use rmpv::Value;
 use tokio_tungstenite::tungstenite::Message;
 
@@ -434,7 +434,7 @@ async fn an_engine_that_keeps_failing_turns_health_to_503() {
     )
     .await;
     let mut ws = connect(&srv, "/v1/realtime/robot/openpi").await;
-    for i in 0..policyd::worker::FATAL_AFTER {
+    for i in 0..policyd::runtime::worker::FATAL_AFTER {
         assert!(
             http_get(&srv, "/healthz").await.starts_with("HTTP/1.1 200"),
             "run {i}"

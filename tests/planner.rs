@@ -576,9 +576,9 @@ mod serving {
     use futures_util::{SinkExt, StreamExt};
     use policyd::config::Config;
     use policyd::dtype::ElemType;
-    use policyd::engine::synthetic::Behaviour;
     use policyd::engine::{IoSpec, TensorSpec};
-    use policyd::wire::Encoder;
+    use policyd::protocol::Encoder;
+    use policyd::testing::synthetic::Behaviour;
     use tokio_tungstenite::tungstenite::Message;
 
     fn io() -> IoSpec {

@@ -11,11 +11,13 @@ use arc_swap::ArcSwap;
 use futures_util::{SinkExt, StreamExt};
 use policyd::config::Config;
 use policyd::dtype::ElemType;
-use policyd::engine::synthetic::{Behaviour, SyntheticEngine};
 use policyd::engine::{Engine, IoSpec, TensorSpec};
+use policyd::metrics::Stats;
+use policyd::policy::build::PolicyError;
+use policyd::policy::reload::Reloader;
 use policyd::policy::{self, OpenFn};
-use policyd::server::{self, Reloader, ServerError, Stats};
-use policyd::wire::Encoder;
+use policyd::protocol::Encoder;
+use policyd::testing::synthetic::{Behaviour, SyntheticEngine};
 use rmpv::Value;
 use tokio::sync::{mpsc, oneshot};
 use tokio_tungstenite::tungstenite::Message;
@@ -82,7 +84,7 @@ struct Server {
 }
 
 fn opener(opens: Arc<Mutex<Vec<String>>>) -> Arc<OpenFn> {
-    Arc::new(move |c: &Config| -> Result<Box<dyn Engine>, ServerError> {
+    Arc::new(move |c: &Config| -> Result<Box<dyn Engine>, PolicyError> {
         opens.lock().expect("lock").push(c.policy.name.clone());
         let b = Behaviour {
             compute: Duration::from_millis(2),
@@ -96,10 +98,10 @@ async fn start(text: &str) -> Server {
     let cfg = Config::parse(text, "test", None).expect("config");
     let opens = Arc::new(Mutex::new(Vec::new()));
     let open = opener(opens.clone());
-    let set = tokio::task::block_in_place(|| policy::build(&cfg, None, open.as_ref()))
+    let set = tokio::task::block_in_place(|| policy::build::build(&cfg, None, open.as_ref()))
         .expect("builds")
         .set;
-    let listener = server::bind(&cfg).await.expect("bind");
+    let listener = policyd::net::listener::bind(&cfg).await.expect("bind");
     let addr = listener.local_addr().expect("addr");
     let text = Arc::new(Mutex::new(text.to_string()));
     let source = text.clone();
@@ -108,11 +110,10 @@ async fn start(text: &str) -> Server {
         load: Arc::new(move || {
             Config::parse(&source.lock().expect("lock"), "test", None).map_err(|e| e.to_string())
         }),
-        open,
         requests,
     };
     let (stop, stopped) = oneshot::channel::<()>();
-    tokio::spawn(server::serve_set(
+    tokio::spawn(policyd::net::listener::serve_set(
         cfg,
         Arc::new(ArcSwap::from_pointee(set)),
         Arc::new(Stats::new()),
@@ -120,7 +121,7 @@ async fn start(text: &str) -> Server {
         async {
             let _ = stopped.await;
         },
-        Some(reloader),
+        Some((reloader, open)),
     ));
     Server {
         addr,
@@ -423,7 +424,7 @@ fn a_set_over_the_memory_budget_is_refused_naming_the_policies() {
     let open = opener(opens);
     // Each policy's connection buffers are about 4 MiB; counted once, the set needs ~40 MiB.
     let cfg = Config::parse(&text(16), "test", None).expect("config");
-    let err = match policy::build(&cfg, None, open.as_ref()) {
+    let err = match policy::build::build(&cfg, None, open.as_ref()) {
         Ok(_) => panic!("a set over budget was accepted"),
         Err(e) => e.to_string(),
     };
@@ -432,8 +433,8 @@ fn a_set_over_the_memory_budget_is_refused_naming_the_policies() {
         assert!(err.contains(name), "{err}");
     }
     let cfg = Config::parse(&text(1024), "test", None).expect("config");
-    let built = policy::build(&cfg, None, open.as_ref()).expect("fits");
-    let one = built.set.policies[0].plan.budget.clone();
+    let built = policy::build::build(&cfg, None, open.as_ref()).expect("fits");
+    let one = built.set.policies[0].budget.clone();
     assert!(
         built.set.budget < 3 * one.total,
         "connection buffers counted once: {} vs {}",

@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 
 use futures_util::{SinkExt, StreamExt};
 use policyd::dtype::ElemType;
-use policyd::engine::synthetic::Behaviour;
-use policyd::wire::Encoder;
+use policyd::protocol::Encoder;
+use policyd::testing::synthetic::Behaviour;
 use rmpv::Value;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;

@@ -9,10 +9,9 @@ use tokio::sync::Barrier;
 use futures_util::{SinkExt, StreamExt};
 use policyd::config::Config;
 use policyd::dtype::ElemType;
-use policyd::engine::synthetic::{Behaviour, SyntheticEngine};
 use policyd::engine::{IoSpec, TensorSpec};
-use policyd::server;
-use policyd::wire::Encoder;
+use policyd::protocol::Encoder;
+use policyd::testing::synthetic::{Behaviour, SyntheticEngine};
 use tokio_tungstenite::tungstenite::Message;
 
 const CONFIG: &str = r#"
@@ -170,12 +169,12 @@ fn resident_memory_stays_flat_over_20000_requests() {
     rt.block_on(async {
         let cfg = Config::parse(CONFIG, "test", None).unwrap();
         let engine = Box::new(SyntheticEngine::new(io(), Behaviour::default()));
-        let loaded = server::load_engine(&cfg, engine).unwrap();
-        let listener = server::bind(&cfg).await.unwrap();
+        let loaded = policyd::policy::build::load_engine(&cfg, engine).unwrap();
+        let listener = policyd::net::listener::bind(&cfg).await.unwrap();
         let addr = listener.local_addr().unwrap();
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();
         tokio::spawn(async move {
-            let _ = server::serve(cfg, loaded, listener, async {
+            let _ = policyd::net::listener::serve(cfg, loaded, listener, async {
                 let _ = rx.await;
             })
             .await;

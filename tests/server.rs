@@ -6,9 +6,9 @@ use std::time::{Duration, Instant};
 
 use futures_util::{SinkExt, StreamExt};
 use policyd::config::Config;
+use policyd::demo;
 use policyd::dtype::ElemType;
-use policyd::wire::Encoder;
-use policyd::{demo, server};
+use policyd::protocol::Encoder;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::sync::oneshot;
@@ -42,12 +42,13 @@ async fn start(tune: impl FnOnce(&mut Config)) -> Running {
     cfg.engine.warmup_runs = 1;
     tune(&mut cfg);
     cfg.validate().expect("test config is valid");
-    let loaded = tokio::task::block_in_place(|| server::load(&cfg)).expect("engine loads");
-    let listener = server::bind(&cfg).await.expect("bind");
+    let loaded =
+        tokio::task::block_in_place(|| policyd::policy::build::load(&cfg)).expect("engine loads");
+    let listener = policyd::net::listener::bind(&cfg).await.expect("bind");
     let addr = listener.local_addr().expect("local addr");
     let (tx, rx) = oneshot::channel::<()>();
     let done = tokio::spawn(async move {
-        server::serve(cfg, loaded, listener, async {
+        policyd::net::listener::serve(cfg, loaded, listener, async {
             let _ = rx.await;
         })
         .await
@@ -298,7 +299,7 @@ async fn while_the_engine_loads_every_request_gets_503() {
         answers
     });
     // "Loading" finishes when the probe has its answers.
-    let out = server::while_loading(&listener, Duration::from_secs(5), None, async {
+    let out = policyd::net::http::while_loading(&listener, Duration::from_secs(5), None, async {
         done_rx.await.unwrap()
     })
     .await;
@@ -339,7 +340,7 @@ async fn metrics_move_with_requests_errors_and_connections() {
         a.send(Message::Binary(observation().into())).await.unwrap();
         assert!(is_actions_reply(&a.next().await.unwrap().unwrap()));
     }
-    let mut v = connect(&srv.url(server::VLLM_PATH)).await;
+    let mut v = connect(&srv.url(policyd::protocol::VLLM_PATH)).await;
     v.send(Message::Binary(Bytes::from_static(b"\xc1 not msgpack")))
         .await
         .unwrap();
@@ -386,7 +387,7 @@ async fn metrics_move_with_requests_errors_and_connections() {
 async fn api_keys_gate_websockets_and_metrics_but_not_health() {
     const KEY: &str = "robot-key-0123456789abcdef";
     let mut srv = start(|c| {
-        c.auth.keys = policyd::auth::ApiKeys::load(&[KEY.to_string()], None).unwrap();
+        c.auth.keys = policyd::net::auth::ApiKeys::load(&[KEY.to_string()], None).unwrap();
     })
     .await;
     let auth = format!("Authorization: Api-Key {KEY}\r\n");

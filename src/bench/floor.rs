@@ -16,7 +16,7 @@ use tokio_tungstenite::tungstenite::Message;
 use tokio_tungstenite::tungstenite::protocol::WebSocketConfig;
 
 use crate::dtype::ElemType;
-use crate::wire::{Encoder, Timing, encode_timing};
+use crate::protocol::{Encoder, Timing, encode_timing};
 
 /// The line the floor prints on stdout once it listens (the address follows).
 pub const READY: &str = "policyd bench-floor listening on ";

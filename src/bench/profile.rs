@@ -9,7 +9,7 @@ use bytes::Bytes;
 
 use crate::config::Config;
 use crate::dtype::ElemType;
-use crate::wire::Encoder;
+use crate::protocol::Encoder;
 
 /// One array of an observation.
 #[derive(Clone, Debug, PartialEq)]

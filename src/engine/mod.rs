@@ -6,7 +6,6 @@
 
 #[cfg(feature = "cpu")]
 pub mod cpu;
-pub mod synthetic;
 pub mod tensorrt;
 
 use std::any::Any;
@@ -39,19 +38,19 @@ pub struct IoSpec {
 }
 
 impl IoSpec {
-    /// Refuses shapes too large to size (over [`crate::config::MAX_ELEMENTS`] elements), so
+    /// Refuses shapes too large to size (over [`crate::limits::MAX_ELEMENTS`] elements), so
     /// that `elements()` and `bytes()` never overflow afterwards. A backend that sizes buffers
-    /// from the model's shapes calls it before it allocates; [`crate::plan::Plan::compile`]
+    /// from the model's shapes calls it before it allocates; [`crate::bind::Plan::compile`]
     /// calls it for every engine.
     pub fn check_sizes(&self) -> Result<(), String> {
         for (side, specs) in [("input", &self.inputs), ("output", &self.outputs)] {
             for s in specs {
-                if crate::config::element_count(&s.shape).is_none() {
+                if crate::limits::element_count(&s.shape).is_none() {
                     return Err(format!(
                         "model {side} '{}' declares shape {:?}, over {} elements",
                         s.name,
                         s.shape,
-                        crate::config::MAX_ELEMENTS
+                        crate::limits::MAX_ELEMENTS
                     ));
                 }
             }

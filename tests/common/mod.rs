@@ -10,10 +10,10 @@ use std::sync::Arc;
 use futures_util::StreamExt;
 use policyd::config::Config;
 use policyd::dtype::ElemType;
-use policyd::engine::synthetic::{Behaviour, SyntheticEngine};
 use policyd::engine::{IoSpec, TensorSpec};
-use policyd::server::{self, Stats};
-use policyd::worker::SlotPool;
+use policyd::metrics::Stats;
+use policyd::runtime::worker::SlotPool;
+use policyd::testing::synthetic::{Behaviour, SyntheticEngine};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::sync::oneshot;
@@ -75,14 +75,14 @@ pub async fn start(cfg: Config, behaviour: Behaviour) -> Running {
 /// [`start`] with the synthetic engine's inputs and outputs given.
 pub async fn start_io(cfg: Config, io: IoSpec, behaviour: Behaviour) -> Running {
     let engine = Box::new(SyntheticEngine::new(io, behaviour));
-    let loaded = server::load_engine(&cfg, engine).expect("loads");
+    let loaded = policyd::policy::build::load_engine(&cfg, engine).expect("loads");
     let stats = loaded.stats.clone();
     let pool = loaded.worker.pool.clone();
-    let listener = server::bind(&cfg).await.expect("bind");
+    let listener = policyd::net::listener::bind(&cfg).await.expect("bind");
     let addr = listener.local_addr().expect("bound address");
     let (tx, rx) = oneshot::channel::<()>();
     tokio::spawn(async move {
-        let _ = server::serve(cfg, loaded, listener, async {
+        let _ = policyd::net::listener::serve(cfg, loaded, listener, async {
             let _ = rx.await;
         })
         .await;

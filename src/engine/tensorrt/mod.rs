@@ -884,7 +884,10 @@ mod tests {
         // Sized before any buffer is allocated from it: no overflow, a clear refusal.
         let huge = "input x 0 1,4\noutput y 0 1099511627776,1099511627776";
         let err = open(huge, &dev, &o).err().unwrap().to_string();
-        assert!(err.contains("output 'y'") && err.contains("elements"), "{err}");
+        assert!(
+            err.contains("output 'y'") && err.contains("elements"),
+            "{err}"
+        );
         let mut dla = o.clone();
         dla.dla_core = Some(3);
         let err = open(PLAN, &dev, &dla).err().unwrap().to_string();
@@ -932,9 +935,9 @@ tensor = "actions"
         let cfg = crate::config::Config::parse(text, "t", Some(std::path::Path::new("."))).unwrap();
         let dev = Arc::new(HostDevice::new(true));
         let e = open(PLAN, &dev, &opts(true, ZeroCopy::Auto)).unwrap();
-        let loaded = crate::server::load_engine(&cfg, Box::new(e)).unwrap();
+        let loaded = crate::policy::build::load_engine(&cfg, Box::new(e)).unwrap();
         assert_eq!(loaded.backend, "tensorrt");
-        let budget = loaded.plan.budget.render();
+        let budget = loaded.budget.render();
         assert!(budget.contains("tensorrt"), "{budget}");
         drop(loaded);
         assert_eq!(
@@ -947,7 +950,7 @@ tensor = "actions"
         let cfg =
             crate::config::Config::parse(&wrong, "t", Some(std::path::Path::new("."))).unwrap();
         let e = open(PLAN, &dev, &opts(true, ZeroCopy::Auto)).unwrap();
-        let err = crate::server::load_engine(&cfg, Box::new(e))
+        let err = crate::policy::build::load_engine(&cfg, Box::new(e))
             .err()
             .unwrap()
             .to_string();

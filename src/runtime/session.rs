@@ -4,11 +4,9 @@
 //! first after `endpoint: reset`) must reach the engine with `reset = true`. The table never
 //! grows: past its capacity the least recently used session is evicted.
 
-use crate::scheduler::SessionPacing;
-use crate::wire::SessionId;
-
-/// Compile-time capacity; `server.max_sessions` may lower it.
-pub const MAX_SESSIONS: usize = 64;
+use crate::limits::MAX_SESSIONS;
+use crate::protocol::SessionId;
+use crate::runtime::scheduler::SessionPacing;
 
 #[derive(Debug)]
 struct Entry {

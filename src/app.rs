@@ -1,40 +1,25 @@
-//! Running as a system service: systemd's notify protocol, the watchdog and socket activation.
-//!
-//! The order is what a supervisor can trust: the socket is bound (or inherited through
-//! `LISTEN_FDS`) first, so clients get 503 rather than a refused connection while the model
-//! loads; `READY=1` is sent only once the engine is loaded and warmed; `WATCHDOG=1` is sent only
-//! while the engine worker keeps making progress (it beats after every run and every idle
-//! [`BEAT`](crate::worker::BEAT)), so a hung engine stops the pings and systemd restarts the
-//! service; `STOPPING=1` starts the graceful shutdown. Without `NOTIFY_SOCKET` every
-//! notification is a no-op, so the same binary runs by hand.
+//! How does a policyd process run? Listen (the socket systemd passed, or the configured
+//! address), build the policies while answering 503, tell systemd it is ready, serve until
+//! shutdown, drain. The watchdog is fed only while every engine makes progress.
 
 use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
+use arc_swap::ArcSwap;
 use sd_notify::NotifyState;
 use tokio::net::TcpListener;
 
-use arc_swap::ArcSwap;
-
 use crate::config::Config;
 use crate::engine::Engine;
+use crate::metrics::Stats;
+use crate::net::listener::{self, ServeError};
+use crate::policy::build::PolicyError;
+use crate::policy::reload::Reloader;
 use crate::policy::{OpenFn, PolicySet};
-use crate::server::{self, ServerError};
-
-/// Sends notifications to systemd, if it is listening.
-pub fn notify(states: &[NotifyState<'_>]) {
-    if let Err(e) = sd_notify::notify(false, states) {
-        log::debug!("sd_notify: {e}");
-    }
-}
-
-/// How often to send `WATCHDOG=1`: half of `WATCHDOG_USEC`, if systemd set a watchdog.
-pub fn watchdog_interval() -> Option<Duration> {
-    let mut usec = 0u64;
-    sd_notify::watchdog_enabled(false, &mut usec).then(|| Duration::from_micros(usec / 2))
-}
+use crate::protocol::VLLM_PATH;
+use crate::service::{notify, watchdog_interval};
 
 /// Pings the watchdog every `every` while every policy's engine worker beats and is healthy;
 /// skips a ping otherwise, so that a stuck or broken engine lets the watchdog fire.
@@ -81,43 +66,39 @@ pub async fn heartbeat(policies: Arc<ArcSwap<PolicySet>>, every: Duration) {
     }
 }
 
+/// Running the service failed; the message says what to fix.
+#[derive(Debug, thiserror::Error)]
+pub enum AppError {
+    #[error(transparent)]
+    Serve(#[from] ServeError),
+    #[error(transparent)]
+    Policy(#[from] PolicyError),
+    #[error("engine loading stopped: {0}")]
+    Loading(tokio::task::JoinError),
+    #[error("cannot read the listening address: {0}")]
+    Addr(std::io::Error),
+}
+
 /// The listener: the first socket systemd passed (`policyd.socket`), else the configured
 /// address.
-pub async fn listener(cfg: &Config) -> Result<TcpListener, ServerError> {
-    if let Ok(mut fds) = sd_notify::listen_fds()
-        && let Some(fd) = fds.next()
-    {
-        use std::os::fd::FromRawFd;
-        // SAFETY: systemd hands this process the descriptor (LISTEN_FDS/LISTEN_PID checked by
-        // `listen_fds`), and nothing else in it takes ownership.
-        let std_listener = unsafe { std::net::TcpListener::from_raw_fd(fd) };
-        let inherited = std_listener
-            .set_nonblocking(true)
-            .and_then(|()| TcpListener::from_std(std_listener));
-        match inherited {
-            Ok(l) => {
-                log::info!("using the socket passed by systemd (LISTEN_FDS)");
-                return Ok(l);
-            }
-            Err(e) => log::warn!("cannot use the socket passed by systemd: {e}; binding"),
-        }
+pub async fn listen(cfg: &Config) -> Result<TcpListener, ServeError> {
+    match crate::service::inherited_listener() {
+        Some(l) => Ok(l),
+        None => listener::bind(cfg).await,
     }
-    server::bind(cfg).await
 }
 
 /// Serves `cfg` as a service: listen, load (answering 503 meanwhile), notify, serve until
 /// `shutdown`, then stop gracefully. `open` opens an engine (on a blocking thread).
-pub async fn run<F>(cfg: Config, open: F, shutdown: impl Future<Output = ()>) -> Result<(), String>
+pub async fn run<F>(
+    cfg: Config,
+    open: F,
+    shutdown: impl Future<Output = ()>,
+) -> Result<(), AppError>
 where
-    F: Fn(&Config) -> Result<Box<dyn Engine>, ServerError> + Send + Sync + 'static,
+    F: Fn(&Config) -> Result<Box<dyn Engine>, PolicyError> + Send + Sync + 'static,
 {
     run_with_reload(cfg, open, shutdown, None).await
-}
-
-/// Where a reload re-reads the config, and the reload requests (`SIGHUP`).
-pub struct ReloadSource {
-    pub load: Arc<dyn Fn() -> Result<Config, String> + Send + Sync>,
-    pub requests: tokio::sync::mpsc::Receiver<()>,
 }
 
 /// [`run`], re-reading the config on each reload request.
@@ -125,10 +106,10 @@ pub async fn run_with_reload<F>(
     cfg: Config,
     open: F,
     shutdown: impl Future<Output = ()>,
-    reload: Option<ReloadSource>,
-) -> Result<(), String>
+    reload: Option<Reloader>,
+) -> Result<(), AppError>
 where
-    F: Fn(&Config) -> Result<Box<dyn Engine>, ServerError> + Send + Sync + 'static,
+    F: Fn(&Config) -> Result<Box<dyn Engine>, PolicyError> + Send + Sync + 'static,
 {
     let open: Arc<OpenFn> = Arc::new(open);
     let origin = cfg
@@ -144,25 +125,31 @@ where
         })
         .collect::<Vec<_>>()
         .join(", ");
-    let listener = listener(&cfg).await.map_err(|e| e.to_string())?;
-    let addr = listener.local_addr().map_err(|e| e.to_string())?;
+    let listener = listen(&cfg).await?;
+    let addr = listener.local_addr().map_err(AppError::Addr)?;
     notify(&[NotifyState::Status("loading the engine")]);
     let t0 = Instant::now();
     let load_cfg = cfg.clone();
     let opener = open.clone();
     let loading = tokio::task::spawn_blocking(move || {
-        crate::policy::build(&load_cfg, None, opener.as_ref()).map(|b| b.set)
+        crate::policy::build::build(&load_cfg, None, opener.as_ref()).map(|b| b.set)
     });
     let timeout = Duration::from_secs_f64(cfg.server.handshake_timeout_s);
-    let set =
-        match server::while_loading(&listener, timeout, cfg.tls.acceptor.clone(), loading).await {
-            Ok(Ok(l)) => l,
-            Ok(Err(e)) => {
-                notify(&[NotifyState::Status(&format!("failed: {e}"))]);
-                return Err(e.to_string());
-            }
-            Err(e) => return Err(format!("engine loading stopped: {e}")),
-        };
+    let set = match crate::net::http::while_loading(
+        &listener,
+        timeout,
+        cfg.tls.acceptor.clone(),
+        loading,
+    )
+    .await
+    {
+        Ok(Ok(l)) => l,
+        Ok(Err(e)) => {
+            notify(&[NotifyState::Status(&format!("failed: {e}"))]);
+            return Err(e.into());
+        }
+        Err(e) => return Err(AppError::Loading(e)),
+    };
     let backends = set
         .policies
         .iter()
@@ -188,7 +175,7 @@ where
     log::info!(
         "{status}; warm-up {:.1} ms; vllm-omni on {}, health on /healthz",
         warmup.as_secs_f64() * 1e3,
-        server::VLLM_PATH
+        VLLM_PATH
     );
     if set.policies.len() > 1 {
         log::info!(
@@ -206,13 +193,9 @@ where
         None => None,
     };
     notify(&[NotifyState::Ready, NotifyState::Status(&status)]);
-    let stats = Arc::new(server::Stats::new());
-    let reloader = reload.map(|r| server::Reloader {
-        load: r.load,
-        open: open.clone(),
-        requests: r.requests,
-    });
-    let result = server::serve_set(
+    let stats = Arc::new(Stats::new());
+    let reloader = reload.map(|r| (r, open.clone()));
+    let result = listener::serve_set(
         cfg,
         policies,
         stats,
@@ -227,7 +210,7 @@ where
         reloader,
     )
     .await
-    .map_err(|e| e.to_string());
+    .map_err(AppError::from);
     if let Some(b) = beat {
         b.abort();
     }

@@ -6,7 +6,7 @@
 
 use std::time::{Duration, Instant};
 
-use super::{Engine, EngineError, InputBuffer, IoSpec, RunStats};
+use crate::engine::{Engine, EngineError, InputBuffer, IoSpec, RunStats};
 use crate::transform::{fill_bytes, load_f64};
 
 /// How a [`SyntheticEngine`] behaves on each run.

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::Notify;
 
-use crate::config::MAX_SLOTS;
+use crate::limits::MAX_SLOTS;
 
 /// How long before a release time the clock stops sleeping and spins, by default
 /// (`pacing.spin_us`): a sleeping thread's wake-up overshoot is ~60 µs on a quiet Linux box, but

@@ -11,16 +11,9 @@
 //! Encoding writes replies into a reused buffer exactly as openpi's `msgpack_numpy.packb` does
 //! (bin marker keys in openpi order, `dtype.str`, float64 timing fields), byte for byte.
 
-use rmp::Marker;
-
+use super::msgpack::{Cursor, Head};
 use crate::dtype::{ByteOrder, DTypeError, ElemType, WireDType, parse_numpy_dtype};
-
-/// Largest array rank accepted on the wire.
-pub const MAX_RANK: usize = 8;
-/// Longest key path (`images/cam_high`) that can name a binding, in bytes.
-pub const MAX_PATH: usize = 256;
-/// Longest `session_id` accepted, in bytes.
-pub const MAX_SESSION_ID: usize = 64;
+use crate::limits::{MAX_PATH, MAX_RANK, MAX_SESSION_ID};
 
 /// A session id, held inline (no allocation per request).
 pub type SessionId = heapless::String<MAX_SESSION_ID>;
@@ -159,6 +152,19 @@ pub enum Endpoint {
     Observe,
 }
 
+impl Endpoint {
+    pub const ALL: [Endpoint; 3] = [Endpoint::Infer, Endpoint::Observe, Endpoint::Reset];
+
+    /// Label `endpoint` in `/metrics`.
+    pub const fn label(self) -> &'static str {
+        match self {
+            Endpoint::Infer => "infer",
+            Endpoint::Observe => "observe",
+            Endpoint::Reset => "reset",
+        }
+    }
+}
+
 /// The reserved keys of a request, removed before inputs are bound.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct RequestMeta {
@@ -175,7 +181,7 @@ pub struct RequestMeta {
 }
 
 /// A policy's name as a request carries it.
-pub type PolicyName = heapless::String<64>;
+pub type PolicyName = heapless::String<{ crate::limits::MAX_POLICY_NAME }>;
 
 /// Top-level keys policyd interprets itself; bindings may not name them.
 pub const RESERVED_KEYS: [&str; 8] = [
@@ -800,400 +806,10 @@ fn float_value(ty: ElemType, data: &[u8]) -> f64 {
     }
 }
 
-/// One msgpack value's header. Scalars, strings and bins are complete; maps and arrays carry
-/// their entry count and their contents follow.
-#[derive(Clone, Copy, Debug)]
-enum Head<'a> {
-    Nil,
-    Bool(bool),
-    /// An integer, stored big-endian in `data` (for fixints, `data` is the marker byte itself).
-    Int {
-        ty: ElemType,
-        data: &'a [u8],
-    },
-    Float {
-        ty: ElemType,
-        data: &'a [u8],
-    },
-    Str(&'a [u8]),
-    Bin(&'a [u8]),
-    Array(u32),
-    Map(u32),
-    Ext,
-}
-
-impl Head<'_> {
-    fn describe(&self) -> &'static str {
-        match self {
-            Head::Nil => "nil",
-            Head::Bool(_) => "a bool",
-            Head::Int { .. } => "an integer",
-            Head::Float { .. } => "a float",
-            Head::Str(_) => "a string",
-            Head::Bin(_) => "bytes",
-            Head::Array(_) => "a list",
-            Head::Map(_) => "a map",
-            Head::Ext => "a msgpack extension",
-        }
-    }
-}
-
-/// A bounds-checked reader over a frame.
-#[derive(Clone)]
-struct Cursor<'a> {
-    buf: &'a [u8],
-    pos: usize,
-}
-
-impl<'a> Cursor<'a> {
-    fn new(buf: &'a [u8]) -> Self {
-        Cursor { buf, pos: 0 }
-    }
-
-    fn take(&mut self, n: usize) -> Result<&'a [u8], WireError> {
-        let rest = self.buf.len() - self.pos;
-        if n > rest {
-            return Err(WireError::Truncated {
-                len: self.buf.len(),
-                need: n - rest,
-            });
-        }
-        let s = &self.buf[self.pos..self.pos + n];
-        self.pos += n;
-        Ok(s)
-    }
-
-    fn len_be(&mut self, n: usize) -> Result<usize, WireError> {
-        let b = self.take(n)?;
-        Ok(b.iter().fold(0usize, |acc, &x| (acc << 8) | usize::from(x)))
-    }
-
-    fn head(&mut self) -> Result<Head<'a>, WireError> {
-        let at = self.pos;
-        let byte = *self.take(1)?.first().ok_or(WireError::Empty)?;
-        let marker_byte = &self.buf[at..at + 1];
-        Ok(match Marker::from_u8(byte) {
-            Marker::FixPos(_) => Head::Int {
-                ty: ElemType::U8,
-                data: marker_byte,
-            },
-            Marker::FixNeg(_) => Head::Int {
-                ty: ElemType::I8,
-                data: marker_byte,
-            },
-            Marker::Null => Head::Nil,
-            Marker::True => Head::Bool(true),
-            Marker::False => Head::Bool(false),
-            Marker::U8 => Head::Int {
-                ty: ElemType::U8,
-                data: self.take(1)?,
-            },
-            Marker::U16 => Head::Int {
-                ty: ElemType::U16,
-                data: self.take(2)?,
-            },
-            Marker::U32 => Head::Int {
-                ty: ElemType::U32,
-                data: self.take(4)?,
-            },
-            Marker::U64 => Head::Int {
-                ty: ElemType::U64,
-                data: self.take(8)?,
-            },
-            Marker::I8 => Head::Int {
-                ty: ElemType::I8,
-                data: self.take(1)?,
-            },
-            Marker::I16 => Head::Int {
-                ty: ElemType::I16,
-                data: self.take(2)?,
-            },
-            Marker::I32 => Head::Int {
-                ty: ElemType::I32,
-                data: self.take(4)?,
-            },
-            Marker::I64 => Head::Int {
-                ty: ElemType::I64,
-                data: self.take(8)?,
-            },
-            Marker::F32 => Head::Float {
-                ty: ElemType::F32,
-                data: self.take(4)?,
-            },
-            Marker::F64 => Head::Float {
-                ty: ElemType::F64,
-                data: self.take(8)?,
-            },
-            Marker::FixStr(n) => Head::Str(self.take(usize::from(n))?),
-            Marker::Str8 => {
-                let n = self.len_be(1)?;
-                Head::Str(self.take(n)?)
-            }
-            Marker::Str16 => {
-                let n = self.len_be(2)?;
-                Head::Str(self.take(n)?)
-            }
-            Marker::Str32 => {
-                let n = self.len_be(4)?;
-                Head::Str(self.take(n)?)
-            }
-            Marker::Bin8 => {
-                let n = self.len_be(1)?;
-                Head::Bin(self.take(n)?)
-            }
-            Marker::Bin16 => {
-                let n = self.len_be(2)?;
-                Head::Bin(self.take(n)?)
-            }
-            Marker::Bin32 => {
-                let n = self.len_be(4)?;
-                Head::Bin(self.take(n)?)
-            }
-            Marker::FixArray(n) => Head::Array(u32::from(n)),
-            Marker::Array16 => Head::Array(self.len_be(2)? as u32),
-            Marker::Array32 => Head::Array(self.len_be(4)? as u32),
-            Marker::FixMap(n) => Head::Map(u32::from(n)),
-            Marker::Map16 => Head::Map(self.len_be(2)? as u32),
-            Marker::Map32 => Head::Map(self.len_be(4)? as u32),
-            Marker::FixExt1 => self.ext(2)?,
-            Marker::FixExt2 => self.ext(3)?,
-            Marker::FixExt4 => self.ext(5)?,
-            Marker::FixExt8 => self.ext(9)?,
-            Marker::FixExt16 => self.ext(17)?,
-            Marker::Ext8 => {
-                let n = self.len_be(1)?;
-                self.ext(n + 1)?
-            }
-            Marker::Ext16 => {
-                let n = self.len_be(2)?;
-                self.ext(n + 1)?
-            }
-            Marker::Ext32 => {
-                let n = self.len_be(4)?;
-                self.ext(n + 1)?
-            }
-            Marker::Reserved => return Err(WireError::NotMsgpack { byte, offset: at }),
-        })
-    }
-
-    fn ext(&mut self, n: usize) -> Result<Head<'a>, WireError> {
-        self.take(n)?;
-        Ok(Head::Ext)
-    }
-
-    /// Reads a map key: its bytes if it is a str or bin; otherwise skips it and returns None.
-    fn key(&mut self) -> Result<Option<&'a [u8]>, WireError> {
-        let at = self.pos;
-        match self.head()? {
-            Head::Str(s) | Head::Bin(s) => Ok(Some(s)),
-            Head::Array(_) | Head::Map(_) => {
-                self.pos = at;
-                self.skip_items(1, 1, &Limits::default())?;
-                Ok(None)
-            }
-            _ => Ok(None),
-        }
-    }
-
-    /// Reads a value's head; a map or list is skipped whole (and reported as its head).
-    fn head_skipping(&mut self, depth: usize, limits: &Limits) -> Result<Head<'a>, WireError> {
-        let h = self.head()?;
-        match h {
-            Head::Array(n) => self.skip_items(u64::from(n), depth + 1, limits)?,
-            Head::Map(n) => self.skip_entries(n, depth + 1, limits)?,
-            _ => {}
-        }
-        Ok(h)
-    }
-
-    fn skip(&mut self, limits: &Limits, n: u64) -> Result<(), WireError> {
-        self.skip_items(n, 2, limits)
-    }
-
-    fn skip_entries(&mut self, n: u32, depth: usize, limits: &Limits) -> Result<(), WireError> {
-        self.skip_items(u64::from(n) * 2, depth, limits)
-    }
-
-    /// Skips `n` values, iteratively (no recursion), refusing nesting past the depth limit.
-    /// Each value consumes at least one byte, so this terminates within the frame's length.
-    fn skip_items(&mut self, n: u64, depth: usize, limits: &Limits) -> Result<(), WireError> {
-        let mut stack: heapless::Vec<u64, 64> = heapless::Vec::new();
-        let max_extra = limits.max_depth.saturating_sub(depth).min(63);
-        let mut remaining = n;
-        loop {
-            while remaining == 0 {
-                match stack.pop() {
-                    Some(r) => remaining = r,
-                    None => return Ok(()),
-                }
-            }
-            remaining -= 1;
-            let children = match self.head()? {
-                Head::Array(m) => u64::from(m),
-                Head::Map(m) => u64::from(m) * 2,
-                _ => continue,
-            };
-            if children == 0 {
-                continue;
-            }
-            if stack.len() >= max_extra || depth + stack.len() + 1 > limits.max_depth {
-                return Err(WireError::TooDeep {
-                    max: limits.max_depth,
-                });
-            }
-            let _ = stack.push(remaining);
-            remaining = children;
-        }
-    }
-}
-
-// ---------------------------------------------------------------------------------------------
-// Encoding
-
-/// Appends msgpack to a reused `Vec<u8>`. Writing to a Vec cannot fail, so results are dropped.
-pub struct Encoder<'a> {
-    pub buf: &'a mut Vec<u8>,
-}
-
-impl Encoder<'_> {
-    pub fn map(&mut self, n: u32) {
-        let _ = rmp::encode::write_map_len(self.buf, n);
-    }
-    pub fn array(&mut self, n: u32) {
-        let _ = rmp::encode::write_array_len(self.buf, n);
-    }
-    pub fn str(&mut self, s: &str) {
-        let _ = rmp::encode::write_str(self.buf, s);
-    }
-    pub fn bin(&mut self, b: &[u8]) {
-        let _ = rmp::encode::write_bin(self.buf, b);
-    }
-    pub fn bool(&mut self, b: bool) {
-        let _ = rmp::encode::write_bool(self.buf, b);
-    }
-    pub fn int(&mut self, v: i64) {
-        let _ = rmp::encode::write_sint(self.buf, v);
-    }
-    pub fn f64(&mut self, v: f64) {
-        let _ = rmp::encode::write_f64(self.buf, v);
-    }
-    pub fn nil(&mut self) {
-        let _ = rmp::encode::write_nil(self.buf);
-    }
-
-    /// Writes an openpi ndarray marker whose `len` data bytes `fill` writes in place:
-    /// `{__ndarray__: true, data: <bin>, dtype: <str>, shape: [..]}` with bin keys.
-    pub fn ndarray(
-        &mut self,
-        dtype: ElemType,
-        shape: &[usize],
-        len: usize,
-        fill: impl FnOnce(&mut [u8]),
-    ) {
-        self.map(4);
-        self.bin(b"__ndarray__");
-        self.bool(true);
-        self.bin(b"data");
-        let _ = rmp::encode::write_bin_len(self.buf, len as u32);
-        let start = self.buf.len();
-        self.buf.resize(start + len, 0);
-        fill(&mut self.buf[start..]);
-        self.bin(b"dtype");
-        self.str(dtype.numpy_str());
-        self.bin(b"shape");
-        self.array(shape.len() as u32);
-        for &d in shape {
-            self.int(d as i64);
-        }
-    }
-
-    /// Bytes an [`Encoder::ndarray`] call writes, at most (for sizing buffers at start-up).
-    pub fn ndarray_size(shape: &[usize], len: usize) -> usize {
-        1 + 12 + 1 + 5 + 5 + len + 6 + 4 + 6 + 1 + 9 * shape.len()
-    }
-}
-
-/// The two timing maps of an openpi reply (protocol §3.5), in milliseconds.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub struct Timing {
-    /// Engine execution time.
-    pub policy_infer_ms: f64,
-    /// From the request frame being read to the reply being encoded.
-    pub server_infer_ms: f64,
-    /// The previous request on this connection, frame read to reply written; absent on the
-    /// first request.
-    pub prev_total_ms: Option<f64>,
-}
-
-/// Writes the two timing entries (`policy_timing`, `server_timing`) of an openpi reply.
-pub fn encode_timing(enc: &mut Encoder<'_>, t: &Timing) {
-    enc.str("policy_timing");
-    enc.map(1);
-    enc.str("infer_ms");
-    enc.f64(t.policy_infer_ms);
-    enc.str("server_timing");
-    enc.map(if t.prev_total_ms.is_some() { 2 } else { 1 });
-    enc.str("infer_ms");
-    enc.f64(t.server_infer_ms);
-    if let Some(p) = t.prev_total_ms {
-        enc.str("prev_total_ms");
-        enc.f64(p);
-    }
-}
-
-/// Bytes the timing entries take, at most.
-pub const TIMING_SIZE: usize = 14 + 1 + 9 + 9 + 14 + 1 + 9 + 9 + 14 + 9;
-
-/// vllm-omni's error map: `{"type": "error", "message": …, "detail": …}`.
-pub fn encode_error_map(buf: &mut Vec<u8>, message: &str, detail: &str) {
-    buf.clear();
-    let mut e = Encoder { buf };
-    e.map(3);
-    e.str("type");
-    e.str("error");
-    e.str("message");
-    e.str(message);
-    e.str("detail");
-    e.str(detail);
-}
-
-/// A one-entry status map such as `{"status": "reset successful"}`.
-pub fn encode_status(buf: &mut Vec<u8>, status: &str) {
-    buf.clear();
-    let mut e = Encoder { buf };
-    e.map(1);
-    e.str("status");
-    e.str(status);
-}
-
-/// Encodes a TOML value the way msgpack-python packs the equivalent Python value (ints in
-/// their smallest form, floats as float64, tables as maps in file order).
-pub fn encode_toml(enc: &mut Encoder<'_>, v: &toml::Value) {
-    match v {
-        toml::Value::String(s) => enc.str(s),
-        toml::Value::Integer(i) => enc.int(*i),
-        toml::Value::Float(f) => enc.f64(*f),
-        toml::Value::Boolean(b) => enc.bool(*b),
-        toml::Value::Datetime(d) => enc.str(&d.to_string()),
-        toml::Value::Array(a) => {
-            enc.array(a.len() as u32);
-            for x in a {
-                encode_toml(enc, x);
-            }
-        }
-        toml::Value::Table(t) => {
-            enc.map(t.len() as u32);
-            for (k, x) in t {
-                enc.str(k);
-                encode_toml(enc, x);
-            }
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::protocol::encode::{Encoder, TIMING_SIZE, Timing, encode_timing, encode_toml};
 
     /// Collects every bound value, for tests.
     #[derive(Default)]

@@ -20,8 +20,8 @@
 
 use std::sync::{Condvar, Mutex};
 
-use crate::config::{MAX_LATENCY_WINDOW, MAX_SIMILARITY_STATE, MAX_SLOTS};
-use crate::wire::SessionId;
+use crate::limits::{MAX_LATENCY_WINDOW, MAX_SIMILARITY_STATE, MAX_SLOTS, PREDICTED_MEMORY};
+use crate::protocol::SessionId;
 
 /// Who an entry belongs to: a connection and one of its sessions.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -251,9 +251,6 @@ pub struct Filters {
     pub similarity_atol: f64,
 }
 
-/// Timesteps remembered per session for the already-predicted filter.
-pub const PREDICTED_MEMORY: usize = 64;
-
 /// A session's filter memory and latency window.
 #[derive(Clone, Debug)]
 pub struct SessionPacing {
@@ -354,11 +351,8 @@ impl SessionPacing {
     }
 }
 
-/// Timed action `i` of a chunk predicted from an observation taken at `(timestep,
-/// timestamp)`: step `timestep + i` at `timestamp + i·dt`.
-pub fn timed_step(timestep: i64, timestamp: f64, dt: f64, i: usize) -> (i64, f64) {
-    (timestep.saturating_add(i as i64), timestamp + i as f64 * dt)
-}
+#[cfg(test)]
+use crate::protocol::timed_step;
 
 /// `ceil(latency / dt)` with `dt = 1 / fps`, as LeRobot's RTC computes it.
 pub fn delay_steps(latency_s: f64, fps: f64) -> u32 {

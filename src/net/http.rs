@@ -1,4 +1,5 @@
-//! The listener: HTTP handshake, health routes, connection limit, dialect by path, shutdown.
+//! What does an incoming HTTP request get? Health, metrics, 401/404/426/503, or the upgrade to
+//! a WebSocket of the dialect and policy its path names.
 //!
 //! policyd reads the HTTP request itself (bounded in size and time) so that `/healthz`,
 //! `/health`, the connection limit (HTTP 503) and plain GETs (426) are answered before any
@@ -15,73 +16,20 @@ use tokio_tungstenite::WebSocketStream;
 use tokio_tungstenite::tungstenite::handshake::derive_accept_key;
 use tokio_tungstenite::tungstenite::protocol::{Role, WebSocketConfig};
 
-use crate::config::{Config, ConfigError};
-use crate::connection::{self, Dialect};
-use crate::engine::{Engine, EngineError};
-use crate::frame_guard::{FrameGuard, MARKER_LEN};
-use crate::plan::Plan;
-use crate::policy::{OpenFn, Policy, PolicySet, ReloadStatus};
-use crate::worker::WorkerHandle;
 use arc_swap::ArcSwap;
-use sd_notify::NotifyState;
 
-/// The path that selects the vllm-omni dialect.
-pub const VLLM_PATH: &str = "/v1/realtime/robot/openpi";
-/// Most handshakes in progress at once, whatever `server.max_connections` is.
-const MAX_HANDSHAKES: usize = 8192;
-/// Largest HTTP request head accepted.
-const MAX_HEAD: usize = 8192;
-
-#[derive(Debug, thiserror::Error)]
-pub enum ServerError {
-    #[error(transparent)]
-    Config(#[from] ConfigError),
-    #[error(transparent)]
-    Engine(#[from] EngineError),
-    #[error("policy \"{name}\": {source}")]
-    Policy {
-        name: String,
-        source: Box<ServerError>,
-    },
-    #[error("cannot start the task planner: {0}")]
-    Planner(std::io::Error),
-    #[error(
-        "cannot listen on {addr}: {source} (is another server using the port? set server.port or --port)"
-    )]
-    Bind {
-        addr: String,
-        source: std::io::Error,
-    },
-}
-
-/// Counters shared by every connection (read by tests and, later, metrics).
-pub struct Stats {
-    pub release: crate::pacing::ReleaseStats,
-    pub skips: crate::scheduler::SkipStats,
-    /// The request-path metrics (`/metrics`).
-    pub metrics: crate::metrics::Metrics,
-}
-
-impl Stats {
-    pub fn new() -> Stats {
-        Stats {
-            release: crate::pacing::ReleaseStats::new(),
-            skips: Default::default(),
-            metrics: Default::default(),
-        }
-    }
-}
-
-impl Default for Stats {
-    fn default() -> Self {
-        Stats::new()
-    }
-}
+use crate::config::Config;
+use crate::limits::MAX_HEAD;
+use crate::metrics::Stats;
+use crate::net::connection;
+use crate::net::frame_guard::FrameGuard;
+use crate::policy::PolicySet;
+use crate::protocol::Dialect;
 
 /// Everything a connection needs, shared by all of them.
 pub struct Shared {
     /// Wakes connections at their replies' release times.
-    pub pacer: crate::pacing::Pacer,
+    pub pacer: crate::runtime::pacing::Pacer,
     pub stats: Arc<Stats>,
     /// The config the server started with (its `[server]`, `[auth]` and `[tls]` hold until a
     /// restart; each policy's own config is in its [`Policy`]).
@@ -98,354 +46,13 @@ pub struct Shared {
     pub registry: prometheus_client::registry::Registry,
 }
 
-/// Re-reading the config on `SIGHUP`: where the config comes from, how engines are opened,
-/// and the signals.
-pub struct Reloader {
-    /// Reads and checks the config again (`Config::load` of the file the server started
-    /// with).
-    pub load: Arc<dyn Fn() -> Result<Config, String> + Send + Sync>,
-    pub open: Arc<OpenFn>,
-    /// One message per reload request.
-    pub requests: tokio::sync::mpsc::Receiver<()>,
-}
-
-/// A loaded, checked and warmed engine with its plan: what the server serves.
-pub struct Loaded {
-    pub plan: Plan,
-    pub stats: Arc<Stats>,
-    pub worker: WorkerHandle,
-    pub backend: &'static str,
-    pub warmup: Duration,
-}
-
-/// Opens the engine a config names.
-pub fn open_engine(cfg: &Config) -> Result<Box<dyn Engine>, ServerError> {
-    let model = cfg.model.clone().ok_or_else(|| {
-        crate::config::invalid("engine.model", "missing: give the path of the ONNX model")
-    })?;
-    let hints: Vec<(String, Vec<usize>)> = cfg
-        .inputs
-        .iter()
-        .filter_map(|b| b.engine_shape.clone().map(|s| (b.tensor.clone(), s)))
-        .collect();
-    match cfg.engine.backend.as_str() {
-        #[cfg(feature = "cpu")]
-        "cpu" => Ok(Box::new(crate::engine::cpu::CpuEngine::load(
-            &model, &hints,
-        )?)),
-        #[cfg(feature = "tensorrt")]
-        "tensorrt" => {
-            let crate::engine::ModelSource::File(path) = &model else {
-                return Err(crate::config::invalid(
-                    "engine.model",
-                    "the tensorrt backend needs a plan file (built with trtexec on the device)",
-                )
-                .into());
-            };
-            let e = &cfg.engine;
-            let opts = crate::engine::tensorrt::Options {
-                model: model.describe(),
-                dla_core: e.dla_core,
-                cuda_graph: e.cuda_graph.unwrap_or(true),
-                zero_copy: e
-                    .zero_copy
-                    .as_deref()
-                    .and_then(crate::engine::ZeroCopy::parse)
-                    .unwrap_or(crate::engine::ZeroCopy::Auto),
-                shapes: hints,
-            };
-            Ok(Box::new(crate::engine::tensorrt::open(
-                path,
-                e.device.unwrap_or(0),
-                e.tensorrt_library.as_deref(),
-                &opts,
-            )?))
-        }
-        other => Err(crate::config::invalid(
-            "engine.backend",
-            format!("unknown backend \"{other}\""),
-        )
-        .into()),
-    }
-}
-
-/// Loads the model, checks the config against it, allocates every buffer and warms up.
-pub fn load(cfg: &Config) -> Result<Loaded, ServerError> {
-    load_engine(cfg, open_engine(cfg)?)
-}
-
-/// [`load`] with an engine the caller opened (tests and benchmarks use a synthetic one).
-pub fn load_engine(cfg: &Config, engine: Box<dyn Engine>) -> Result<Loaded, ServerError> {
-    let mut plan = Plan::compile(cfg, engine.io())?;
-    plan.budget.add(engine.working_memory());
-    let backend = engine.backend();
-    let (worker, warmup) =
-        WorkerHandle::start(engine, &plan, cfg.engine.slots, cfg.engine.warmup_runs)?;
-    Ok(Loaded {
-        plan,
-        stats: Arc::new(Stats::new()),
-        worker,
-        backend,
-        warmup,
-    })
-}
-
-/// Binds the configured address.
-pub async fn bind(cfg: &Config) -> Result<TcpListener, ServerError> {
-    let addr = format!("{}:{}", cfg.server.host, cfg.server.port);
-    TcpListener::bind(&addr)
-        .await
-        .map_err(|source| ServerError::Bind { addr, source })
-}
-
-/// Serves one loaded policy until `shutdown` resolves (see [`serve_set`]).
-pub async fn serve(
-    cfg: Config,
-    loaded: Loaded,
-    listener: TcpListener,
-    shutdown: impl std::future::Future<Output = ()>,
-) -> Result<(), ServerError> {
-    let stats = loaded.stats.clone();
-    let own = cfg.policy_configs().swap_remove(0);
-    let set = PolicySet::single(Policy::new(own, loaded));
-    serve_set(
-        cfg,
-        Arc::new(ArcSwap::from_pointee(set)),
-        stats,
-        listener,
-        shutdown,
-        None,
-    )
-    .await
-}
-
-/// Serves a set of policies until `shutdown` resolves; then stops accepting, lets in-flight
-/// requests finish, closes connections with 1001 and returns. With a [`Reloader`], each
-/// request re-reads the config and swaps in the new set once it is loaded and warm.
-pub async fn serve_set(
-    cfg: Config,
-    policies: Arc<ArcSwap<PolicySet>>,
-    stats: Arc<Stats>,
-    listener: TcpListener,
-    shutdown: impl std::future::Future<Output = ()>,
-    reloader: Option<Reloader>,
-) -> Result<(), ServerError> {
-    let (stop_tx, stop_rx) = watch::channel(false);
-    let s = &cfg.server;
-    let ws_config = WebSocketConfig::default()
-        // The frame guard enforces the configured limit; tungstenite's is a backstop that
-        // leaves room for the guard's marker.
-        .max_message_size(Some(s.max_message_bytes + MARKER_LEN))
-        .max_frame_size(Some(s.max_message_bytes + MARKER_LEN))
-        .write_buffer_size(0);
-    let max = s.max_connections;
-    let spin = Duration::from_micros(cfg.pacing.spin_us);
-    let pacer = crate::pacing::Pacer::start(spin).map_err(|e| {
-        ServerError::Engine(EngineError::Run(format!(
-            "cannot start the pacing clock: {e}"
-        )))
-    })?;
-    let connections = Arc::new(Semaphore::new(max));
-    let set = policies.load_full();
-    for p in &set.policies {
-        p.watch();
-    }
-    let planner_link = set
-        .default_policy()
-        .plan
-        .planner
-        .as_ref()
-        .map(|t| t.link.clone());
-    let generation = watch::Sender::new(set.generation);
-    drop(set);
-    let reloads = Arc::new(ReloadStatus::default());
-    let live = crate::metrics::Live {
-        stats: stats.clone(),
-        policies: policies.clone(),
-        reloads: reloads.clone(),
-        connections: connections.clone(),
-        max_connections: max,
-        max_sessions: s.max_sessions,
-        planner: planner_link.clone(),
-    };
-    let registry = crate::metrics::registry(&stats.metrics, live);
-    let shared = Arc::new(Shared {
-        pacer,
-        registry,
-        stats,
-        policies,
-        generation,
-        ws_config,
-        connections,
-        shutdown: stop_rx,
-        cfg,
-    });
-    let reloading = reloader.map(|r| tokio::spawn(reload_loop(shared.clone(), r, reloads)));
-    // The planner runs beside the request path for as long as the server does.
-    let planner = match planner_link {
-        Some(link) => Some(
-            crate::planner::Planner::start(&shared.cfg.planner, link)
-                .map_err(ServerError::Planner)?,
-        ),
-        None => None,
-    };
-    // Handshakes in progress are bounded too, so a flood of idle TCP connections cannot pile
-    // up tasks and buffers (each holds at most an 8 KiB head buffer until its handshake
-    // timeout). Room for 16 times the connection limit, so a burst of clients gets its 503.
-    let handshakes = Arc::new(Semaphore::new((max * 16 + 64).min(MAX_HANDSHAKES)));
-    tokio::pin!(shutdown);
-    loop {
-        tokio::select! {
-            _ = &mut shutdown => break,
-            accepted = listener.accept() => {
-                let (stream, peer) = match accepted {
-                    Ok(x) => x,
-                    Err(e) => {
-                        log::warn!("accept failed: {e}");
-                        tokio::time::sleep(Duration::from_millis(50)).await;
-                        continue;
-                    }
-                };
-                let Ok(permit) = handshakes.clone().try_acquire_owned() else {
-                    log::warn!("{peer}: too many handshakes in progress; dropping the connection");
-                    continue;
-                };
-                let shared = shared.clone();
-                tokio::spawn(async move {
-                    handle(stream, peer, shared, permit).await;
-                });
-            }
-        }
-    }
-    log::info!("shutting down: no new connections; finishing in-flight requests");
-    drop(listener);
-    let _ = stop_tx.send(true);
-    // Every connection holds a permit until it has closed.
-    let all = shared.connections.clone();
-    let drained = tokio::time::timeout(Duration::from_secs(10), all.acquire_many(max as u32)).await;
-    if drained.is_err() {
-        log::warn!("some connections did not close within 10 s");
-    }
-    if let Some(r) = reloading {
-        r.abort();
-    }
-    if let Some(p) = planner {
-        // Stopping waits for the model server's grace period: off the async threads.
-        let _ = tokio::task::spawn_blocking(move || drop(p)).await;
-    }
-    let r = shared.stats.release.summary();
-    if r.paced > 0 {
-        log::info!(
-            "paced replies: {}, deadline misses: {}, release error p50 {} µs, p99 {} µs, max {} µs",
-            r.paced,
-            r.misses,
-            r.p50_us,
-            r.p99_us,
-            r.max_us
-        );
-    }
-    Ok(())
-}
-
-/// Serves reload requests one at a time: re-read the config, build the new set beside the
-/// old one (which keeps serving), swap it in. A config that fails is logged and reported in
-/// `/metrics`, and nothing changes.
-async fn reload_loop(shared: Arc<Shared>, mut r: Reloader, status: Arc<ReloadStatus>) {
-    while r.requests.recv().await.is_some() {
-        // Requests that came in meanwhile are served by this one reload.
-        while r.requests.try_recv().is_ok() {}
-        // systemd (Type=notify-reload or ExecReload=) sees the reload start and end.
-        let mut start = vec![
-            NotifyState::Reloading,
-            NotifyState::Status("reloading the config"),
-        ];
-        if let Ok(now) = NotifyState::monotonic_usec_now() {
-            start.push(now);
-        }
-        crate::appliance::notify(&start);
-        log::info!("reloading the config");
-        let current = shared.policies.load_full();
-        let (load, open) = (r.load.clone(), r.open.clone());
-        let started = shared.cfg.clone();
-        let built = tokio::task::spawn_blocking(move || {
-            let cfg = load()?;
-            warn_fixed_sections(&started, &cfg);
-            crate::policy::build(&cfg, Some(&current), open.as_ref()).map_err(|e| e.to_string())
-        })
-        .await
-        .map_err(|e| format!("the reload task failed: {e}"))
-        .and_then(|r| r);
-        let message = match built {
-            Ok(b) => {
-                for p in &b.set.policies {
-                    p.watch();
-                }
-                let generation = b.set.generation;
-                let summary = format!(
-                    "config reloaded: serving {} (loaded: {}; kept: {})",
-                    b.set.names(),
-                    list_or_none(&b.loaded),
-                    list_or_none(&b.kept)
-                );
-                shared.policies.store(Arc::new(b.set));
-                shared.generation.send_replace(generation);
-                status.succeeded();
-                log::info!("{summary}");
-                summary
-            }
-            Err(e) => {
-                log::error!("config reload refused, still serving the previous config: {e}");
-                status.failed(&e);
-                format!("reload refused: {e}")
-            }
-        };
-        crate::appliance::notify(&[NotifyState::Ready, NotifyState::Status(&message)]);
-    }
-}
-
-fn list_or_none(names: &[String]) -> String {
-    if names.is_empty() {
-        "none".into()
-    } else {
-        names.join(", ")
-    }
-}
-
-/// A reload changes policies only; the listener, limits, keys, TLS and planner hold until a
-/// restart. Says so when the file changed them.
-fn warn_fixed_sections(old: &Config, new: &Config) {
-    let changed = [
-        (
-            "[server]",
-            format!("{:?}", old.server) != format!("{:?}", new.server),
-        ),
-        (
-            "[auth]",
-            format!("{:?}", old.auth) != format!("{:?}", new.auth),
-        ),
-        (
-            "[tls]",
-            (&old.tls.cert, &old.tls.key) != (&new.tls.cert, &new.tls.key),
-        ),
-        (
-            "[planner]",
-            format!("{:?}", old.planner) != format!("{:?}", new.planner),
-        ),
-    ];
-    for (section, differs) in changed {
-        if differs {
-            log::warn!("{section} changed: it takes effect when policyd restarts, not on reload");
-        }
-    }
-}
-
 /// Answers every connection with 503 until `load` completes, then returns its output; the
 /// listener is then handed to [`serve`]. So a supervisor probing `/healthz` while a large
 /// model loads sees "not ready yet", not a refused connection.
 pub async fn while_loading<T>(
     listener: &TcpListener,
     handshake_timeout: Duration,
-    tls: Option<crate::tls::Tls>,
+    tls: Option<crate::net::tls::Tls>,
     load: impl std::future::Future<Output = T>,
 ) -> T {
     tokio::pin!(load);
@@ -567,7 +174,7 @@ async fn respond<S: Transport>(
 async fn secure(
     stream: TcpStream,
     peer: SocketAddr,
-    tls: Option<&crate::tls::Tls>,
+    tls: Option<&crate::net::tls::Tls>,
     timeout: Duration,
 ) -> Option<Box<dyn Transport>> {
     let _ = stream.set_nodelay(true);
@@ -587,7 +194,7 @@ async fn secure(
     }
 }
 
-async fn handle(
+pub(crate) async fn handle(
     stream: TcpStream,
     peer: SocketAddr,
     shared: Arc<Shared>,
@@ -668,7 +275,7 @@ async fn handle(
     let is_metrics = head.method == "GET" && head.path == "/metrics" && !head.upgrade;
     if auth.keys.enabled() && (head.upgrade || (is_metrics && auth.protect_metrics)) {
         let verdict = auth.keys.check(head.authorization.as_deref());
-        if verdict != crate::auth::Verdict::Accepted {
+        if verdict != crate::net::auth::Verdict::Accepted {
             shared.stats.metrics.auth_failures.inc();
             log::warn!("{peer}: refused {}: {}", head.path, verdict.describe());
             respond(
@@ -686,7 +293,7 @@ async fn handle(
         }
     }
     if is_metrics {
-        let body = crate::metrics::render(&shared.registry);
+        let body = crate::net::scrape::render(&shared.registry);
         respond(
             &mut stream,
             "200 OK",
@@ -763,11 +370,7 @@ async fn handle(
             }
             None => (None, head.path.as_str()),
         };
-        let dialect = if rest == VLLM_PATH {
-            Dialect::Vllm
-        } else {
-            Dialect::Openpi
-        };
+        let dialect = Dialect::for_path(rest);
         match named {
             None => (dialect, set.default_policy().clone()),
             Some(name) => match set.get(name) {

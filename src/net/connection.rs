@@ -1,14 +1,14 @@
 //! One WebSocket connection: metadata frame, then requests, replies and pushes.
 //!
 //! The socket task never runs the model: it decodes a frame into a slot, queues the slot with
-//! the [scheduler](crate::scheduler) and keeps reading the socket (so pings are answered while
+//! the [scheduler](crate::runtime::scheduler) and keeps reading the socket (so pings are answered while
 //! the model runs). `infer` requests are answered strictly in order: a frame that arrives
 //! while an `infer` is in flight waits in a one-frame buffer, and past that the task stops
 //! reading, which is back-pressure on the client, not memory growth. `observe` frames go
 //! straight to their session's latest-wins slot; results are pushed when ready.
 //!
 //! A finished slot is released at once, or, with `pacing.latency_budget_ms`, held until
-//! `receive time + budget` and released when the [pacing clock](crate::pacing) wakes the
+//! `receive time + budget` and released when the [pacing clock](crate::runtime::pacing) wakes the
 //! task. The reply is encoded at release, so its timing fields are the real ones.
 
 use std::sync::Arc;
@@ -24,56 +24,20 @@ use tokio_tungstenite::tungstenite::protocol::CloseFrame;
 use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
 use tokio_tungstenite::tungstenite::{Bytes, Message};
 
-use crate::config::MAX_SLOTS;
-use crate::frame_guard::oversize_marker;
-use crate::metrics::{self, Route};
-use crate::pacing::Release;
-use crate::plan::{Plan, ReplyParts};
+use crate::bind::ReplyParts;
+use crate::limits::MAX_SLOTS;
+use crate::net::frame_guard::oversize_marker;
+use crate::net::http::Shared;
 use crate::policy::Policy;
-use crate::scheduler::{Filters, Kind, SessionKey, SkipReason};
-use crate::server::Shared;
-use crate::session::Sessions;
-use crate::wire::{self, Endpoint, Timing};
-use crate::worker::{Lease, ReplyPort, Slot, Ticket};
-
-/// Which protocol dialect a connection speaks (chosen by path).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Dialect {
-    /// openpi: `{"actions": …, timing}` replies; errors as a text frame, then close 1011.
-    Openpi,
-    /// vllm-omni: bare float32 arrays; errors as msgpack maps, the socket stays open.
-    Vllm,
-}
-
-impl Dialect {
-    pub fn name(self) -> &'static str {
-        match self {
-            Dialect::Openpi => "openpi",
-            Dialect::Vllm => "vllm-omni",
-        }
-    }
-
-    fn route(self) -> Route {
-        match self {
-            Dialect::Openpi => Route::Openpi,
-            Dialect::Vllm => Route::Vllm,
-        }
-    }
-}
-
-/// openpi's close reason after an error text frame.
-const OPENPI_ERROR_REASON: &str = "Internal server error. Traceback included in previous frame.";
+use crate::protocol::dialect::{Frame, OPENPI_ERROR_REASON};
+use crate::protocol::{self, Dialect, Endpoint, Failure, Timing};
+use crate::runtime::pacing::Release;
+use crate::runtime::scheduler::{Filters, Kind, SessionKey, SkipReason};
+use crate::runtime::session::Sessions;
+use crate::runtime::worker::{Lease, ReplyPort, Slot, Ticket};
 
 /// Connection ids, for the scheduler's session keys.
 static NEXT_CONN: AtomicU64 = AtomicU64::new(1);
-
-/// What went wrong with a request.
-enum Failure {
-    /// The request itself (vllm-omni: "Invalid request payload").
-    Request(String),
-    /// The engine or its output (vllm-omni: "Internal inference error").
-    Inference(String),
-}
 
 /// A reusable outgoing payload. tungstenite takes messages by value; handing it a clone of a
 /// shared buffer and taking the buffer back once the send has completed means steady-state
@@ -447,7 +411,7 @@ where
         // one's bindings); the connection moves once its requests in flight are answered.
         let named = match &decoded {
             Ok(m) => m.policy.clone(),
-            Err(_) => wire::peek_policy(frame, &plan.limits),
+            Err(_) => protocol::peek_policy(frame, &plan.limits),
         };
         if let Some(name) = named
             && name.as_str() != policy.name
@@ -472,25 +436,21 @@ where
             drop(lease);
             return self.fail(self.stall_failure()).await;
         }
-        let endpoint = match meta.endpoint {
-            Endpoint::Infer => metrics::Endpoint::Infer,
-            Endpoint::Observe => metrics::Endpoint::Observe,
-            Endpoint::Reset => metrics::Endpoint::Reset,
-        };
-        shared.stats.metrics.request(self.dialect.route(), endpoint);
-        let release_at = crate::pacing::release_target(received, pacing.latency_budget_ms);
+        shared.stats.metrics.request(self.dialect, meta.endpoint);
+        let release_at = crate::runtime::pacing::release_target(received, pacing.latency_budget_ms);
         match meta.endpoint {
             Endpoint::Reset => {
                 drop(lease);
                 self.sessions.reset(meta.session_id.as_ref());
                 self.count_sessions();
                 self.drop_waiting(&policy);
-                if shared.cfg.server.reset_reply == "text" {
-                    return self.send_msg(Message::text("reset successful")).await;
+                match Dialect::encode_reset(shared.cfg.server.reset_reply(), &mut self.out) {
+                    Frame::Text(t) => self.send_msg(Message::text(t)).await,
+                    Frame::Binary => {
+                        let msg = self.send.message(&self.out);
+                        self.send_msg(msg).await
+                    }
                 }
-                wire::encode_status(&mut self.out, "reset successful");
-                let msg = self.send.message(&self.out);
-                self.send_msg(msg).await
             }
             Endpoint::Infer => {
                 self.check_prompt(&policy, meta.session_id.as_ref(), slot);
@@ -529,7 +489,7 @@ where
                 };
                 shared.stats.skips.observed.fetch_add(1, Ordering::Relaxed);
                 self.check_prompt(&policy, meta.session_id.as_ref(), slot);
-                let mut state = [0f64; crate::config::MAX_SIMILARITY_STATE];
+                let mut state = [0f64; crate::limits::MAX_SIMILARITY_STATE];
                 let state = plan.similarity_state(&mut slot.inputs, &mut state);
                 let (reset, session) = self.sessions.begin(meta.session_id.as_ref());
                 if let Some(gap) = session.observed(received) {
@@ -594,7 +554,7 @@ where
 
     /// `reset_on_prompt_change`: a session whose prompt differs from its last one starts
     /// afresh, as after `endpoint: reset` (its waiting observations are dropped too).
-    fn check_prompt(&mut self, policy: &Policy, id: Option<&wire::SessionId>, slot: &mut Slot) {
+    fn check_prompt(&mut self, policy: &Policy, id: Option<&protocol::SessionId>, slot: &mut Slot) {
         if !policy.cfg.policy.reset_on_prompt_change {
             return;
         }
@@ -632,7 +592,7 @@ where
         }
     }
 
-    fn key(&self, session: wire::SessionId) -> SessionKey {
+    fn key(&self, session: protocol::SessionId) -> SessionKey {
         SessionKey {
             conn: self.id,
             session,
@@ -645,7 +605,7 @@ where
         if !self.policy.cfg.pacing.report_skipped {
             return None;
         }
-        Plan::encode_skipped(timestep, why.as_str(), &mut self.out);
+        Dialect::encode_skipped(timestep, why.as_str(), &mut self.out);
         let msg = self.send.message(&self.out);
         self.send_msg(msg).await
     }
@@ -673,11 +633,10 @@ where
                 self.infer_busy = false;
             }
             drop(lease);
-            let (Failure::Inference(m) | Failure::Request(m)) = &f;
-            log::warn!("inference failed: {m}");
+            log::warn!("inference failed: {}", f.message());
             return self.fail(f).await;
         }
-        match crate::pacing::release(Instant::now(), slot.ticket.release_at) {
+        match crate::runtime::pacing::release(Instant::now(), slot.ticket.release_at) {
             Release::At(at) => {
                 // Keep the queue ordered by release time (it nearly always is already).
                 let pos = self
@@ -703,7 +662,7 @@ where
                 }
                 self.shared
                     .pacer
-                    .wake_at(at - crate::pacing::WAKE_LEAD, &self.wake);
+                    .wake_at(at - crate::runtime::pacing::WAKE_LEAD, &self.wake);
                 None
             }
             Release::Late => {
@@ -717,14 +676,14 @@ where
     /// Releases every held result whose time has come.
     async fn release_due(&mut self) -> Option<String> {
         loop {
-            let soon = Instant::now() + crate::pacing::WAKE_LEAD;
+            let soon = Instant::now() + crate::runtime::pacing::WAKE_LEAD;
             let due = self
                 .releasing
                 .front()
                 .map(|l| l.peek().ticket.release_at)
                 .filter(|t| t.is_none_or(|t| t <= soon));
             if let Some(at) = due? {
-                crate::pacing::spin_until(at);
+                crate::runtime::pacing::spin_until(at);
             }
             let lease = self.releasing.pop_front()?;
             if let Some(why) = self.release(lease, true).await {
@@ -751,23 +710,22 @@ where
                 p.record_latency(latency.as_secs_f64());
                 p.delay_steps(pacing.fps)
             }
-            None => crate::scheduler::delay_steps(latency.as_secs_f64(), pacing.fps),
+            None => crate::runtime::scheduler::delay_steps(latency.as_secs_f64(), pacing.fps),
         };
         let compute = match &slot.result {
             Some(Ok(s)) => s.compute,
             _ => Duration::ZERO,
         };
         let metrics = &shared.stats.metrics;
-        metrics.replied(self.dialect.route(), latency);
+        metrics.replied(self.dialect, latency);
         metrics.engine.observe(compute.as_secs_f64());
         let mut parts = ReplyParts {
             outputs: &slot.outputs,
             scratch: &mut slot.scratch,
             chunk: plan.chunk(pacing, delay_steps),
         };
-        let vllm = self.dialect == Dialect::Vllm;
+        let mut reply = plan.reply(&mut parts);
         match t.kind {
-            Kind::Infer if vllm => plan.encode_vllm(&mut parts, &mut slot.reply),
             Kind::Infer => {
                 let timing = Timing {
                     policy_infer_ms: compute.as_secs_f64() * 1e3,
@@ -775,14 +733,14 @@ where
                     prev_total_ms: self.prev_total_ms,
                 };
                 let d = pacing.reply_delay_steps.then_some(delay_steps);
-                plan.encode_openpi(&mut parts, &timing, d, &mut slot.reply);
+                self.dialect
+                    .encode_infer(&mut reply, &timing, d, &mut slot.reply);
             }
-            Kind::Observe => plan.encode_observe(
-                &mut parts,
+            Kind::Observe => self.dialect.encode_observe(
+                &mut reply,
                 (t.timestep, t.timestamp),
                 1.0 / pacing.fps,
                 delay_steps,
-                vllm,
                 &mut slot.reply,
             ),
         }
@@ -805,33 +763,28 @@ where
     /// Reports a failure in the connection's dialect. Returns why the connection ended, if
     /// it did.
     async fn fail(&mut self, f: Failure) -> Option<String> {
-        let kind = match &f {
-            Failure::Request(_) => metrics::ErrorKind::Request,
-            Failure::Inference(_) => metrics::ErrorKind::Inference,
-        };
-        self.shared.stats.metrics.error(self.dialect.route(), kind);
-        match self.dialect {
-            Dialect::Openpi => {
-                let text = match &f {
-                    Failure::Request(m) => format!("policyd: invalid request: {m}"),
-                    Failure::Inference(m) => format!("policyd: inference failed: {m}"),
-                };
+        self.shared.stats.metrics.error(self.dialect, f.kind());
+        let reply = self.dialect.encode_error(&f, &mut self.out);
+        let sent = match reply.frame {
+            Frame::Text(text) => {
                 log::info!("closing after error: {text}");
                 let _ = self.ws.send(Message::text(text.clone())).await;
-                close(&mut self.ws, CloseCode::Error, OPENPI_ERROR_REASON).await;
                 Some(text)
             }
-            Dialect::Vllm => {
-                let (message, detail) = match &f {
-                    Failure::Request(m) => ("Invalid request payload", m),
-                    Failure::Inference(m) => ("Internal inference error", m),
-                };
-                log::info!("request error: {detail}");
-                wire::encode_error_map(&mut self.out, message, detail);
+            Frame::Binary => {
+                log::info!("request error: {}", f.message());
                 let msg = self.send.message(&self.out);
-                self.send_msg(msg).await
+                if let Some(why) = self.send_msg(msg).await {
+                    return Some(why);
+                }
+                None
             }
+        };
+        if reply.close {
+            close(&mut self.ws, CloseCode::Error, OPENPI_ERROR_REASON).await;
+            return Some(sent.unwrap_or_else(|| f.message().to_string()));
         }
+        None
     }
 }
 

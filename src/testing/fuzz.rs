@@ -9,12 +9,13 @@
 
 use std::cell::RefCell;
 
+use crate::bind::{Plan, ReplyParts};
 use crate::config::Config;
 use crate::dtype::ElemType;
-use crate::engine::synthetic::HostBuffer;
 use crate::engine::{InputBuffer, IoSpec, TensorSpec};
-use crate::plan::{Plan, ReplyParts};
-use crate::wire::{self, Timing};
+use crate::policy::budget::Budget;
+use crate::protocol::{self, Dialect, Timing};
+use crate::testing::synthetic::HostBuffer;
 
 /// Binding sets a decoded frame is checked against (the first input byte picks one). Keys
 /// match the golden fixtures', so seeds made from them reach the transforms.
@@ -230,11 +231,11 @@ pub fn decode(data: &[u8]) {
         }
         let c = &mut cases[pick as usize % n];
         let decoded = c.plan.decode(frame, &mut c.inputs, &mut c.seen);
-        let _ = wire::peek_policy(frame, &c.plan.limits);
+        let _ = protocol::peek_policy(frame, &c.plan.limits);
         let Ok(meta) = decoded else { return };
         let _ = meta.observed_at();
         let _ = c.plan.prompt_hash(&mut c.inputs);
-        let mut state = [0f64; crate::config::MAX_SIMILARITY_STATE];
+        let mut state = [0f64; crate::limits::MAX_SIMILARITY_STATE];
         let _ = c.plan.similarity_state(&mut c.inputs, &mut state);
         for out in &mut c.outputs {
             for (i, b) in out.iter_mut().enumerate() {
@@ -253,21 +254,20 @@ pub fn decode(data: &[u8]) {
             server_infer_ms: 2.0,
             prev_total_ms: Some(3.0),
         };
-        c.plan
-            .encode_openpi(&mut parts, &timing, Some(delay), &mut c.reply);
+        let mut reply = c.plan.reply(&mut parts);
+        Dialect::Openpi.encode_infer(&mut reply, &timing, Some(delay), &mut c.reply);
         assert!(
             c.reply.len() <= c.plan.reply_capacity,
             "reply over its capacity"
         );
-        c.plan.encode_vllm(&mut parts, &mut c.reply);
-        c.plan.encode_observe(
-            &mut parts,
-            (7, 0.25),
-            1.0 / 30.0,
-            delay,
-            pick % 2 == 0,
-            &mut c.reply,
-        );
+        let mut reply = c.plan.reply(&mut parts);
+        Dialect::Vllm.encode_infer(&mut reply, &timing, None, &mut c.reply);
+        let dialect = if pick % 2 == 0 {
+            Dialect::Vllm
+        } else {
+            Dialect::Openpi
+        };
+        dialect.encode_observe(&mut reply, (7, 0.25), 1.0 / 30.0, delay, &mut c.reply);
         assert!(
             c.reply.len() <= c.plan.reply_capacity,
             "reply over its capacity"
@@ -287,7 +287,7 @@ pub fn config(data: &[u8]) {
     for c in cfg.policy_configs() {
         let io = io_for(&c);
         if let Ok(plan) = Plan::compile(&c, &io) {
-            let _ = plan.budget.render();
+            let _ = Budget::compute(&c, &plan).render();
         }
     }
 }

@@ -34,7 +34,7 @@ const LEN_DIGITS: usize = 20;
 /// Length of a complete marker.
 pub const MARKER_LEN: usize = MARKER_PREFIX.len() + LEN_DIGITS + 1;
 /// Read-ahead buffer for headers (and the bytes a client sent right after its HTTP head).
-pub const INBUF: usize = 16 * 1024;
+pub const INBUF: usize = crate::limits::FRAME_GUARD_BUFFER;
 /// Largest frame header: 2 bytes, 8 of extended length, 4 of mask.
 const MAX_HEADER: usize = 14;
 

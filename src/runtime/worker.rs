@@ -13,11 +13,11 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::{Notify, Semaphore};
 
-use crate::config::MAX_SLOTS;
+use crate::bind::Plan;
 use crate::engine::{Engine, EngineError, InputBuffer, RunStats};
-use crate::plan::Plan;
-use crate::scheduler::{Kind, Pushed, Scheduler, SessionKey};
-use crate::wire::SessionId;
+use crate::limits::MAX_SLOTS;
+use crate::protocol::SessionId;
+use crate::runtime::scheduler::{Kind, Pushed, Scheduler, SessionKey};
 
 /// What a request is, carried with its slot from decode to release.
 #[derive(Clone, Debug)]

@@ -1,7 +1,7 @@
 //! Static configuration: the TOML file, parsed and value-checked once at start-up.
 //!
 //! Every size policyd uses comes from here. This module checks each value on its own (ranges,
-//! names, lengths) and names the key in every error; [`crate::plan`] then checks the bindings
+//! names, lengths) and names the key in every error; [`crate::bind`] then checks the bindings
 //! against the engine's real inputs and outputs and computes the memory budget.
 
 use std::path::{Path, PathBuf};
@@ -10,7 +10,11 @@ use serde::Deserialize;
 
 use crate::dtype::ElemType;
 use crate::engine::ModelSource;
-use crate::wire::{MAX_PATH, RESERVED_KEYS};
+use crate::limits::{
+    MAX_ELEMENTS, MAX_LATENCY_WINDOW, MAX_PATH, MAX_POLICIES, MAX_POLICY_NAME,
+    MAX_SIMILARITY_STATE, MAX_SLOTS, element_count,
+};
+use crate::protocol::RESERVED_KEYS;
 
 /// A configuration error. The message names the config key and what to fix.
 #[derive(Debug, thiserror::Error)]
@@ -120,11 +124,6 @@ pub struct PolicyConfig {
     pub model: Option<ModelSource>,
 }
 
-/// Longest policy name (it travels in paths and messages).
-pub const MAX_POLICY_NAME: usize = 64;
-/// Most policies one config may declare.
-pub const MAX_POLICIES: usize = 16;
-
 /// `[tls]`: serve `wss://` (and `https://` health) with this certificate and key (PEM),
 /// relative to the config file. Both or neither.
 #[derive(Clone, Debug, Default, Deserialize)]
@@ -134,7 +133,7 @@ pub struct TlsConfig {
     pub key: Option<PathBuf>,
     /// The acceptor, built at start-up.
     #[serde(skip)]
-    pub acceptor: Option<crate::tls::Tls>,
+    pub acceptor: Option<crate::net::tls::Tls>,
 }
 
 /// `[planner]`: a vision-language model behind an OpenAI-compatible chat-completions API that
@@ -246,7 +245,7 @@ pub struct AuthConfig {
     pub protect_metrics: bool,
     /// The keys, read and checked at start-up.
     #[serde(skip)]
-    pub keys: crate::auth::ApiKeys,
+    pub keys: crate::net::auth::ApiKeys,
 }
 
 impl Default for AuthConfig {
@@ -306,6 +305,16 @@ pub struct ServerConfig {
     /// Memory the policies may allocate at start-up, in MiB (0 = unchecked): a config whose
     /// policies need more is refused, naming each policy's share.
     pub memory_budget_mb: u64,
+}
+
+impl ServerConfig {
+    pub fn reset_reply(&self) -> crate::protocol::dialect::ResetReply {
+        if self.reset_reply == "text" {
+            crate::protocol::dialect::ResetReply::Text
+        } else {
+            crate::protocol::dialect::ResetReply::Msgpack
+        }
+    }
 }
 
 impl Default for ServerConfig {
@@ -385,25 +394,6 @@ pub const BACKENDS: &str = match (cfg!(feature = "cpu"), cfg!(feature = "tensorr
     (false, true) => "tensorrt",
     (false, false) => "none",
 };
-
-/// Largest `engine.slots` (the scheduler's queue is a fixed array of this size).
-pub const MAX_SLOTS: usize = 64;
-/// Largest `pacing.latency_window` (the window is a fixed array per session).
-pub const MAX_LATENCY_WINDOW: usize = 256;
-/// Largest state vector the similarity filter keeps per session.
-pub const MAX_SIMILARITY_STATE: usize = 64;
-/// The most elements one binding's shape (or `engine_shape`) may hold: 2^31, 8 GiB as
-/// float32, far beyond any observation, and small enough that every buffer size computed from
-/// it fits a usize. The config fuzzer found a shape whose product overflowed.
-pub const MAX_ELEMENTS: usize = 1 << 31;
-
-/// The number of elements in `shape`, if it is at most [`MAX_ELEMENTS`].
-pub fn element_count(shape: &[usize]) -> Option<usize> {
-    shape
-        .iter()
-        .try_fold(1usize, |n, &d| n.checked_mul(d))
-        .filter(|&n| n <= MAX_ELEMENTS)
-}
 
 /// [`element_count`], or an error naming `key`.
 fn elements(key: &str, shape: &[usize]) -> Result<usize, ConfigError> {
@@ -628,10 +618,10 @@ impl Config {
         // Files named in the config are relative to its folder.
         let resolve = |f: &PathBuf| base.map_or_else(|| f.clone(), |b| b.join(f));
         let key_file = cfg.auth.key_file.as_ref().map(resolve);
-        cfg.auth.keys = crate::auth::ApiKeys::load(&cfg.auth.api_keys, key_file.as_deref())?;
+        cfg.auth.keys = crate::net::auth::ApiKeys::load(&cfg.auth.api_keys, key_file.as_deref())?;
         cfg.tls.acceptor = match (&cfg.tls.cert, &cfg.tls.key) {
             (None, None) => None,
-            (Some(c), Some(k)) => Some(crate::tls::Tls::load(&resolve(c), &resolve(k))?),
+            (Some(c), Some(k)) => Some(crate::net::tls::Tls::load(&resolve(c), &resolve(k))?),
             (Some(_), None) => return Err(invalid("tls.key", "missing: tls.cert needs its key")),
             (None, Some(_)) => {
                 return Err(invalid(
@@ -654,8 +644,23 @@ impl Config {
         Ok(cfg)
     }
 
+    /// Applies the command line's `--host`/`--port` and checks the result again.
+    pub fn override_listen(
+        &mut self,
+        host: Option<&str>,
+        port: Option<u16>,
+    ) -> Result<(), ConfigError> {
+        if let Some(h) = host {
+            self.server.host = h.to_string();
+        }
+        if let Some(p) = port {
+            self.server.port = p;
+        }
+        self.validate()
+    }
+
     /// Checks every value on its own, each policy's too; engine-dependent checks are in
-    /// [`crate::plan`].
+    /// [`crate::bind`].
     pub fn validate(&self) -> Result<(), ConfigError> {
         if self.policies.is_empty() {
             return self.validate_one();
@@ -843,12 +848,12 @@ impl Config {
         if s.handshake_timeout_s <= 0.0 {
             return Err(invalid("server.handshake_timeout_s", "must be positive"));
         }
-        if s.max_sessions == 0 || s.max_sessions > crate::session::MAX_SESSIONS {
+        if s.max_sessions == 0 || s.max_sessions > crate::limits::MAX_SESSIONS {
             return Err(invalid(
                 "server.max_sessions",
                 format!(
                     "must be between 1 and {}, got {}",
-                    crate::session::MAX_SESSIONS,
+                    crate::limits::MAX_SESSIONS,
                     s.max_sessions
                 ),
             ));
@@ -1062,10 +1067,10 @@ impl Config {
                     ));
                 }
             }
-            if b.shape.len() > crate::wire::MAX_RANK {
+            if b.shape.len() > crate::limits::MAX_RANK {
                 return Err(invalid(
                     k("shape"),
-                    format!("rank {} exceeds {}", b.shape.len(), crate::wire::MAX_RANK),
+                    format!("rank {} exceeds {}", b.shape.len(), crate::limits::MAX_RANK),
                 ));
             }
             if b.shape.contains(&0) {
@@ -1073,12 +1078,12 @@ impl Config {
             }
             let count = elements(&k("shape"), &b.shape)?;
             if let Some(es) = &b.engine_shape {
-                if es.is_empty() || es.len() > crate::wire::MAX_RANK || es.contains(&0) {
+                if es.is_empty() || es.len() > crate::limits::MAX_RANK || es.contains(&0) {
                     return Err(invalid(
                         k("engine_shape"),
                         format!(
                             "needs 1 to {} positive dimensions, got {es:?}",
-                            crate::wire::MAX_RANK
+                            crate::limits::MAX_RANK
                         ),
                     ));
                 }
@@ -1563,12 +1568,12 @@ tensor = "actions"
     #[test]
     fn the_packaged_default_config_serves_the_demo_bindings() {
         let packaged = Config::parse(
-            include_str!("../systemd/policyd.toml"),
+            include_str!("../../systemd/policyd.toml"),
             "systemd/policyd.toml",
             None,
         )
         .unwrap();
-        let demo = Config::parse(include_str!("../configs/aloha.toml"), "aloha", None).unwrap();
+        let demo = Config::parse(include_str!("../../configs/aloha.toml"), "aloha", None).unwrap();
         assert_eq!(
             format!("{:?}", packaged.inputs),
             format!("{:?}", demo.inputs)

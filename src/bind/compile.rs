@@ -1,0 +1,379 @@
+//! Compiling a policy's bindings: every `[[inputs]]`/`[[outputs]]` entry checked against the
+//! engine's I/O (names, dtypes, shapes, layouts, normalisation) and turned into transforms.
+
+use super::{InputBinding, OutputBinding, Plan, PlannerTap};
+use crate::config::{Config, ConfigError, invalid};
+use crate::dtype::ElemType;
+use crate::engine::IoSpec;
+use crate::protocol::{self, Encoder, Limits};
+use crate::transform::{Affine, Transform};
+
+/// Checks `[planner]`'s bindings against the compiled inputs and makes the link.
+fn planner_tap(
+    cfg: &Config,
+    inputs: &[InputBinding],
+    io: &IoSpec,
+) -> Result<Option<PlannerTap>, ConfigError> {
+    let p = &cfg.planner;
+    if !p.enabled {
+        return Ok(None);
+    }
+    let keys = || {
+        inputs
+            .iter()
+            .map(|b| format!("\"{}\"", b.key))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let prompt = inputs
+        .iter()
+        .position(|b| b.key == p.prompt_key)
+        .ok_or_else(|| {
+            invalid(
+                "planner.prompt_key",
+                format!(
+                    "no input binding has key \"{}\" (the inputs are {})",
+                    p.prompt_key,
+                    keys()
+                ),
+            )
+        })?;
+    if !inputs[prompt].text {
+        return Err(invalid(
+            "planner.prompt_key",
+            format!(
+                "\"{}\" is not a text binding (dtypes = [\"text\"]): the subtask is a string",
+                p.prompt_key
+            ),
+        ));
+    }
+    let max_subtask = io.inputs[inputs[prompt].index].elements();
+    let (camera, geometry) = match &p.camera {
+        None => (None, None),
+        Some(key) => {
+            let i = inputs.iter().position(|b| &b.key == key).ok_or_else(|| {
+                invalid(
+                    "planner.camera",
+                    format!(
+                        "no input binding has key \"{key}\" (the inputs are {})",
+                        keys()
+                    ),
+                )
+            })?;
+            let b = &inputs[i];
+            let g = crate::planner::Geometry::of(&b.shape);
+            let u8_ok = b.accepted.iter().any(|(t, _)| *t == ElemType::U8);
+            match g {
+                Some(g) if u8_ok && !b.text => (Some(i), Some(g)),
+                _ => {
+                    return Err(invalid(
+                        "planner.camera",
+                        format!(
+                            "\"{key}\" must be an image binding that accepts uint8, shaped \
+                             [H, W, C] or [C, H, W] with 1, 3 or 4 channels (got shape {:?})",
+                            b.shape
+                        ),
+                    ));
+                }
+            }
+        }
+    };
+    Ok(Some(PlannerTap {
+        link: std::sync::Arc::new(crate::planner::Link::new(p, geometry, max_subtask)),
+        prompt,
+        camera,
+    }))
+}
+
+/// Drops leading size-1 axes while more than `min_rank` remain.
+fn squeeze_to(shape: &[usize], min_rank: usize) -> &[usize] {
+    let mut s = shape;
+    while s.len() > min_rank && s.first() == Some(&1) {
+        s = &s[1..];
+    }
+    s
+}
+
+impl Plan {
+    /// Checks `cfg`'s bindings against the engine's I/O and compiles them.
+    pub fn compile(cfg: &Config, io: &IoSpec) -> Result<Plan, ConfigError> {
+        let names = |specs: &[crate::engine::TensorSpec]| {
+            specs
+                .iter()
+                .map(|s| format!("'{}' {} {:?}", s.name, s.dtype, s.shape))
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        io.check_sizes().map_err(|m| invalid("engine.model", m))?;
+        let mut inputs = Vec::new();
+        for (i, b) in cfg.inputs.iter().enumerate() {
+            let k = |f: &str| format!("inputs[{i}].{f}");
+            let index = io
+                .inputs
+                .iter()
+                .position(|s| s.name == b.tensor)
+                .ok_or_else(|| {
+                    invalid(
+                        k("tensor"),
+                        format!(
+                            "the model has no input '{}'; its inputs are: {}",
+                            b.tensor,
+                            names(&io.inputs)
+                        ),
+                    )
+                })?;
+            let spec = &io.inputs[index];
+            let rank = b.shape.len();
+            let mut perm: Vec<usize> = (0..rank).collect();
+            if let Some(p) = b.layout().perm() {
+                for (j, &pj) in p.iter().enumerate() {
+                    perm[rank - 3 + j] = rank - 3 + pj;
+                }
+            }
+            let seen_by_engine: Vec<usize> = perm.iter().map(|&p| b.shape[p]).collect();
+            if squeeze_to(&spec.shape, rank) != seen_by_engine.as_slice() {
+                return Err(invalid(
+                    k("shape"),
+                    format!(
+                        "wire shape {:?}{} does not match model input '{}' of shape {:?}",
+                        b.shape,
+                        if b.layout().perm().is_some() {
+                            format!(" (after layout: {seen_by_engine:?})")
+                        } else {
+                            String::new()
+                        },
+                        spec.name,
+                        spec.shape
+                    ),
+                ));
+            }
+            if b.is_text() && matches!(spec.dtype, ElemType::Bool | ElemType::F16) {
+                return Err(invalid(
+                    k("tensor"),
+                    format!(
+                        "text goes into an integer or float input; '{}' is {}",
+                        spec.name, spec.dtype
+                    ),
+                ));
+            }
+            let affine = Affine::normalize(b.scale, b.offset, &b.mean, &b.std);
+            let inputs_affine = affine.clone();
+            let accepted = b
+                .dtypes()
+                .into_iter()
+                .map(|t| {
+                    let tr = if perm.iter().enumerate().all(|(j, &p)| j == p) {
+                        Transform::elementwise(t, spec.dtype, spec.elements(), affine.clone())
+                    } else {
+                        Transform::permuted(t, spec.dtype, &b.shape, &perm, affine.clone())
+                    };
+                    (t, tr)
+                })
+                .collect();
+            inputs.push(InputBinding {
+                key: b.key.clone(),
+                index,
+                accepted,
+                shape: b.shape.clone(),
+                engine_type: spec.dtype,
+                affine,
+                optional: b.optional,
+                fill: b.fill,
+                text: b.is_text(),
+                scalar: if spec.elements() == 1 && !b.is_text() {
+                    let affine = &inputs_affine;
+                    crate::dtype::ALL_ELEM_TYPES
+                        .iter()
+                        .map(|&t| Transform::elementwise(t, spec.dtype, 1, affine.clone()))
+                        .collect()
+                } else {
+                    Vec::new()
+                },
+            });
+        }
+        for spec in &io.inputs {
+            if !cfg.inputs.iter().any(|b| b.tensor == spec.name) {
+                return Err(invalid(
+                    "inputs",
+                    format!(
+                        "model input '{}' {} {:?} has no [[inputs]] binding; every model input needs one",
+                        spec.name, spec.dtype, spec.shape
+                    ),
+                ));
+            }
+        }
+
+        let mut outputs = Vec::new();
+        for (i, o) in cfg.outputs.iter().enumerate() {
+            let k = |f: &str| format!("outputs[{i}].{f}");
+            let index = io
+                .outputs
+                .iter()
+                .position(|s| s.name == o.tensor)
+                .ok_or_else(|| {
+                    invalid(
+                        k("tensor"),
+                        format!(
+                            "the model has no output '{}'; its outputs are: {}",
+                            o.tensor,
+                            names(&io.outputs)
+                        ),
+                    )
+                })?;
+            let spec = &io.outputs[index];
+            let src_shape: Vec<usize> = squeeze_to(&spec.shape, 2).to_vec();
+            let last = *src_shape.last().unwrap_or(&1);
+            let cols = o.columns.unwrap_or(last);
+            if cols > last {
+                return Err(invalid(
+                    k("columns"),
+                    format!(
+                        "{cols} exceeds the last axis of output '{}' {:?}",
+                        spec.name, spec.shape
+                    ),
+                ));
+            }
+            let mut shape = src_shape.clone();
+            if let Some(l) = shape.last_mut() {
+                *l = cols;
+            }
+            let total: usize = shape.iter().product();
+            if !o.mean.is_empty() && ![1, cols, total].contains(&o.mean.len()) {
+                return Err(invalid(
+                    k("mean"),
+                    format!(
+                        "has {} values; give 1, one per action dimension ({cols}), or one per element ({total})",
+                        o.mean.len()
+                    ),
+                ));
+            }
+            let affine = Affine::unnormalize(&o.mean, &o.std);
+            let src_shape = if src_shape.is_empty() {
+                vec![1]
+            } else {
+                src_shape
+            };
+            let shape = if shape.is_empty() { vec![1] } else { shape };
+            outputs.push(OutputBinding {
+                key: o.key.clone(),
+                index,
+                openpi: Transform::first_columns(
+                    spec.dtype,
+                    o.dtype(),
+                    &src_shape,
+                    cols,
+                    affine.clone(),
+                ),
+                vllm: Transform::first_columns(spec.dtype, ElemType::F32, &src_shape, cols, affine),
+                shape,
+            });
+        }
+        check_vllm_metadata(cfg, &outputs)?;
+
+        let mut metadata = Vec::new();
+        protocol::encode_toml(
+            &mut Encoder { buf: &mut metadata },
+            &toml::Value::Table(cfg.metadata.clone()),
+        );
+        let horizon = outputs
+            .iter()
+            .find(|o| o.shape.len() >= 2)
+            .map_or(1, |o| o.shape[0]);
+        let scratch_bytes = outputs
+            .iter()
+            .map(|o| o.openpi.dst_bytes().max(o.vllm.dst_bytes()))
+            .max()
+            .unwrap_or(0);
+        // Map header, timing, `delay_steps`, and an `observe` push's extra keys with its two
+        // [H] arrays of timesteps and timestamps.
+        let push_extras = 64 + 2 * Encoder::ndarray_size(&[horizon], 8 * horizon);
+        let reply_capacity = 16
+            + protocol::TIMING_SIZE
+            + push_extras
+            + outputs
+                .iter()
+                .map(|o| {
+                    5 + o.key.len()
+                        + Encoder::ndarray_size(
+                            &o.shape,
+                            o.openpi.dst_bytes().max(o.vllm.dst_bytes()),
+                        )
+                })
+                .sum::<usize>();
+        let planner = planner_tap(cfg, &inputs, io)?;
+        Ok(Plan {
+            inputs,
+            outputs,
+            io: io.clone(),
+            limits: Limits {
+                max_depth: cfg.server.max_depth,
+                max_entries: cfg.server.max_map_entries,
+            },
+            metadata,
+            reply_capacity,
+            scratch_bytes,
+            horizon,
+            similarity_input: (cfg.pacing.similarity_atol > 0.0)
+                .then(|| {
+                    cfg.inputs
+                        .iter()
+                        .position(|b| b.key == cfg.pacing.similarity_key)
+                })
+                .flatten(),
+            planner,
+        })
+    }
+}
+
+/// vllm-omni clients build their loop from `action_horizon`, `action_dim` and `action_keys`:
+/// where the metadata gives them, they must match the outputs.
+fn check_vllm_metadata(cfg: &Config, outputs: &[OutputBinding]) -> Result<(), ConfigError> {
+    let m = &cfg.metadata;
+    if let Some(h) = m.get("action_horizon") {
+        let h = h
+            .as_integer()
+            .ok_or_else(|| invalid("metadata.action_horizon", "must be an integer"))?;
+        for o in outputs {
+            let got = o
+                .shape
+                .get(o.shape.len().saturating_sub(2))
+                .copied()
+                .unwrap_or(1);
+            if o.shape.len() < 2 || got as i64 != h {
+                return Err(invalid(
+                    "metadata.action_horizon",
+                    format!("is {h} but output '{}' has shape {:?}", o.key, o.shape),
+                ));
+            }
+        }
+    }
+    if let Some(d) = m.get("action_dim") {
+        let d = d
+            .as_integer()
+            .ok_or_else(|| invalid("metadata.action_dim", "must be an integer"))?;
+        for o in outputs {
+            if o.shape.last().copied().unwrap_or(0) as i64 != d {
+                return Err(invalid(
+                    "metadata.action_dim",
+                    format!("is {d} but output '{}' has shape {:?}", o.key, o.shape),
+                ));
+            }
+        }
+    }
+    if let Some(keys) = m.get("action_keys") {
+        let mut want: Vec<&str> = keys
+            .as_array()
+            .map(|a| a.iter().filter_map(|k| k.as_str()).collect())
+            .unwrap_or_default();
+        let mut have: Vec<&str> = outputs.iter().map(|o| o.key.as_str()).collect();
+        want.sort_unstable();
+        have.sort_unstable();
+        if want != have {
+            return Err(invalid(
+                "metadata.action_keys",
+                format!("is {want:?} but the outputs' keys are {have:?}"),
+            ));
+        }
+    }
+    Ok(())
+}

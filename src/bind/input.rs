@@ -1,0 +1,320 @@
+//! Writing a request's values into a slot: the decoder's [`Visitor`] converting each bound
+//! value straight into its engine input buffer, text bindings, fill values for what the
+//! request left out.
+
+use super::{InputBinding, Plan};
+use crate::dtype::{ElemType, WireDType};
+use crate::engine::InputBuffer;
+use crate::protocol::{self, Value, Visitor, WireError};
+use crate::transform::{Affine, load_f64};
+
+impl Plan {
+    /// Decodes a request frame straight into one slot's input buffers. Inputs the request
+    /// leaves out are filled if optional; a missing required input is an error.
+    pub fn decode(
+        &self,
+        frame: &[u8],
+        bufs: &mut [Box<dyn InputBuffer>],
+        seen: &mut [bool],
+    ) -> Result<protocol::RequestMeta, WireError> {
+        seen.iter_mut().for_each(|s| *s = false);
+        let mut w = SlotWriter {
+            plan: self,
+            bufs,
+            seen,
+        };
+        let meta = protocol::decode_request(frame, &self.limits, &mut w)?;
+        if meta.endpoint == protocol::Endpoint::Reset {
+            return Ok(meta);
+        }
+        if let Some(tap) = &self.planner {
+            let b = &self.inputs[tap.prompt];
+            let sent = w.seen[tap.prompt];
+            if !sent || tap.link.planner_first {
+                let subtask = tap.link.subtask();
+                if let Some(s) = subtask.as_deref() {
+                    // The planner checked the length; a failure leaves the client's prompt.
+                    if write_text(b, None, s.as_bytes(), w.bufs[b.index].bytes_mut()).is_ok() {
+                        w.seen[tap.prompt] = true;
+                    }
+                }
+            }
+        }
+        for (i, (b, seen)) in self.inputs.iter().zip(w.seen.iter()).enumerate() {
+            if !*seen {
+                if !b.optional {
+                    if self.planner.as_ref().is_some_and(|t| t.prompt == i) {
+                        return Err(WireError::NoSubtaskYet { key: b.key.clone() });
+                    }
+                    return Err(WireError::MissingKey { key: b.key.clone() });
+                }
+                crate::transform::fill_bytes(b.engine_type, b.fill, w.bufs[b.index].bytes_mut());
+            }
+        }
+        Ok(meta)
+    }
+
+    /// A hash of what the text bindings (the prompt) put in the engine inputs, for
+    /// `reset_on_prompt_change` (FNV-1a: a few hundred bytes, no allocation).
+    pub fn prompt_hash(&self, bufs: &mut [Box<dyn InputBuffer>]) -> u64 {
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        for b in self.inputs.iter().filter(|b| b.text) {
+            for &byte in bufs[b.index].bytes_mut().iter() {
+                h = (h ^ u64::from(byte)).wrapping_mul(0x0100_0000_01b3);
+            }
+        }
+        h
+    }
+
+    /// Fills every input with its fill value (for warm-up).
+    pub fn fill_all(&self, bufs: &mut [Box<dyn InputBuffer>]) {
+        for b in &self.inputs {
+            crate::transform::fill_bytes(b.engine_type, b.fill, bufs[b.index].bytes_mut());
+        }
+    }
+
+    /// The raw (pre-normalisation) values of the similarity filter's input, from a decoded
+    /// slot, into `out`. `None` when the filter is off.
+    pub fn similarity_state<'o>(
+        &self,
+        bufs: &mut [Box<dyn InputBuffer>],
+        out: &'o mut [f64; crate::limits::MAX_SIMILARITY_STATE],
+    ) -> Option<&'o [f64]> {
+        let b = &self.inputs[self.similarity_input?];
+        let data = bufs[b.index].bytes_mut();
+        let n = (data.len() / b.engine_type.size()).min(out.len());
+        for (i, v) in out[..n].iter_mut().enumerate() {
+            let x = load_f64(b.engine_type, data, i);
+            *v = match &b.affine {
+                Affine::Scalar { a, b } => (x - b) / a,
+                Affine::Indexed { a, b } => {
+                    let k = i % a.len();
+                    (x - b[k]) / a[k]
+                }
+            };
+        }
+        Some(&out[..n])
+    }
+}
+
+/// Writes bound values into a slot's input buffers.
+struct SlotWriter<'a> {
+    plan: &'a Plan,
+    bufs: &'a mut [Box<dyn InputBuffer>],
+    seen: &'a mut [bool],
+}
+
+fn dtype_name(d: WireDType) -> String {
+    match d {
+        WireDType::Num(t, _) => t.name().to_string(),
+        WireDType::Unicode(n, _) => format!("str{n} (<U{n})"),
+        WireDType::Bytes(n) => format!("bytes{n} (|S{n})"),
+    }
+}
+
+impl Visitor for SlotWriter<'_> {
+    fn binding(&self, path: &[u8]) -> Option<usize> {
+        self.plan
+            .inputs
+            .iter()
+            .position(|b| b.key.as_bytes() == path)
+    }
+
+    fn value(&mut self, i: usize, _path: &[u8], value: Value<'_>) -> Result<(), WireError> {
+        let b = &self.plan.inputs[i];
+        if std::mem::replace(&mut self.seen[i], true) {
+            return Err(WireError::DuplicateKey { key: b.key.clone() });
+        }
+        let expected_types = || {
+            b.accepted
+                .iter()
+                .map(|(t, _)| t.name())
+                .collect::<Vec<_>>()
+                .join(" or ")
+        };
+        let a = match value {
+            Value::Array(a) if b.text => {
+                return Err(WireError::ExpectedText {
+                    key: b.key.clone(),
+                    got: dtype_name(a.declared),
+                });
+            }
+            Value::Text { dtype, data } if b.text => {
+                write_text(b, dtype, data, self.bufs[b.index].bytes_mut())?;
+                if let Some(tap) = &self.plan.planner
+                    && tap.prompt == i
+                    && tap.link.planner_first
+                {
+                    // The client's prompt is the planner's instruction (valid UTF-8 by now).
+                    match dtype {
+                        None | Some(WireDType::Bytes(_)) => {
+                            let end = data.iter().rposition(|&c| c != 0).map_or(0, |e| e + 1);
+                            tap.link.client_instruction(&data[..end]);
+                        }
+                        // UTF-32: re-read as the UTF-8 bytes just written (rare; allocates).
+                        Some(_) => {
+                            let buf = self.bufs[b.index].bytes_mut();
+                            let t = b.engine_type;
+                            let bytes: Vec<u8> = (0..buf.len() / t.size())
+                                .map(|k| load_f64(t, buf, k))
+                                .take_while(|&v| v != b.fill)
+                                .map(|v| v as u8)
+                                .collect();
+                            tap.link.client_instruction(&bytes);
+                        }
+                    }
+                }
+                return Ok(());
+            }
+            Value::Array(a) => a,
+            Value::Text { dtype, .. } => {
+                return Err(WireError::WrongDType {
+                    key: b.key.clone(),
+                    expected: expected_types(),
+                    got: dtype.map(dtype_name).unwrap_or_else(|| "text".into()),
+                });
+            }
+        };
+        let declared = match a.declared {
+            WireDType::Num(t, _) => t,
+            other => {
+                return Err(WireError::WrongDType {
+                    key: b.key.clone(),
+                    expected: expected_types(),
+                    got: dtype_name(other),
+                });
+            }
+        };
+        let pos = b.accepted.iter().position(|(t, _)| *t == declared);
+        if pos.is_none() && !a.native {
+            return Err(WireError::WrongDType {
+                key: b.key.clone(),
+                expected: expected_types(),
+                got: declared.name().into(),
+            });
+        }
+        if a.shape.as_slice() != b.shape.as_slice() {
+            return Err(WireError::WrongShape {
+                key: b.key.clone(),
+                expected: b.shape.clone(),
+                got: a.shape.to_vec(),
+            });
+        }
+        if let Some(tap) = &self.plan.planner
+            && tap.camera == Some(i)
+            && a.storage == ElemType::U8
+        {
+            tap.link.offer_image(a.data);
+        }
+        let dst = self.bufs[b.index].bytes_mut();
+        let ok = match pos {
+            Some(p) if b.accepted[p].0 == a.storage => b.accepted[p].1.apply(a.data, a.order, dst),
+            // A scalar whose value travels in another type (openpi sends a float32 scalar as a
+            // msgpack float64, and plain msgpack numbers carry no dtype): convert from storage.
+            _ => b
+                .scalar
+                .get(a.storage as usize)
+                .is_some_and(|t| t.apply(a.data, a.order, dst)),
+        };
+        if !ok {
+            return Err(WireError::BadArray {
+                key: b.key.clone(),
+                reason: "data does not fit the engine input".into(),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// Writes a string into a text binding's buffer: its UTF-8 bytes, one per element, then the
+/// binding's fill value. numpy `U` strings (UTF-32) are re-encoded; `S` strings drop numpy's
+/// NUL padding.
+fn write_text(
+    b: &InputBinding,
+    dtype: Option<WireDType>,
+    data: &[u8],
+    dst: &mut [u8],
+) -> Result<(), WireError> {
+    let size = b.engine_type.size();
+    let max = dst.len() / size;
+    let too_long = |got| WireError::TextTooLong {
+        key: b.key.clone(),
+        max,
+        got,
+    };
+    let mut n = 0usize;
+    let mut put = |byte: u8, dst: &mut [u8]| -> Result<(), usize> {
+        if n == max {
+            return Err(n + 1);
+        }
+        crate::transform::fill_bytes(b.engine_type, f64::from(byte), &mut dst[n * size..][..size]);
+        n += 1;
+        Ok(())
+    };
+    match dtype {
+        Some(WireDType::Unicode(_, order)) => {
+            let mut utf8 = [0u8; 4];
+            for unit in data.chunks_exact(4) {
+                let raw = [unit[0], unit[1], unit[2], unit[3]];
+                let cp = match order {
+                    crate::dtype::ByteOrder::Little => u32::from_le_bytes(raw),
+                    crate::dtype::ByteOrder::Big => u32::from_be_bytes(raw),
+                };
+                if cp == 0 {
+                    break;
+                }
+                let c = char::from_u32(cp).ok_or_else(|| WireError::BadText {
+                    key: b.key.clone(),
+                    encoding: "UTF-32",
+                })?;
+                for &byte in c.encode_utf8(&mut utf8).as_bytes() {
+                    put(byte, dst).map_err(|_| too_long(n_utf8_total(data, order)))?;
+                }
+            }
+        }
+        Some(WireDType::Bytes(_)) | None => {
+            let end = if matches!(dtype, Some(WireDType::Bytes(_))) {
+                data.iter().rposition(|&c| c != 0).map_or(0, |i| i + 1)
+            } else {
+                data.len()
+            };
+            let text = &data[..end];
+            if std::str::from_utf8(text).is_err() {
+                return Err(WireError::BadText {
+                    key: b.key.clone(),
+                    encoding: "UTF-8",
+                });
+            }
+            if text.len() > max {
+                return Err(too_long(text.len()));
+            }
+            for &byte in text {
+                let _ = put(byte, dst);
+            }
+        }
+        Some(other) => {
+            return Err(WireError::ExpectedText {
+                key: b.key.clone(),
+                got: dtype_name(other),
+            });
+        }
+    }
+    crate::transform::fill_bytes(b.engine_type, b.fill, &mut dst[n * size..]);
+    Ok(())
+}
+
+/// The UTF-8 length of a UTF-32 string (for the error message only).
+fn n_utf8_total(data: &[u8], order: crate::dtype::ByteOrder) -> usize {
+    data.chunks_exact(4)
+        .map(|u| {
+            let raw = [u[0], u[1], u[2], u[3]];
+            match order {
+                crate::dtype::ByteOrder::Little => u32::from_le_bytes(raw),
+                crate::dtype::ByteOrder::Big => u32::from_be_bytes(raw),
+            }
+        })
+        .take_while(|&cp| cp != 0)
+        .filter_map(char::from_u32)
+        .map(char::len_utf8)
+        .sum()
+}

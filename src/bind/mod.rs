@@ -1,0 +1,344 @@
+//! How do a frame's values reach the engine, and the engine's outputs the reply? The bindings
+//! of one policy, checked against its engine's real inputs and outputs and compiled once
+//! ([`compile`]): the request path then makes no decisions. It looks up a key and applies a
+//! precompiled transform into a preallocated slot buffer ([`input`]), and cuts and converts
+//! outputs into the reply ([`output`]), which the dialect frames.
+//!
+//! Like tract's typed pipeline (parse, check, optimise, run), a [`Plan`] is immutable once
+//! compiled; the run state lives in the runtime's slots.
+
+mod compile;
+mod input;
+mod output;
+
+pub use output::{Chunk, Reply, ReplyParts};
+
+use crate::dtype::ElemType;
+use crate::engine::IoSpec;
+use crate::protocol::Limits;
+use crate::transform::{Affine, Transform};
+
+/// One observation key bound to one engine input.
+#[derive(Debug)]
+pub struct InputBinding {
+    pub key: String,
+    /// Index into the engine's inputs.
+    pub index: usize,
+    /// Accepted wire dtypes, each with its compiled transform.
+    pub accepted: Vec<(ElemType, Transform)>,
+    /// Expected wire shape.
+    pub shape: Vec<usize>,
+    pub engine_type: ElemType,
+    pub affine: Affine,
+    pub optional: bool,
+    pub fill: f64,
+    /// A text binding: the string's UTF-8 bytes, one per element, then `fill`.
+    pub text: bool,
+    /// For a one-element input: a transform from each storage type (indexed by `ElemType as
+    /// usize`), since scalars travel as native msgpack numbers of any type.
+    pub scalar: Vec<Transform>,
+}
+
+/// One engine output sent under one reply key.
+#[derive(Debug)]
+pub struct OutputBinding {
+    pub key: String,
+    pub index: usize,
+    /// Shape of the reply array.
+    pub shape: Vec<usize>,
+    /// Engine output → reply dtype (openpi routes).
+    pub openpi: Transform,
+    /// Engine output → float32 (the vllm-omni route always sends float32).
+    pub vllm: Transform,
+}
+
+/// The compiled plan.
+#[derive(Debug)]
+pub struct Plan {
+    pub inputs: Vec<InputBinding>,
+    pub outputs: Vec<OutputBinding>,
+    pub io: IoSpec,
+    pub limits: Limits,
+    /// The metadata frame, encoded once.
+    pub metadata: Vec<u8>,
+    /// Largest reply, in bytes (the reply buffer's capacity).
+    pub reply_capacity: usize,
+    /// Bytes of a slot's scratch buffer: the largest output converted to a reply dtype.
+    pub scratch_bytes: usize,
+    /// Rows of the action chunk (the first axis of the first output of rank 2 or more).
+    pub horizon: usize,
+    /// Index of the binding the similarity filter reads, if it is on.
+    pub similarity_input: Option<usize>,
+    /// Where the request path meets the task planner, when `[planner]` is on.
+    pub planner: Option<PlannerTap>,
+}
+
+/// The request path's side of the planner: which bindings it reads and fills.
+#[derive(Clone)]
+pub struct PlannerTap {
+    pub link: std::sync::Arc<crate::planner::Link>,
+    /// The text binding the subtask fills (`planner.prompt_key`).
+    pub prompt: usize,
+    /// The image binding whose frames the planner sees (`planner.camera`).
+    pub camera: Option<usize>,
+}
+
+impl std::fmt::Debug for PlannerTap {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PlannerTap")
+            .field("prompt", &self.prompt)
+            .field("camera", &self.camera)
+            .finish_non_exhaustive()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{Config, ConfigError};
+    use crate::engine::InputBuffer;
+    use crate::engine::TensorSpec;
+    use crate::protocol::{Encoder, WireError};
+    use crate::testing::synthetic::HostBuffer as Buf;
+
+    const CFG: &str = r#"
+[engine]
+model = "m.onnx"
+[[inputs]]
+key = "state"
+tensor = "state"
+dtypes = ["float64"]
+shape = [2]
+[[inputs]]
+key = "prompt"
+tensor = "tokens"
+dtypes = ["text"]
+shape = [8]
+fill = -1
+[[outputs]]
+tensor = "actions"
+"#;
+
+    fn plan(cfg: &str) -> Result<Plan, ConfigError> {
+        let cfg = Config::parse(cfg, "test", None)?;
+        let io = IoSpec {
+            inputs: vec![
+                TensorSpec {
+                    name: "state".into(),
+                    dtype: ElemType::F32,
+                    shape: vec![1, 2],
+                },
+                TensorSpec {
+                    name: "tokens".into(),
+                    dtype: ElemType::I64,
+                    shape: vec![1, 8],
+                },
+            ],
+            outputs: vec![TensorSpec {
+                name: "actions".into(),
+                dtype: ElemType::F32,
+                shape: vec![1, 4, 2],
+            }],
+        };
+        Plan::compile(&cfg, &io)
+    }
+
+    #[test]
+    fn a_model_declaring_an_absurd_shape_is_refused() {
+        let cfg = Config::parse(CFG, "test", None).unwrap();
+        let spec = |name: &str, dtype, shape: Vec<usize>| TensorSpec {
+            name: name.into(),
+            dtype,
+            shape,
+        };
+        let io = IoSpec {
+            inputs: vec![
+                spec("state", ElemType::F32, vec![1, 2]),
+                spec("tokens", ElemType::I64, vec![1, 8]),
+            ],
+            outputs: vec![spec("actions", ElemType::F32, vec![1 << 40, 1 << 40, 2])],
+        };
+        let Err(e) = Plan::compile(&cfg, &io) else {
+            panic!("a model declaring a 2^81-element output was accepted")
+        };
+        let e = e.to_string();
+        assert!(e.contains("engine.model") && e.contains("'actions'"), "{e}");
+    }
+
+    /// `{"state": <f8[2]>, "prompt": prompt}` with `prompt` already msgpack-encoded.
+    fn frame(prompt: &[u8]) -> Vec<u8> {
+        let mut buf = Vec::new();
+        let mut e = Encoder { buf: &mut buf };
+        e.map(2);
+        e.str("state");
+        e.ndarray(ElemType::F64, &[2], 16, |d| d.fill(0));
+        e.str("prompt");
+        buf.extend_from_slice(prompt);
+        buf
+    }
+
+    fn tokens(p: &Plan, frame: &[u8]) -> Result<Vec<i64>, WireError> {
+        let mut bufs: Vec<Box<dyn InputBuffer>> =
+            vec![Box::new(Buf(vec![0; 8])), Box::new(Buf(vec![0; 64]))];
+        let mut seen = vec![false; 2];
+        p.decode(frame, &mut bufs, &mut seen)?;
+        Ok(bufs[1]
+            .bytes_mut()
+            .chunks_exact(8)
+            .map(|c| i64::from_le_bytes(c.try_into().unwrap()))
+            .collect())
+    }
+
+    fn msgpack_str(s: &str) -> Vec<u8> {
+        let mut v = Vec::new();
+        Encoder { buf: &mut v }.str(s);
+        v
+    }
+
+    #[test]
+    fn a_text_binding_receives_the_prompt_bytes_then_fill() {
+        let p = plan(CFG).unwrap();
+        assert_eq!(
+            tokens(&p, &frame(&msgpack_str("hé"))).unwrap(),
+            [104, 195, 169, -1, -1, -1, -1, -1]
+        );
+        assert_eq!(tokens(&p, &frame(&msgpack_str(""))).unwrap(), [-1; 8]);
+        // numpy `<U3` (UTF-32), as openpi-client sends np.array("abc").
+        let mut u = Vec::new();
+        let mut e = Encoder { buf: &mut u };
+        e.map(4);
+        e.bin(b"__ndarray__");
+        e.bool(true);
+        e.bin(b"data");
+        e.bin(&[b'a', 0, 0, 0, b'b', 0, 0, 0, 0xe9, 0, 0, 0]);
+        e.bin(b"dtype");
+        e.str("<U3");
+        e.bin(b"shape");
+        e.array(0);
+        assert_eq!(
+            tokens(&p, &frame(&u)).unwrap(),
+            [97, 98, 195, 169, -1, -1, -1, -1]
+        );
+    }
+
+    #[test]
+    fn non_finite_outputs_are_named() {
+        let p = plan(CFG).unwrap();
+        let mut out = vec![0u8; 32];
+        assert_eq!(p.non_finite_output(std::slice::from_ref(&out)), None);
+        for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+            out[12..16].copy_from_slice(&bad.to_le_bytes());
+            assert_eq!(
+                p.non_finite_output(std::slice::from_ref(&out)),
+                Some("actions")
+            );
+        }
+    }
+
+    #[test]
+    fn text_binding_errors_name_the_key() {
+        let p = plan(CFG).unwrap();
+        let e = tokens(&p, &frame(&msgpack_str("123456789"))).unwrap_err();
+        assert!(
+            matches!(e, WireError::TextTooLong { max: 8, got: 9, .. }),
+            "{e}"
+        );
+        assert!(e.to_string().contains("'prompt'"));
+        let mut arr = Vec::new();
+        Encoder { buf: &mut arr }.ndarray(ElemType::F32, &[1], 4, |d| d.fill(0));
+        let e = tokens(&p, &frame(&arr)).unwrap_err();
+        assert!(matches!(e, WireError::ExpectedText { .. }), "{e}");
+        let mut bad = Vec::new();
+        Encoder { buf: &mut bad }.bin(&[0xff, 0xfe]);
+        let e = tokens(&p, &frame(&bad)).unwrap_err();
+        assert!(matches!(e, WireError::BadText { .. }), "{e}");
+    }
+
+    #[test]
+    fn text_bindings_are_checked_at_start_up() {
+        let mixed = CFG.replace(r#"dtypes = ["text"]"#, r#"dtypes = ["text", "uint8"]"#);
+        assert!(
+            plan(&mixed)
+                .unwrap_err()
+                .to_string()
+                .contains("inputs[1].dtypes")
+        );
+        let rank2 = CFG.replace("shape = [8]", "shape = [2, 4]");
+        assert!(
+            plan(&rank2)
+                .unwrap_err()
+                .to_string()
+                .contains("inputs[1].shape")
+        );
+        let scaled = CFG.replace("fill = -1", "fill = -1\nscale = 2.0");
+        assert!(plan(&scaled).is_err());
+        let wrong_len = CFG.replace("shape = [8]", "shape = [9]");
+        assert!(
+            plan(&wrong_len)
+                .unwrap_err()
+                .to_string()
+                .contains("inputs[1].shape")
+        );
+    }
+
+    #[test]
+    fn planner_bindings_are_checked_at_start_up() {
+        let on = |extra: &str| {
+            format!(
+                "{CFG}\n[planner]\nenabled = true\nendpoints = [\"http://127.0.0.1:9\"]\n\
+                 model = \"m\"\n{extra}"
+            )
+        };
+        let p = plan(&on("")).expect("the prompt binding is a text binding");
+        let tap = p.planner.as_ref().expect("a planner tap");
+        assert_eq!((tap.prompt, tap.camera, tap.link.max_subtask), (1, None, 8));
+        let err = |extra: &str| plan(&on(extra)).unwrap_err().to_string();
+        assert!(err("prompt_key = \"state\"").contains("planner.prompt_key"));
+        assert!(err("prompt_key = \"task\"").contains("\"state\", \"prompt\""));
+        assert!(err("camera = \"state\"").contains("planner.camera"));
+        assert!(err("camera = \"cam\"").contains("no input binding"));
+    }
+
+    #[test]
+    fn the_subtask_fills_the_prompt_by_precedence() {
+        use crate::planner::reply::Answer;
+        let on = |precedence: &str| {
+            plan(&format!(
+                "{CFG}\n[planner]\nenabled = true\nendpoints = [\"http://127.0.0.1:9\"]\n\
+                 model = \"m\"\nprecedence = \"{precedence}\"\ninstruction = \"tidy up\""
+            ))
+            .expect("plan")
+        };
+        let say = |p: &Plan, s: &str| {
+            p.planner.as_ref().expect("tap").link.publish(&Answer {
+                subtask: s.into(),
+                done: false,
+            })
+        };
+        let no_prompt = {
+            let mut buf = Vec::new();
+            let mut e = Encoder { buf: &mut buf };
+            e.map(1);
+            e.str("state");
+            e.ndarray(ElemType::F64, &[2], 16, |d| d.fill(0));
+            buf
+        };
+        let client = p_frame("go");
+        let p = on("client");
+        let e = tokens(&p, &no_prompt).unwrap_err();
+        assert!(matches!(e, WireError::NoSubtaskYet { .. }), "{e}");
+        say(&p, "ab");
+        assert_eq!(tokens(&p, &no_prompt).expect("ok")[..3], [97, 98, -1]);
+        assert_eq!(tokens(&p, &client).expect("ok")[..3], [103, 111, -1]);
+        let p = on("planner");
+        assert_eq!(tokens(&p, &client).expect("ok")[..3], [103, 111, -1]);
+        let link = p.planner.as_ref().expect("tap").link.clone();
+        assert_eq!(link.instruction().as_str(), "go");
+        say(&p, "ab");
+        assert_eq!(tokens(&p, &client).expect("ok")[..3], [97, 98, -1]);
+    }
+
+    fn p_frame(prompt: &str) -> Vec<u8> {
+        frame(&msgpack_str(prompt))
+    }
+}

@@ -1,0 +1,124 @@
+//! Reading a finished slot for the reply: non-finite checks, the rows of the chunk a reply
+//! keeps, each output converted to its reply dtype, as [`Outputs`] for the dialect to frame.
+
+use super::{OutputBinding, Plan};
+use crate::config::PacingConfig;
+use crate::dtype::ByteOrder;
+use crate::limits::MAX_RANK;
+use crate::protocol::Encoder;
+use crate::protocol::dialect::{Outputs, Precision};
+use crate::transform::{Transform, load_f64};
+
+impl Plan {
+    /// Names the first output holding NaN or infinity, if any.
+    pub fn non_finite_output(&self, outputs: &[Vec<u8>]) -> Option<&str> {
+        self.outputs.iter().find_map(|o| {
+            let spec = &self.io.outputs[o.index];
+            if !spec.dtype.is_float() {
+                return None;
+            }
+            let buf = &outputs[o.index];
+            (0..spec.elements())
+                .any(|i| !load_f64(spec.dtype, buf, i).is_finite())
+                .then_some(spec.name.as_str())
+        })
+    }
+
+    /// The rows of the action chunk a reply keeps: at most `pacing.actions_per_chunk`, and,
+    /// with `pacing.skip_stale_actions`, without the first `delay_steps` (which will have
+    /// elapsed on arrival). At least one row is always kept.
+    pub fn chunk(&self, pacing: &PacingConfig, delay_steps: u32) -> Chunk {
+        let h = self.horizon;
+        let end = if pacing.actions_per_chunk > 0 {
+            pacing.actions_per_chunk.min(h)
+        } else {
+            h
+        };
+        let start = if pacing.skip_stale_actions {
+            (delay_steps as usize).min(end.saturating_sub(1))
+        } else {
+            0
+        };
+        Chunk { start, end }
+    }
+
+    /// Writes one output as an ndarray, cut to the chunk's rows.
+    pub(crate) fn write_output(
+        &self,
+        e: &mut Encoder<'_>,
+        o: &OutputBinding,
+        tr: &Transform,
+        r: &mut ReplyParts<'_>,
+    ) {
+        let src: &[u8] = &r.outputs[o.index];
+        let bytes = tr.dst_bytes();
+        let rows = o.shape.first().copied().unwrap_or(1);
+        let Chunk { start, end } = r.chunk;
+        let whole = o.shape.len() < 2 || (start == 0 && end >= rows);
+        if whole || rows == 0 || bytes > r.scratch.len() {
+            e.ndarray(tr.dst_type, &o.shape, bytes, |d| {
+                tr.apply(src, ByteOrder::Little, d);
+            });
+            return;
+        }
+        let end = end.min(rows);
+        let start = start.min(end);
+        let row = bytes / rows;
+        let scratch = &mut r.scratch[..bytes];
+        tr.apply(src, ByteOrder::Little, scratch);
+        let mut shape: heapless::Vec<usize, { MAX_RANK }> = heapless::Vec::new();
+        let _ = shape.extend_from_slice(&o.shape[..o.shape.len().min(MAX_RANK)]);
+        shape[0] = end - start;
+        e.ndarray(tr.dst_type, &shape, (end - start) * row, |d| {
+            d.copy_from_slice(&scratch[start * row..end * row]);
+        });
+    }
+
+    /// The outputs of a finished slot, ready for a dialect to frame.
+    pub fn reply<'p, 'a>(&'p self, parts: &'p mut ReplyParts<'a>) -> Reply<'p, 'a> {
+        Reply { plan: self, parts }
+    }
+}
+
+/// The rows `start..end` of the action chunk that a reply carries.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Chunk {
+    pub start: usize,
+    pub end: usize,
+}
+
+/// What a reply is encoded from: a slot's outputs, its scratch buffer and the chunk to keep.
+pub struct ReplyParts<'a> {
+    pub outputs: &'a [Vec<u8>],
+    pub scratch: &'a mut [u8],
+    pub chunk: Chunk,
+}
+
+/// A finished slot's outputs as its plan reads them: what a dialect frames.
+pub struct Reply<'p, 'a> {
+    plan: &'p Plan,
+    parts: &'p mut ReplyParts<'a>,
+}
+
+impl Outputs for Reply<'_, '_> {
+    fn count(&self) -> usize {
+        self.plan.outputs.len()
+    }
+
+    fn key(&self, i: usize) -> &str {
+        &self.plan.outputs[i].key
+    }
+
+    fn write(&mut self, i: usize, precision: Precision, e: &mut Encoder<'_>) {
+        let o = &self.plan.outputs[i];
+        let tr = match precision {
+            Precision::Configured => &o.openpi,
+            Precision::Float32 => &o.vllm,
+        };
+        self.plan.write_output(e, o, tr, self.parts);
+    }
+
+    fn rows(&self) -> (usize, usize) {
+        (self.parts.chunk.start, self.parts.chunk.end)
+    }
+}

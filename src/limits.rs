@@ -1,0 +1,45 @@
+//! What are policyd's fixed caps? Every compile-time bound on a table, buffer or count, in one
+//! place, so that each fixed-size structure and each config check agree on its size.
+
+/// Largest array rank accepted on the wire (shapes are held inline at this rank).
+pub const MAX_RANK: usize = 8;
+/// Longest key path (`images/cam_high`) that can name a binding, in bytes.
+pub const MAX_PATH: usize = 256;
+/// Longest `session_id` accepted, in bytes.
+pub const MAX_SESSION_ID: usize = 64;
+/// Longest policy name (it travels in paths, requests and messages).
+pub const MAX_POLICY_NAME: usize = 64;
+/// Most policies one config may declare.
+pub const MAX_POLICIES: usize = 16;
+/// Largest `engine.slots` (the scheduler's queue is a fixed array of this size).
+pub const MAX_SLOTS: usize = 64;
+/// Largest `pacing.latency_window` (the window is a fixed array per session).
+pub const MAX_LATENCY_WINDOW: usize = 256;
+/// Largest state vector the similarity filter keeps per session.
+pub const MAX_SIMILARITY_STATE: usize = 64;
+/// Most `session_id`s one connection tracks (`server.max_sessions` is at most this).
+pub const MAX_SESSIONS: usize = 64;
+/// Timesteps a session remembers having predicted (for `skip_predicted_timesteps`).
+pub const PREDICTED_MEMORY: usize = 64;
+/// Most handshakes in progress at once, whatever `server.max_connections` is.
+pub const MAX_HANDSHAKES: usize = 8192;
+/// Largest HTTP request head accepted.
+pub const MAX_HEAD: usize = 8192;
+/// The most elements one binding's shape (or `engine_shape`, or a model's declared tensor)
+/// may hold: 2^31, 8 GiB as float32, far beyond any observation, and small enough that every
+/// buffer size computed from it fits a usize. The config fuzzer found a shape whose product
+/// overflowed.
+pub const MAX_ELEMENTS: usize = 1 << 31;
+
+/// The number of elements in `shape`, if it is at most [`MAX_ELEMENTS`].
+pub fn element_count(shape: &[usize]) -> Option<usize> {
+    shape
+        .iter()
+        .try_fold(1usize, |n, &d| n.checked_mul(d))
+        .filter(|&n| n <= MAX_ELEMENTS)
+}
+
+/// The frame guard's read buffer under tungstenite, per connection.
+pub const FRAME_GUARD_BUFFER: usize = 16 * 1024;
+/// tungstenite's read buffer, allocated per connection (counted in the memory budget).
+pub const WS_READ_BUFFER: usize = 128 * 1024;

@@ -1,0 +1,196 @@
+//! How are connections accepted and drained? Bind the address, accept under the handshake
+//! bound, hand each socket to the HTTP layer, and on shutdown stop accepting, let in-flight
+//! requests finish and close.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use tokio::net::TcpListener;
+use tokio::sync::{Semaphore, watch};
+use tokio_tungstenite::tungstenite::protocol::WebSocketConfig;
+
+use crate::config::Config;
+use crate::limits::MAX_HANDSHAKES;
+use crate::metrics::Stats;
+use crate::net::frame_guard::MARKER_LEN;
+use crate::net::http::{Shared, handle};
+use crate::policy::build::Loaded;
+use crate::policy::reload::{ReloadStatus, Reloader};
+use crate::policy::{Policy, PolicySet};
+
+/// Serving failed before or while it started.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error(
+        "cannot listen on {addr}: {source} (is another server using the port? set server.port or --port)"
+    )]
+    Bind {
+        addr: String,
+        source: std::io::Error,
+    },
+    #[error("cannot start the pacing clock: {0}")]
+    Pacer(std::io::Error),
+    #[error("cannot start the task planner: {0}")]
+    Planner(std::io::Error),
+}
+
+/// Binds the configured address.
+pub async fn bind(cfg: &Config) -> Result<TcpListener, ServeError> {
+    let addr = format!("{}:{}", cfg.server.host, cfg.server.port);
+    TcpListener::bind(&addr)
+        .await
+        .map_err(|source| ServeError::Bind { addr, source })
+}
+
+/// Serves one loaded policy until `shutdown` resolves (see [`serve_set`]).
+pub async fn serve(
+    cfg: Config,
+    loaded: Loaded,
+    listener: TcpListener,
+    shutdown: impl std::future::Future<Output = ()>,
+) -> Result<(), ServeError> {
+    let stats = loaded.stats.clone();
+    let own = cfg.policy_configs().swap_remove(0);
+    let set = PolicySet::single(Policy::new(own, loaded));
+    serve_set(
+        cfg,
+        Arc::new(ArcSwap::from_pointee(set)),
+        stats,
+        listener,
+        shutdown,
+        None,
+    )
+    .await
+}
+
+/// Serves a set of policies until `shutdown` resolves; then stops accepting, lets in-flight
+/// requests finish, closes connections with 1001 and returns. With a [`Reloader`], each
+/// request re-reads the config and swaps in the new set once it is loaded and warm.
+pub async fn serve_set(
+    cfg: Config,
+    policies: Arc<ArcSwap<PolicySet>>,
+    stats: Arc<Stats>,
+    listener: TcpListener,
+    shutdown: impl std::future::Future<Output = ()>,
+    reloader: Option<(Reloader, Arc<crate::policy::OpenFn>)>,
+) -> Result<(), ServeError> {
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let s = &cfg.server;
+    let ws_config = WebSocketConfig::default()
+        // The frame guard enforces the configured limit; tungstenite's is a backstop that
+        // leaves room for the guard's marker.
+        .max_message_size(Some(s.max_message_bytes + MARKER_LEN))
+        .max_frame_size(Some(s.max_message_bytes + MARKER_LEN))
+        .write_buffer_size(0);
+    let max = s.max_connections;
+    let spin = Duration::from_micros(cfg.pacing.spin_us);
+    let pacer = crate::runtime::pacing::Pacer::start(spin).map_err(ServeError::Pacer)?;
+    let connections = Arc::new(Semaphore::new(max));
+    let set = policies.load_full();
+    for p in &set.policies {
+        p.watch();
+    }
+    let planner_link = set
+        .default_policy()
+        .plan
+        .planner
+        .as_ref()
+        .map(|t| t.link.clone());
+    let generation = watch::Sender::new(set.generation);
+    drop(set);
+    let reloads = Arc::new(ReloadStatus::default());
+    let live = crate::net::scrape::Live {
+        stats: stats.clone(),
+        policies: policies.clone(),
+        reloads: reloads.clone(),
+        connections: connections.clone(),
+        max_connections: max,
+        max_sessions: s.max_sessions,
+        planner: planner_link.clone(),
+    };
+    let registry = crate::net::scrape::registry(&stats.metrics, live);
+    let shared = Arc::new(Shared {
+        pacer,
+        registry,
+        stats,
+        policies,
+        generation,
+        ws_config,
+        connections,
+        shutdown: stop_rx,
+        cfg,
+    });
+    let reloading = reloader.map(|(r, open)| {
+        let served = Arc::new(crate::policy::reload::Served {
+            policies: shared.policies.clone(),
+            generation: shared.generation.clone(),
+            started: shared.cfg.clone(),
+        });
+        tokio::spawn(crate::policy::reload::run(served, r, open, reloads))
+    });
+    // The planner runs beside the request path for as long as the server does.
+    let planner = match planner_link {
+        Some(link) => Some(
+            crate::planner::Planner::start(&shared.cfg.planner, link)
+                .map_err(ServeError::Planner)?,
+        ),
+        None => None,
+    };
+    // Handshakes in progress are bounded too, so a flood of idle TCP connections cannot pile
+    // up tasks and buffers (each holds at most an 8 KiB head buffer until its handshake
+    // timeout). Room for 16 times the connection limit, so a burst of clients gets its 503.
+    let handshakes = Arc::new(Semaphore::new((max * 16 + 64).min(MAX_HANDSHAKES)));
+    tokio::pin!(shutdown);
+    loop {
+        tokio::select! {
+            _ = &mut shutdown => break,
+            accepted = listener.accept() => {
+                let (stream, peer) = match accepted {
+                    Ok(x) => x,
+                    Err(e) => {
+                        log::warn!("accept failed: {e}");
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue;
+                    }
+                };
+                let Ok(permit) = handshakes.clone().try_acquire_owned() else {
+                    log::warn!("{peer}: too many handshakes in progress; dropping the connection");
+                    continue;
+                };
+                let shared = shared.clone();
+                tokio::spawn(async move {
+                    handle(stream, peer, shared, permit).await;
+                });
+            }
+        }
+    }
+    log::info!("shutting down: no new connections; finishing in-flight requests");
+    drop(listener);
+    let _ = stop_tx.send(true);
+    // Every connection holds a permit until it has closed.
+    let all = shared.connections.clone();
+    let drained = tokio::time::timeout(Duration::from_secs(10), all.acquire_many(max as u32)).await;
+    if drained.is_err() {
+        log::warn!("some connections did not close within 10 s");
+    }
+    if let Some(r) = reloading {
+        r.abort();
+    }
+    if let Some(p) = planner {
+        // Stopping waits for the model server's grace period: off the async threads.
+        let _ = tokio::task::spawn_blocking(move || drop(p)).await;
+    }
+    let r = shared.stats.release.summary();
+    if r.paced > 0 {
+        log::info!(
+            "paced replies: {}, deadline misses: {}, release error p50 {} µs, p99 {} µs, max {} µs",
+            r.paced,
+            r.misses,
+            r.p50_us,
+            r.p99_us,
+            r.max_us
+        );
+    }
+    Ok(())
+}

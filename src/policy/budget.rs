@@ -1,0 +1,130 @@
+//! How much memory does a set of policies take? Every slot's buffers, every connection's, the
+//! model as stored and the engine's own, as a formula and a number, checked against
+//! `server.memory_budget_mb` (what `check-config` prints).
+
+use std::sync::Arc;
+
+use super::Policy;
+use crate::bind::Plan;
+use crate::config::{Config, ConfigError, invalid};
+use crate::limits::{FRAME_GUARD_BUFFER, WS_READ_BUFFER};
+
+/// The memory policyd allocates for a config, as a formula and a number.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Budget {
+    pub lines: Vec<(String, u64)>,
+    pub total: u64,
+    /// Of `total`, the connections' buffers (shared by all policies of a server).
+    pub connections: u64,
+}
+
+impl Budget {
+    /// The memory `cfg` allocates for `plan`: slots, connections and the model.
+    pub fn compute(cfg: &Config, plan: &Plan) -> Budget {
+        let (io, reply, scratch, metadata) = (
+            &plan.io,
+            plan.reply_capacity,
+            plan.scratch_bytes,
+            plan.metadata.len(),
+        );
+        let inputs: u64 = io.inputs.iter().map(|s| s.bytes() as u64).sum();
+        let outputs: u64 = io.outputs.iter().map(|s| s.bytes() as u64).sum();
+        let reply = reply as u64;
+        let scratch = scratch as u64;
+        let slots = cfg.engine.slots as u64;
+        let conns = cfg.server.max_connections as u64;
+        let msg = cfg.server.max_message_bytes as u64;
+        let model = cfg.model.as_ref().map(|m| m.size()).unwrap_or(0);
+        let guard = FRAME_GUARD_BUFFER as u64;
+        let sessions = std::mem::size_of::<crate::runtime::session::Sessions>() as u64;
+        let per_conn = msg + WS_READ_BUFFER as u64 + guard + 2 * reply + metadata as u64 + sessions;
+        let lines = vec![
+            (
+                format!(
+                    "slots        {slots} × (inputs {inputs} + outputs {outputs} + reply {reply} + scratch {scratch})"
+                ),
+                slots * (inputs + outputs + reply + scratch),
+            ),
+            (
+                format!(
+                    "connections  {conns} × (max_message_bytes {msg} + read buffer {WS_READ_BUFFER} + frame guard {guard} + 2 × reply {reply} + metadata {metadata} + session table {sessions})"
+                ),
+                conns * per_conn,
+            ),
+            ("model        weights as stored".to_string(), model),
+        ];
+        let mut lines = lines;
+        if let Some(g) = plan.planner.as_ref().and_then(|t| t.link.camera) {
+            lines.push((
+                "planner      camera frame handed to the planner".to_string(),
+                g.bytes() as u64,
+            ));
+        }
+        let total = lines.iter().map(|(_, v)| v).sum();
+        Budget {
+            lines,
+            total,
+            connections: conns * per_conn,
+        }
+    }
+
+    /// Adds the engine's own memory (see [`crate::engine::Engine::working_memory`]).
+    pub fn add(&mut self, lines: Vec<(String, u64)>) {
+        for (what, v) in lines {
+            self.total += v;
+            self.lines.push((what, v));
+        }
+    }
+
+    pub fn render(&self) -> String {
+        let mut s = String::from("memory budget (bytes):\n");
+        for (what, v) in &self.lines {
+            s.push_str(&format!("  {what} = {v}\n"));
+        }
+        s.push_str(&format!(
+            "  total = {} ({:.1} MiB), plus the engine's working memory\n",
+            self.total,
+            self.total as f64 / (1024.0 * 1024.0)
+        ));
+        s
+    }
+}
+
+/// The set's memory: every policy's slots, model and engine memory, plus the connection
+/// buffers once (connections are shared; each is sized for the largest policy). Checked
+/// against `server.memory_budget_mb` when set.
+pub fn check_budget(cfg: &Config, policies: &[Arc<Policy>]) -> Result<u64, ConfigError> {
+    let items: Vec<(&str, &Budget)> = policies
+        .iter()
+        .map(|p| (p.name.as_str(), &p.budget))
+        .collect();
+    budget_of(cfg, &items)
+}
+
+/// [`check_budget`] over named budgets (what `check-config` has before any engine runs).
+pub fn budget_of(cfg: &Config, items: &[(&str, &Budget)]) -> Result<u64, ConfigError> {
+    let conns = items.iter().map(|(_, b)| b.connections).max().unwrap_or(0);
+    let own = |b: &Budget| b.total - b.connections;
+    let total = conns + items.iter().map(|(_, b)| own(b)).sum::<u64>();
+    let limit = cfg.server.memory_budget_mb * 1024 * 1024;
+    if limit > 0 && total > limit {
+        let mib = |b: u64| b as f64 / (1024.0 * 1024.0);
+        let each = items
+            .iter()
+            .map(|(name, b)| format!("{name} {:.1} MiB", mib(own(b))))
+            .collect::<Vec<_>>()
+            .join(", ");
+        return Err(invalid(
+            "server.memory_budget_mb",
+            format!(
+                "the policies need {:.1} MiB ({each}; connection buffers {:.1} MiB) but the \
+                 budget is {} MiB: serve fewer or smaller policies, fewer slots or connections, \
+                 or raise the budget",
+                mib(total),
+                mib(conns),
+                cfg.server.memory_budget_mb
+            ),
+        ));
+    }
+    Ok(total)
+}

@@ -1,0 +1,294 @@
+//! How is one policy made servable? Open its engine, compile its bindings against the engine's
+//! real inputs and outputs, allocate every slot and warm up; and how is a whole set built,
+//! keeping the policies a reload did not change.
+
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use crate::bind::Plan;
+use crate::config::{Config, ConfigError};
+use crate::engine::{Engine, EngineError, ModelSource};
+use crate::metrics::Stats;
+use crate::runtime::worker::WorkerHandle;
+
+use super::budget::{Budget, check_budget};
+use super::{OpenFn, Policy, PolicySet};
+
+/// Building a policy failed: its config against the model, or its engine.
+#[derive(Debug, thiserror::Error)]
+pub enum PolicyError {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+    #[error("policy \"{name}\": {source}")]
+    Policy {
+        name: String,
+        source: Box<PolicyError>,
+    },
+}
+
+/// A loaded, checked and warmed engine with its plan: what the server serves.
+pub struct Loaded {
+    pub plan: Plan,
+    /// What it allocates (see [`Budget`]).
+    pub budget: Budget,
+    pub stats: Arc<Stats>,
+    pub worker: WorkerHandle,
+    pub backend: &'static str,
+    pub warmup: Duration,
+}
+
+/// Opens the engine a config names.
+pub fn open_engine(cfg: &Config) -> Result<Box<dyn Engine>, PolicyError> {
+    let model = cfg.model.clone().ok_or_else(|| {
+        crate::config::invalid("engine.model", "missing: give the path of the ONNX model")
+    })?;
+    let hints: Vec<(String, Vec<usize>)> = cfg
+        .inputs
+        .iter()
+        .filter_map(|b| b.engine_shape.clone().map(|s| (b.tensor.clone(), s)))
+        .collect();
+    match cfg.engine.backend.as_str() {
+        #[cfg(feature = "cpu")]
+        "cpu" => Ok(Box::new(crate::engine::cpu::CpuEngine::load(
+            &model, &hints,
+        )?)),
+        #[cfg(feature = "tensorrt")]
+        "tensorrt" => {
+            let crate::engine::ModelSource::File(path) = &model else {
+                return Err(crate::config::invalid(
+                    "engine.model",
+                    "the tensorrt backend needs a plan file (built with trtexec on the device)",
+                )
+                .into());
+            };
+            let e = &cfg.engine;
+            let opts = crate::engine::tensorrt::Options {
+                model: model.describe(),
+                dla_core: e.dla_core,
+                cuda_graph: e.cuda_graph.unwrap_or(true),
+                zero_copy: e
+                    .zero_copy
+                    .as_deref()
+                    .and_then(crate::engine::ZeroCopy::parse)
+                    .unwrap_or(crate::engine::ZeroCopy::Auto),
+                shapes: hints,
+            };
+            Ok(Box::new(crate::engine::tensorrt::open(
+                path,
+                e.device.unwrap_or(0),
+                e.tensorrt_library.as_deref(),
+                &opts,
+            )?))
+        }
+        other => Err(crate::config::invalid(
+            "engine.backend",
+            format!("unknown backend \"{other}\""),
+        )
+        .into()),
+    }
+}
+
+/// Loads the model, checks the config against it, allocates every buffer and warms up.
+pub fn load(cfg: &Config) -> Result<Loaded, PolicyError> {
+    load_engine(cfg, open_engine(cfg)?)
+}
+
+/// [`load`] with an engine the caller opened (tests and benchmarks use a synthetic one).
+pub fn load_engine(cfg: &Config, engine: Box<dyn Engine>) -> Result<Loaded, PolicyError> {
+    let plan = Plan::compile(cfg, engine.io())?;
+    let mut budget = Budget::compute(cfg, &plan);
+    budget.add(engine.working_memory());
+    let backend = engine.backend();
+    let (worker, warmup) =
+        WorkerHandle::start(engine, &plan, cfg.engine.slots, cfg.engine.warmup_runs)?;
+    Ok(Loaded {
+        plan,
+        budget,
+        stats: Arc::new(Stats::new()),
+        worker,
+        backend,
+        warmup,
+    })
+}
+
+/// What decides whether a reload keeps a policy's engine: its engine, bindings, metadata,
+/// pacing and session options, the planner it feeds, and its model file's size and
+/// modification time (a model replaced in place is reloaded).
+pub fn fingerprint(cfg: &Config) -> String {
+    let model = match &cfg.model {
+        Some(ModelSource::File(p)) => {
+            let stamp = std::fs::metadata(p).ok().map(|m| {
+                let t = m
+                    .modified()
+                    .ok()
+                    .and_then(|t| t.duration_since(SystemTime::UNIX_EPOCH).ok());
+                (m.len(), t)
+            });
+            format!("{} {stamp:?}", p.display())
+        }
+        Some(m) => m.describe(),
+        None => String::new(),
+    };
+    format!(
+        "{:?}|{:?}|{:?}|{:?}|{:?}|{}|{:?}|{model}",
+        cfg.engine,
+        cfg.inputs,
+        cfg.outputs,
+        cfg.metadata,
+        cfg.pacing,
+        cfg.policy.reset_on_prompt_change,
+        cfg.planner.enabled.then_some(&cfg.planner),
+    )
+}
+
+/// What building a set did.
+pub struct Built {
+    pub set: PolicySet,
+    /// Names of the policies whose engines were loaded (the rest were kept).
+    pub loaded: Vec<String>,
+    pub kept: Vec<String>,
+}
+
+/// Builds the set `cfg` declares: policies of `current` whose [`fingerprint`] is unchanged are
+/// kept, the others are opened, checked and warmed. Fails, leaving `current` untouched, if
+/// any policy fails or the set does not fit `server.memory_budget_mb`. Blocking.
+pub fn build(
+    cfg: &Config,
+    current: Option<&PolicySet>,
+    open: &OpenFn,
+) -> Result<Built, PolicyError> {
+    let cfgs = cfg.policy_configs();
+    let mut policies = Vec::with_capacity(cfgs.len());
+    let (mut loaded, mut kept) = (Vec::new(), Vec::new());
+    for c in cfgs {
+        let name = c.policy.name.clone();
+        if let Some(old) = current.and_then(|s| s.get(&name))
+            && old.fingerprint == fingerprint(&c)
+        {
+            kept.push(name);
+            policies.push(old.clone());
+            continue;
+        }
+        let context = |e: PolicyError| -> PolicyError {
+            if cfg.policies.is_empty() {
+                e
+            } else {
+                PolicyError::Policy {
+                    name: name.clone(),
+                    source: Box::new(e),
+                }
+            }
+        };
+        let engine = open(&c).map_err(context)?;
+        let mut l = load_engine(&c, engine).map_err(context)?;
+        // The planner thread feeds one link for the server's life: a reloaded default policy
+        // takes over the running link if its prompt and camera are the same.
+        if let (Some(tap), Some(old)) = (
+            l.plan.planner.as_mut(),
+            current.and_then(|s| s.default_policy().plan.planner.as_ref()),
+        ) {
+            if tap.link.camera == old.link.camera && tap.link.max_subtask == old.link.max_subtask {
+                tap.link = old.link.clone();
+            } else {
+                log::warn!(
+                    "policy \"{name}\": its planner prompt or camera changed; the planner feeds \
+                     it after a restart"
+                );
+            }
+        }
+        loaded.push(name);
+        policies.push(Arc::new(Policy::new(c, l)));
+    }
+    let budget = check_budget(cfg, &policies)?;
+    Ok(Built {
+        set: PolicySet {
+            policies,
+            default: cfg.default_policy(),
+            generation: current.map_or(0, |s| s.generation + 1),
+            budget,
+        },
+        loaded,
+        kept,
+    })
+}
+
+/// `policyd check-config`: opens each policy's engine and compiles its bindings (no slots, no
+/// warm-up), and reports what it found and the memory budget; fails as serving would.
+pub fn check(cfg: &Config, origin: &str) -> Result<String, PolicyError> {
+    use std::fmt::Write;
+    let mut out = String::new();
+    let several = !cfg.policies.is_empty();
+    let mut budgets = Vec::new();
+    for c in cfg.policy_configs() {
+        let name = c.policy.name.clone();
+        let context = |e: PolicyError| {
+            if several {
+                PolicyError::Policy {
+                    name: name.clone(),
+                    source: Box::new(e),
+                }
+            } else {
+                e
+            }
+        };
+        let engine = open_engine(&c).map_err(context)?;
+        let plan = Plan::compile(&c, engine.io()).map_err(|e| context(e.into()))?;
+        let mut budget = Budget::compute(&c, &plan);
+        budget.add(engine.working_memory());
+        let title = if several {
+            format!(
+                "policy \"{name}\"{}: ",
+                if c.policy.is_default {
+                    " (default)"
+                } else {
+                    ""
+                }
+            )
+        } else {
+            String::new()
+        };
+        let _ = writeln!(
+            out,
+            "{title}{origin}: OK ({} backend, {} inputs, {} outputs)",
+            engine.backend(),
+            plan.inputs.len(),
+            plan.outputs.len()
+        );
+        for s in &engine.io().inputs {
+            let _ = writeln!(out, "  input  '{}' {} {:?}", s.name, s.dtype, s.shape);
+        }
+        for s in &engine.io().outputs {
+            let _ = writeln!(out, "  output '{}' {} {:?}", s.name, s.dtype, s.shape);
+        }
+        if let Some(tap) = &plan.planner {
+            let p = &c.planner;
+            let _ = writeln!(
+                out,
+                "  planner: {} at {} Hz via {}; subtask fills '{}' (at most {} bytes, {} \
+                 first); camera: {}",
+                p.model,
+                p.rate_hz,
+                p.endpoints.join(", "),
+                p.prompt_key,
+                tap.link.max_subtask,
+                p.precedence,
+                p.camera.as_deref().unwrap_or("none (text only)")
+            );
+        }
+        out.push_str(&budget.render());
+        budgets.push((name, budget));
+    }
+    let items: Vec<(&str, &Budget)> = budgets.iter().map(|(n, b)| (n.as_str(), b)).collect();
+    let total = super::budget::budget_of(cfg, &items)?;
+    if budgets.len() > 1 {
+        let _ = writeln!(
+            out,
+            "all {} policies: {total} bytes ({:.1} MiB; connection buffers counted once)",
+            budgets.len(),
+            total as f64 / (1024.0 * 1024.0)
+        );
+    }
+    Ok(out)
+}

@@ -1,0 +1,268 @@
+//! The msgpack reader under the request decoder: one value's header at a time, bounds-checked,
+//! never allocating (every length is checked against what is left of the frame).
+
+use rmp::Marker;
+
+use super::request::{Limits, WireError};
+use crate::dtype::ElemType;
+
+/// One msgpack value's header. Scalars, strings and bins are complete; maps and arrays carry
+/// their entry count and their contents follow.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Head<'a> {
+    Nil,
+    Bool(bool),
+    /// An integer, stored big-endian in `data` (for fixints, `data` is the marker byte itself).
+    Int {
+        ty: ElemType,
+        data: &'a [u8],
+    },
+    Float {
+        ty: ElemType,
+        data: &'a [u8],
+    },
+    Str(&'a [u8]),
+    Bin(&'a [u8]),
+    Array(u32),
+    Map(u32),
+    Ext,
+}
+
+impl Head<'_> {
+    pub(crate) fn describe(&self) -> &'static str {
+        match self {
+            Head::Nil => "nil",
+            Head::Bool(_) => "a bool",
+            Head::Int { .. } => "an integer",
+            Head::Float { .. } => "a float",
+            Head::Str(_) => "a string",
+            Head::Bin(_) => "bytes",
+            Head::Array(_) => "a list",
+            Head::Map(_) => "a map",
+            Head::Ext => "a msgpack extension",
+        }
+    }
+}
+
+/// A bounds-checked reader over a frame.
+#[derive(Clone)]
+pub(crate) struct Cursor<'a> {
+    pub(crate) buf: &'a [u8],
+    pub(crate) pos: usize,
+}
+
+impl<'a> Cursor<'a> {
+    pub(crate) fn new(buf: &'a [u8]) -> Self {
+        Cursor { buf, pos: 0 }
+    }
+
+    pub(crate) fn take(&mut self, n: usize) -> Result<&'a [u8], WireError> {
+        let rest = self.buf.len() - self.pos;
+        if n > rest {
+            return Err(WireError::Truncated {
+                len: self.buf.len(),
+                need: n - rest,
+            });
+        }
+        let s = &self.buf[self.pos..self.pos + n];
+        self.pos += n;
+        Ok(s)
+    }
+
+    pub(crate) fn len_be(&mut self, n: usize) -> Result<usize, WireError> {
+        let b = self.take(n)?;
+        Ok(b.iter().fold(0usize, |acc, &x| (acc << 8) | usize::from(x)))
+    }
+
+    pub(crate) fn head(&mut self) -> Result<Head<'a>, WireError> {
+        let at = self.pos;
+        let byte = *self.take(1)?.first().ok_or(WireError::Empty)?;
+        let marker_byte = &self.buf[at..at + 1];
+        Ok(match Marker::from_u8(byte) {
+            Marker::FixPos(_) => Head::Int {
+                ty: ElemType::U8,
+                data: marker_byte,
+            },
+            Marker::FixNeg(_) => Head::Int {
+                ty: ElemType::I8,
+                data: marker_byte,
+            },
+            Marker::Null => Head::Nil,
+            Marker::True => Head::Bool(true),
+            Marker::False => Head::Bool(false),
+            Marker::U8 => Head::Int {
+                ty: ElemType::U8,
+                data: self.take(1)?,
+            },
+            Marker::U16 => Head::Int {
+                ty: ElemType::U16,
+                data: self.take(2)?,
+            },
+            Marker::U32 => Head::Int {
+                ty: ElemType::U32,
+                data: self.take(4)?,
+            },
+            Marker::U64 => Head::Int {
+                ty: ElemType::U64,
+                data: self.take(8)?,
+            },
+            Marker::I8 => Head::Int {
+                ty: ElemType::I8,
+                data: self.take(1)?,
+            },
+            Marker::I16 => Head::Int {
+                ty: ElemType::I16,
+                data: self.take(2)?,
+            },
+            Marker::I32 => Head::Int {
+                ty: ElemType::I32,
+                data: self.take(4)?,
+            },
+            Marker::I64 => Head::Int {
+                ty: ElemType::I64,
+                data: self.take(8)?,
+            },
+            Marker::F32 => Head::Float {
+                ty: ElemType::F32,
+                data: self.take(4)?,
+            },
+            Marker::F64 => Head::Float {
+                ty: ElemType::F64,
+                data: self.take(8)?,
+            },
+            Marker::FixStr(n) => Head::Str(self.take(usize::from(n))?),
+            Marker::Str8 => {
+                let n = self.len_be(1)?;
+                Head::Str(self.take(n)?)
+            }
+            Marker::Str16 => {
+                let n = self.len_be(2)?;
+                Head::Str(self.take(n)?)
+            }
+            Marker::Str32 => {
+                let n = self.len_be(4)?;
+                Head::Str(self.take(n)?)
+            }
+            Marker::Bin8 => {
+                let n = self.len_be(1)?;
+                Head::Bin(self.take(n)?)
+            }
+            Marker::Bin16 => {
+                let n = self.len_be(2)?;
+                Head::Bin(self.take(n)?)
+            }
+            Marker::Bin32 => {
+                let n = self.len_be(4)?;
+                Head::Bin(self.take(n)?)
+            }
+            Marker::FixArray(n) => Head::Array(u32::from(n)),
+            Marker::Array16 => Head::Array(self.len_be(2)? as u32),
+            Marker::Array32 => Head::Array(self.len_be(4)? as u32),
+            Marker::FixMap(n) => Head::Map(u32::from(n)),
+            Marker::Map16 => Head::Map(self.len_be(2)? as u32),
+            Marker::Map32 => Head::Map(self.len_be(4)? as u32),
+            Marker::FixExt1 => self.ext(2)?,
+            Marker::FixExt2 => self.ext(3)?,
+            Marker::FixExt4 => self.ext(5)?,
+            Marker::FixExt8 => self.ext(9)?,
+            Marker::FixExt16 => self.ext(17)?,
+            Marker::Ext8 => {
+                let n = self.len_be(1)?;
+                self.ext(n + 1)?
+            }
+            Marker::Ext16 => {
+                let n = self.len_be(2)?;
+                self.ext(n + 1)?
+            }
+            Marker::Ext32 => {
+                let n = self.len_be(4)?;
+                self.ext(n + 1)?
+            }
+            Marker::Reserved => return Err(WireError::NotMsgpack { byte, offset: at }),
+        })
+    }
+
+    pub(crate) fn ext(&mut self, n: usize) -> Result<Head<'a>, WireError> {
+        self.take(n)?;
+        Ok(Head::Ext)
+    }
+
+    /// Reads a map key: its bytes if it is a str or bin; otherwise skips it and returns None.
+    pub(crate) fn key(&mut self) -> Result<Option<&'a [u8]>, WireError> {
+        let at = self.pos;
+        match self.head()? {
+            Head::Str(s) | Head::Bin(s) => Ok(Some(s)),
+            Head::Array(_) | Head::Map(_) => {
+                self.pos = at;
+                self.skip_items(1, 1, &Limits::default())?;
+                Ok(None)
+            }
+            _ => Ok(None),
+        }
+    }
+
+    /// Reads a value's head; a map or list is skipped whole (and reported as its head).
+    pub(crate) fn head_skipping(
+        &mut self,
+        depth: usize,
+        limits: &Limits,
+    ) -> Result<Head<'a>, WireError> {
+        let h = self.head()?;
+        match h {
+            Head::Array(n) => self.skip_items(u64::from(n), depth + 1, limits)?,
+            Head::Map(n) => self.skip_entries(n, depth + 1, limits)?,
+            _ => {}
+        }
+        Ok(h)
+    }
+
+    pub(crate) fn skip(&mut self, limits: &Limits, n: u64) -> Result<(), WireError> {
+        self.skip_items(n, 2, limits)
+    }
+
+    pub(crate) fn skip_entries(
+        &mut self,
+        n: u32,
+        depth: usize,
+        limits: &Limits,
+    ) -> Result<(), WireError> {
+        self.skip_items(u64::from(n) * 2, depth, limits)
+    }
+
+    /// Skips `n` values, iteratively (no recursion), refusing nesting past the depth limit.
+    /// Each value consumes at least one byte, so this terminates within the frame's length.
+    pub(crate) fn skip_items(
+        &mut self,
+        n: u64,
+        depth: usize,
+        limits: &Limits,
+    ) -> Result<(), WireError> {
+        let mut stack: heapless::Vec<u64, 64> = heapless::Vec::new();
+        let max_extra = limits.max_depth.saturating_sub(depth).min(63);
+        let mut remaining = n;
+        loop {
+            while remaining == 0 {
+                match stack.pop() {
+                    Some(r) => remaining = r,
+                    None => return Ok(()),
+                }
+            }
+            remaining -= 1;
+            let children = match self.head()? {
+                Head::Array(m) => u64::from(m),
+                Head::Map(m) => u64::from(m) * 2,
+                _ => continue,
+            };
+            if children == 0 {
+                continue;
+            }
+            if stack.len() >= max_extra || depth + stack.len() + 1 > limits.max_depth {
+                return Err(WireError::TooDeep {
+                    max: limits.max_depth,
+                });
+            }
+            let _ = stack.push(remaining);
+            remaining = children;
+        }
+    }
+}
