@@ -14,8 +14,8 @@ use policyd::protocol::{Dialect, Timing};
 fn bench(c: &mut Criterion) {
     for profile in ["aloha", "droid", "libero", "tiny"] {
         let cfg = Config::load(Path::new(&format!("configs/{profile}.toml"))).unwrap();
-        let engine = open_engine(&cfg).unwrap();
-        let plan = Plan::compile(&cfg, engine.io()).unwrap();
+        let engine = open_engine(cfg.default_policy()).unwrap();
+        let plan = Plan::compile(&cfg, cfg.default_policy(), engine.io()).unwrap();
         let mut inputs = engine.alloc_inputs().unwrap();
         let mut seen = vec![false; plan.inputs.len()];
         // The observation as openpi's examples send it (`policyd bench`'s built-in profile).
@@ -39,7 +39,7 @@ fn bench(c: &mut Criterion) {
             prev_total_ms: Some(3.0),
         };
         let mut scratch = vec![0u8; plan.scratch_bytes];
-        let chunk = plan.chunk(&cfg.pacing, 0);
+        let chunk = plan.chunk(&cfg.default_policy().pacing, 0);
         let mut parts = ReplyParts {
             outputs: &outputs,
             scratch: &mut scratch,

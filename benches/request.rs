@@ -22,7 +22,7 @@ fn bench(c: &mut Criterion) {
     for profile in ["tiny", "libero", "aloha"] {
         let mut cfg = Config::load(Path::new(&format!("configs/{profile}.toml"))).unwrap();
         cfg.server.port = 0;
-        let loaded = policyd::policy::build::load(&cfg).unwrap();
+        let loaded = policyd::policy::build::load(&cfg, cfg.default_policy()).unwrap();
         let listener = rt.block_on(policyd::net::listener::bind(&cfg)).unwrap();
         let addr = listener.local_addr().unwrap();
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();

@@ -11,7 +11,7 @@ use arc_swap::ArcSwap;
 use sd_notify::NotifyState;
 use tokio::net::TcpListener;
 
-use crate::config::Config;
+use crate::config::{Config, PolicySpec};
 use crate::engine::Engine;
 use crate::metrics::Stats;
 use crate::net::listener::{self, ServeError};
@@ -96,7 +96,7 @@ pub async fn run<F>(
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), AppError>
 where
-    F: Fn(&Config) -> Result<Box<dyn Engine>, PolicyError> + Send + Sync + 'static,
+    F: Fn(&PolicySpec) -> Result<Box<dyn Engine>, PolicyError> + Send + Sync + 'static,
 {
     run_with_reload(cfg, open, shutdown, None).await
 }
@@ -109,22 +109,28 @@ pub async fn run_with_reload<F>(
     reload: Option<Reloader>,
 ) -> Result<(), AppError>
 where
-    F: Fn(&Config) -> Result<Box<dyn Engine>, PolicyError> + Send + Sync + 'static,
+    F: Fn(&PolicySpec) -> Result<Box<dyn Engine>, PolicyError> + Send + Sync + 'static,
 {
     let open: Arc<OpenFn> = Arc::new(open);
     let origin = cfg
-        .policy_configs()
+        .policies
         .iter()
         .map(|c| {
-            let model = c.model.as_ref().map(|m| m.describe()).unwrap_or_default();
-            if cfg.policies.is_empty() {
-                model
+            let model = c.model.describe();
+            if cfg.named {
+                format!("{} ({model})", c.name)
             } else {
-                format!("{} ({model})", c.policy.name)
+                model
             }
         })
         .collect::<Vec<_>>()
         .join(", ");
+    // Key files and the TLS certificate are read before the socket is taken, so that a
+    // missing file fails the start with its key's name.
+    let access = crate::net::Access::load(&cfg).map_err(ServeError::from)?;
+    if cfg.planner.enabled {
+        crate::planner::api_key(&cfg.planner).map_err(ServeError::from)?;
+    }
     let listener = listen(&cfg).await?;
     let addr = listener.local_addr().map_err(AppError::Addr)?;
     notify(&[NotifyState::Status("loading the engine")]);
@@ -135,13 +141,8 @@ where
         crate::policy::build::build(&load_cfg, None, opener.as_ref()).map(|b| b.set)
     });
     let timeout = Duration::from_secs_f64(cfg.server.handshake_timeout_s);
-    let set = match crate::net::http::while_loading(
-        &listener,
-        timeout,
-        cfg.tls.acceptor.clone(),
-        loading,
-    )
-    .await
+    let set = match crate::net::http::while_loading(&listener, timeout, access.tls.clone(), loading)
+        .await
     {
         Ok(Ok(l)) => l,
         Ok(Err(e)) => {
@@ -165,11 +166,7 @@ where
     let status = format!(
         "serving {} on {}://{addr} ({backends} backend, loaded in {:.0} ms)",
         origin,
-        if cfg.tls.acceptor.is_some() {
-            "wss"
-        } else {
-            "ws"
-        },
+        if access.tls.is_some() { "wss" } else { "ws" },
         t0.elapsed().as_secs_f64() * 1e3
     );
     log::info!(

@@ -126,7 +126,7 @@ fn frame(i: usize, observe: bool) -> Vec<u8> {
 async fn own_path(n: usize) -> u64 {
     let cfg = Config::parse(CONFIG, "test", None).unwrap();
     let engine = Box::new(SyntheticEngine::new(io(), Behaviour::default()));
-    let loaded = policyd::policy::build::load_engine(&cfg, engine).unwrap();
+    let loaded = policyd::policy::build::load_engine(&cfg, cfg.default_policy(), engine).unwrap();
     let (plan, worker) = (&loaded.plan, &loaded.worker);
     let port = ReplyPort::new(&worker.pool);
     let pacer = Pacer::start(policyd::runtime::pacing::DEFAULT_SPIN).unwrap();
@@ -134,7 +134,7 @@ async fn own_path(n: usize) -> u64 {
     let mut sessions = Box::new(Sessions::new(16, 100));
     let filters = Filters {
         skip_predicted_timesteps: true,
-        similarity_atol: cfg.pacing.similarity_atol,
+        similarity_atol: cfg.default_policy().pacing.similarity_atol,
     };
     let frames: Vec<(Vec<u8>, bool)> = (0..64)
         .map(|i| (frame(i, i % 2 == 1), i % 2 == 1))
@@ -188,7 +188,7 @@ async fn own_path(n: usize) -> u64 {
             let mut parts = ReplyParts {
                 outputs: &slot.outputs,
                 scratch: &mut slot.scratch,
-                chunk: plan.chunk(&cfg.pacing, d),
+                chunk: plan.chunk(&cfg.default_policy().pacing, d),
             };
             if *observe {
                 Dialect::Openpi.encode_observe(
@@ -223,7 +223,7 @@ async fn own_path(n: usize) -> u64 {
 /// Allocations of one tract run of the ALOHA demo, after warm-up.
 fn cpu_engine_per_run(n: u64) -> f64 {
     let cfg = demo::config().unwrap();
-    let mut engine = policyd::policy::build::open_engine(&cfg).unwrap();
+    let mut engine = policyd::policy::build::open_engine(cfg.default_policy()).unwrap();
     let mut inputs = engine.alloc_inputs().unwrap();
     let mut outputs: Vec<Vec<u8>> = engine
         .io()
@@ -282,7 +282,7 @@ async fn read_frame(tcp: &mut tokio::net::TcpStream, buf: &mut [u8]) -> usize {
 async fn server_per_request(n: u64) -> f64 {
     let cfg = Config::parse(CONFIG, "test", None).unwrap();
     let engine = Box::new(SyntheticEngine::new(io(), Behaviour::default()));
-    let loaded = policyd::policy::build::load_engine(&cfg, engine).unwrap();
+    let loaded = policyd::policy::build::load_engine(&cfg, cfg.default_policy(), engine).unwrap();
     let listener = policyd::net::listener::bind(&cfg).await.unwrap();
     let addr = listener.local_addr().unwrap();
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
@@ -365,7 +365,7 @@ camera = "cam"
         outputs: vec![t("actions", ElemType::F32, &[1, 10, 7])],
     };
     let engine = Box::new(SyntheticEngine::new(io, Behaviour::default()));
-    let loaded = policyd::policy::build::load_engine(&cfg, engine).unwrap();
+    let loaded = policyd::policy::build::load_engine(&cfg, cfg.default_policy(), engine).unwrap();
     let plan = &loaded.plan;
     // The engine thread's first loop allocates its thread-locals: let it pass first.
     let t0 = Instant::now();

@@ -74,7 +74,7 @@ fn plan(wire: ElemType, engine: ElemType, shape: &[usize]) -> Plan {
             shape: vec![1, 2],
         }],
     };
-    Plan::compile(&cfg, &io).expect("plan")
+    Plan::compile(&cfg, cfg.default_policy(), &io).expect("plan")
 }
 
 fn frame(ty: ElemType, shape: &[usize], values: &[f64]) -> Vec<u8> {
@@ -200,7 +200,7 @@ fn reply_plan(c: &Case) -> (Config, Plan) {
             shape: vec![1, c.h, c.d],
         }],
     };
-    let plan = Plan::compile(&cfg, &io).expect("plan");
+    let plan = Plan::compile(&cfg, cfg.default_policy(), &io).expect("plan");
     (cfg, plan)
 }
 
@@ -246,7 +246,7 @@ proptest! {
         let (cfg, plan) = reply_plan(&c);
         let outputs = vec![c.engine.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>()];
         let mut scratch = vec![0u8; plan.scratch_bytes];
-        let chunk = plan.chunk(&cfg.pacing, 0);
+        let chunk = plan.chunk(&cfg.default_policy().pacing, 0);
         let rows = if c.per_chunk == 0 { c.h } else { c.per_chunk.min(c.h) };
         // What the client must get: row-major [rows, d], x·(std + 1e-6) + mean per column.
         let want: Vec<f64> = (0..rows * c.d)

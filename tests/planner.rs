@@ -228,7 +228,7 @@ fn json_fenced_json_and_think_blocks_each_set_the_subtask() {
     c.temperature = 0.25;
     let link = Arc::new(Link::new(&c, None, 64));
     let mut seen = Vec::new();
-    let _p = Planner::start(&c, link.clone()).expect("starts");
+    let _p = Planner::start(&c, c.api_key.clone(), link.clone()).expect("starts");
     wait_for("three subtasks", Duration::from_secs(10), || {
         if let Some(s) = subtask(&link)
             && seen.last() != Some(&s)
@@ -269,7 +269,7 @@ fn garbage_then_valid_on_the_corrective_retry() {
     );
     let c = cfg(&[&vlm]);
     let link = Arc::new(Link::new(&c, None, 64));
-    let _p = Planner::start(&c, link.clone()).expect("starts");
+    let _p = Planner::start(&c, c.api_key.clone(), link.clone()).expect("starts");
     wait_for("the subtask", Duration::from_secs(10), || {
         subtask(&link).is_some()
     });
@@ -303,7 +303,7 @@ fn garbage_twice_keeps_the_previous_subtask_and_counts_the_failure() {
         subtask: "wipe the table".into(),
         done: false,
     });
-    let _p = Planner::start(&c, link.clone()).expect("starts");
+    let _p = Planner::start(&c, c.api_key.clone(), link.clone()).expect("starts");
     wait_for("the parse failure", Duration::from_secs(10), || {
         count(&link.health.parse_failures) == 1
     });
@@ -319,7 +319,7 @@ fn a_failing_endpoint_is_skipped_and_used_again_once_it_answers() {
     let mut c = cfg(&[&a, &b]);
     c.rate_hz = 50.0;
     let link = Arc::new(Link::new(&c, None, 64));
-    let _p = Planner::start(&c, link.clone()).expect("starts");
+    let _p = Planner::start(&c, c.api_key.clone(), link.clone()).expect("starts");
     wait_for("b's subtask", Duration::from_secs(10), || {
         subtask(&link).as_deref() == Some("from b")
     });
@@ -358,7 +358,7 @@ fn a_hung_endpoint_times_out_and_the_subtask_stays() {
     let mut c = cfg(&[&vlm]);
     c.request_timeout_s = 0.3;
     let link = Arc::new(Link::new(&c, None, 64));
-    let _p = Planner::start(&c, link.clone()).expect("starts");
+    let _p = Planner::start(&c, c.api_key.clone(), link.clone()).expect("starts");
     wait_for("a timeout", Duration::from_secs(10), || {
         count(&link.health.timeouts) >= 1
     });
@@ -374,7 +374,7 @@ fn a_slow_answer_within_the_timeout_is_used() {
     );
     let c = cfg(&[&vlm]);
     let link = Arc::new(Link::new(&c, None, 64));
-    let _p = Planner::start(&c, link.clone()).expect("starts");
+    let _p = Planner::start(&c, c.api_key.clone(), link.clone()).expect("starts");
     wait_for("the subtask", Duration::from_secs(10), || {
         subtask(&link).is_some()
     });
@@ -387,7 +387,7 @@ fn a_server_that_goes_away_leaves_the_last_subtask() {
     let vlm = FakeVlm::start(vec![], Reply::Content(json("stack the blocks")));
     let c = cfg(&[&vlm]);
     let link = Arc::new(Link::new(&c, None, 64));
-    let _p = Planner::start(&c, link.clone()).expect("starts");
+    let _p = Planner::start(&c, c.api_key.clone(), link.clone()).expect("starts");
     wait_for("the subtask", Duration::from_secs(10), || {
         subtask(&link).is_some()
     });
@@ -410,7 +410,7 @@ fn too_long_subtasks_are_refused_with_the_limit_in_the_retry() {
     );
     let c = cfg(&[&vlm]);
     let link = Arc::new(Link::new(&c, None, 16));
-    let _p = Planner::start(&c, link.clone()).expect("starts");
+    let _p = Planner::start(&c, c.api_key.clone(), link.clone()).expect("starts");
     wait_for("the subtask", Duration::from_secs(10), || {
         subtask(&link).is_some()
     });
@@ -427,7 +427,7 @@ fn the_camera_frame_goes_to_the_model_as_a_png() {
     c.camera = Some("cam".into());
     let g = Geometry::of(&[4, 6, 3]).expect("image");
     let link = Arc::new(Link::new(&c, Some(g), 64));
-    let _p = Planner::start(&c, link.clone()).expect("starts");
+    let _p = Planner::start(&c, c.api_key.clone(), link.clone()).expect("starts");
     // No observation yet: nothing to plan, nothing sent.
     wait_for("a skipped tick", Duration::from_secs(5), || {
         count(&link.health.no_observation) >= 1
@@ -512,7 +512,7 @@ fn serve_command_is_started_streamed_and_stopped_with_sigint_then_sigkill() {
     c.ready_marker = Some("stubborn-server: listening".into());
     c.stop_grace_s = 0.5;
     let link = Arc::new(Link::new(&c, None, 64));
-    let mut p = Planner::start(&c, link.clone()).expect("starts");
+    let mut p = Planner::start(&c, c.api_key.clone(), link.clone()).expect("starts");
     let pid = p.server_pid().expect("a server pid");
     wait_for("the first call", Duration::from_secs(10), || {
         !vlm.chats().is_empty()
@@ -534,7 +534,7 @@ fn serve_command_is_started_streamed_and_stopped_with_sigint_then_sigkill() {
     let mut c = cfg(&[&vlm]);
     c.serve_command = vec!["sleep".into(), "60".into()];
     c.stop_grace_s = 10.0;
-    let mut p = Planner::start(&c, Arc::new(Link::new(&c, None, 64))).expect("starts");
+    let mut p = Planner::start(&c, None, Arc::new(Link::new(&c, None, 64))).expect("starts");
     let pid = p.server_pid().expect("a server pid");
     let t0 = Instant::now();
     p.stop();
@@ -554,7 +554,7 @@ fn a_model_server_that_exits_is_restarted() {
     ];
     c.ready_marker = Some("short-lived-server: up".into());
     let link = Arc::new(Link::new(&c, None, 64));
-    let _p = Planner::start(&c, link).expect("starts");
+    let _p = Planner::start(&c, None, link).expect("starts");
     wait_for("a restart", Duration::from_secs(10), || {
         captured()
             .lock()

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
 use futures_util::{SinkExt, StreamExt};
-use policyd::config::Config;
+use policyd::config::{Config, PolicySpec};
 use policyd::dtype::ElemType;
 use policyd::engine::{Engine, IoSpec, TensorSpec};
 use policyd::metrics::Stats;
@@ -29,16 +29,15 @@ use common::Ws;
 const VLLM: &str = "/v1/realtime/robot/openpi";
 
 /// The action chunk each model file name gives: `a` 10×7, `b` 5×3, `c` 4×2.
-fn chunk(c: &Config) -> [usize; 2] {
-    let model = c.engine.model.as_ref().map(|m| m.display().to_string());
-    match model.as_deref() {
-        Some("b.onnx") => [5, 3],
-        Some("c.onnx") => [4, 2],
+fn chunk(c: &PolicySpec) -> [usize; 2] {
+    match c.model.describe().as_str() {
+        "b.onnx" => [5, 3],
+        "c.onnx" => [4, 2],
         _ => [10, 7],
     }
 }
 
-fn io(c: &Config) -> IoSpec {
+fn io(c: &PolicySpec) -> IoSpec {
     let t = |name: &str, dtype, shape: &[usize]| TensorSpec {
         name: name.into(),
         dtype,
@@ -84,14 +83,16 @@ struct Server {
 }
 
 fn opener(opens: Arc<Mutex<Vec<String>>>) -> Arc<OpenFn> {
-    Arc::new(move |c: &Config| -> Result<Box<dyn Engine>, PolicyError> {
-        opens.lock().expect("lock").push(c.policy.name.clone());
-        let b = Behaviour {
-            compute: Duration::from_millis(2),
-            ..Default::default()
-        };
-        Ok(Box::new(SyntheticEngine::new(io(c), b)))
-    })
+    Arc::new(
+        move |c: &PolicySpec| -> Result<Box<dyn Engine>, PolicyError> {
+            opens.lock().expect("lock").push(c.name.clone());
+            let b = Behaviour {
+                compute: Duration::from_millis(2),
+                ..Default::default()
+            };
+            Ok(Box::new(SyntheticEngine::new(io(c), b)))
+        },
+    )
 }
 
 async fn start(text: &str) -> Server {
@@ -511,10 +512,11 @@ fn policy_lists_are_checked() {
         None,
     )
     .expect("parses");
-    let per = cfg.policy_configs();
+    let per = &cfg.policies;
     assert_eq!(per.len(), 2);
-    assert_eq!(cfg.default_policy(), 1);
-    assert!(per[1].policy.is_default && !per[0].policy.is_default);
+    assert_eq!(cfg.default, 1);
+    assert_eq!(cfg.default_policy().name, "g");
+    assert!(per[1].is_default && !per[0].is_default);
     assert_eq!(per[1].pacing.actions_per_chunk, 3);
     assert_eq!(per[0].pacing.actions_per_chunk, 0);
 }

@@ -169,7 +169,8 @@ fn resident_memory_stays_flat_over_20000_requests() {
     rt.block_on(async {
         let cfg = Config::parse(CONFIG, "test", None).unwrap();
         let engine = Box::new(SyntheticEngine::new(io(), Behaviour::default()));
-        let loaded = policyd::policy::build::load_engine(&cfg, engine).unwrap();
+        let loaded =
+            policyd::policy::build::load_engine(&cfg, cfg.default_policy(), engine).unwrap();
         let listener = policyd::net::listener::bind(&cfg).await.unwrap();
         let addr = listener.local_addr().unwrap();
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();

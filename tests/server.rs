@@ -39,11 +39,11 @@ async fn start(tune: impl FnOnce(&mut Config)) -> Running {
     let mut cfg = demo::config().expect("embedded config");
     cfg.server.host = "127.0.0.1".into();
     cfg.server.port = 0;
-    cfg.engine.warmup_runs = 1;
+    cfg.policies[0].engine.warmup_runs = 1;
     tune(&mut cfg);
-    cfg.validate().expect("test config is valid");
     let loaded =
-        tokio::task::block_in_place(|| policyd::policy::build::load(&cfg)).expect("engine loads");
+        tokio::task::block_in_place(|| policyd::policy::build::load(&cfg, cfg.default_policy()))
+            .expect("engine loads");
     let listener = policyd::net::listener::bind(&cfg).await.expect("bind");
     let addr = listener.local_addr().expect("local addr");
     let (tx, rx) = oneshot::channel::<()>();
@@ -387,7 +387,7 @@ async fn metrics_move_with_requests_errors_and_connections() {
 async fn api_keys_gate_websockets_and_metrics_but_not_health() {
     const KEY: &str = "robot-key-0123456789abcdef";
     let mut srv = start(|c| {
-        c.auth.keys = policyd::net::auth::ApiKeys::load(&[KEY.to_string()], None).unwrap();
+        c.auth.api_keys = vec![KEY.to_string()];
     })
     .await;
     let auth = format!("Authorization: Api-Key {KEY}\r\n");

@@ -236,9 +236,7 @@ pub fn run(
     let profile = match config {
         // With `[[policies]]`, the default policy's inputs (the one a plain URL reaches).
         Some(cfg) => {
-            let per = cfg.policy_configs();
-            let own = per.get(cfg.default_policy()).unwrap_or(cfg);
-            Profile::from_config("config", own).map_err(BenchError::Usage)?
+            Profile::from_config("config", cfg.default_policy()).map_err(BenchError::Usage)?
         }
         None => Profile::built_in(&args.profile).ok_or_else(|| {
             BenchError::Usage(format!(

@@ -7,7 +7,7 @@
 
 use bytes::Bytes;
 
-use crate::config::Config;
+use crate::config::PolicySpec;
 use crate::dtype::ElemType;
 use crate::protocol::Encoder;
 
@@ -82,17 +82,18 @@ impl Profile {
 
     /// The observation a policyd config's `[[inputs]]` expect: each key with its first accepted
     /// dtype and its wire shape; a `text` binding carries the prompt.
-    pub fn from_config(name: &str, cfg: &Config) -> Result<Profile, String> {
+    pub fn from_config(name: &str, policy: &PolicySpec) -> Result<Profile, String> {
         let mut arrays = Vec::new();
         let mut prompt = None;
-        for b in &cfg.inputs {
-            let first = b.dtypes.first().map(String::as_str).unwrap_or("");
-            if first == "text" {
+        for b in &policy.inputs {
+            if b.is_text() {
                 prompt = Some((b.key.clone(), "pick up the cup".to_string()));
                 continue;
             }
-            let dtype = ElemType::from_name(first)
-                .ok_or_else(|| format!("inputs '{}': unknown dtype '{first}'", b.key))?;
+            let &dtype = b
+                .dtypes()
+                .first()
+                .ok_or_else(|| format!("inputs '{}': no dtype", b.key))?;
             arrays.push(ArraySpec {
                 path: vec![b.key.clone()],
                 dtype,
@@ -304,7 +305,7 @@ mod tests {
 
     #[test]
     fn a_config_profile_sends_each_binding_with_its_first_dtype() {
-        let cfg = Config::parse(
+        let cfg = crate::config::Config::parse(
             "[engine]\nmodel = \"synthetic\"\n\
              [[inputs]]\nkey = \"images/top\"\ntensor = \"a\"\ndtypes = [\"uint8\"]\nshape = [4, 4, 3]\n\
              [[inputs]]\nkey = \"joints\"\ntensor = \"b\"\ndtypes = [\"float32\", \"float64\"]\nshape = [6]\n\
@@ -314,7 +315,7 @@ mod tests {
             None,
         )
         .unwrap();
-        let p = Profile::from_config("config", &cfg).unwrap();
+        let p = Profile::from_config("config", cfg.default_policy()).unwrap();
         assert_eq!(p.arrays.len(), 2);
         assert_eq!(p.arrays[1].dtype, ElemType::F32);
         assert_eq!(p.prompt.as_ref().map(|(k, _)| k.as_str()), Some("task"));

@@ -2,7 +2,7 @@
 //! engine's I/O (names, dtypes, shapes, layouts, normalisation) and turned into transforms.
 
 use super::{InputBinding, OutputBinding, Plan, PlannerTap};
-use crate::config::{Config, ConfigError, invalid};
+use crate::config::{Config, ConfigError, PolicySpec, invalid};
 use crate::dtype::ElemType;
 use crate::engine::IoSpec;
 use crate::protocol::{self, Encoder, Limits};
@@ -95,8 +95,9 @@ fn squeeze_to(shape: &[usize], min_rank: usize) -> &[usize] {
 }
 
 impl Plan {
-    /// Checks `cfg`'s bindings against the engine's I/O and compiles them.
-    pub fn compile(cfg: &Config, io: &IoSpec) -> Result<Plan, ConfigError> {
+    /// Checks `policy`'s bindings against the engine's I/O and compiles them; `cfg` gives the
+    /// request limits and, for the default policy, the planner's bindings.
+    pub fn compile(cfg: &Config, policy: &PolicySpec, io: &IoSpec) -> Result<Plan, ConfigError> {
         let names = |specs: &[crate::engine::TensorSpec]| {
             specs
                 .iter()
@@ -106,7 +107,7 @@ impl Plan {
         };
         io.check_sizes().map_err(|m| invalid("engine.model", m))?;
         let mut inputs = Vec::new();
-        for (i, b) in cfg.inputs.iter().enumerate() {
+        for (i, b) in policy.inputs.iter().enumerate() {
             let k = |f: &str| format!("inputs[{i}].{f}");
             let index = io
                 .inputs
@@ -125,7 +126,7 @@ impl Plan {
             let spec = &io.inputs[index];
             let rank = b.shape.len();
             let mut perm: Vec<usize> = (0..rank).collect();
-            if let Some(p) = b.layout().perm() {
+            if let Some(p) = b.layout.perm() {
                 for (j, &pj) in p.iter().enumerate() {
                     perm[rank - 3 + j] = rank - 3 + pj;
                 }
@@ -137,7 +138,7 @@ impl Plan {
                     format!(
                         "wire shape {:?}{} does not match model input '{}' of shape {:?}",
                         b.shape,
-                        if b.layout().perm().is_some() {
+                        if b.layout.perm().is_some() {
                             format!(" (after layout: {seen_by_engine:?})")
                         } else {
                             String::new()
@@ -160,8 +161,8 @@ impl Plan {
             let inputs_affine = affine.clone();
             let accepted = b
                 .dtypes()
-                .into_iter()
-                .map(|t| {
+                .iter()
+                .map(|&t| {
                     let tr = if perm.iter().enumerate().all(|(j, &p)| j == p) {
                         Transform::elementwise(t, spec.dtype, spec.elements(), affine.clone())
                     } else {
@@ -192,7 +193,7 @@ impl Plan {
             });
         }
         for spec in &io.inputs {
-            if !cfg.inputs.iter().any(|b| b.tensor == spec.name) {
+            if !policy.inputs.iter().any(|b| b.tensor == spec.name) {
                 return Err(invalid(
                     "inputs",
                     format!(
@@ -204,7 +205,7 @@ impl Plan {
         }
 
         let mut outputs = Vec::new();
-        for (i, o) in cfg.outputs.iter().enumerate() {
+        for (i, o) in policy.outputs.iter().enumerate() {
             let k = |f: &str| format!("outputs[{i}].{f}");
             let index = io
                 .outputs
@@ -259,7 +260,7 @@ impl Plan {
                 index,
                 openpi: Transform::first_columns(
                     spec.dtype,
-                    o.dtype(),
+                    o.dtype,
                     &src_shape,
                     cols,
                     affine.clone(),
@@ -268,12 +269,12 @@ impl Plan {
                 shape,
             });
         }
-        check_vllm_metadata(cfg, &outputs)?;
+        check_vllm_metadata(policy, &outputs)?;
 
         let mut metadata = Vec::new();
         protocol::encode_toml(
             &mut Encoder { buf: &mut metadata },
-            &toml::Value::Table(cfg.metadata.clone()),
+            &toml::Value::Table(policy.metadata.clone()),
         );
         let horizon = outputs
             .iter()
@@ -300,7 +301,11 @@ impl Plan {
                         )
                 })
                 .sum::<usize>();
-        let planner = planner_tap(cfg, &inputs, io)?;
+        let planner = if policy.is_default {
+            planner_tap(cfg, &inputs, io)?
+        } else {
+            None
+        };
         Ok(Plan {
             inputs,
             outputs,
@@ -313,11 +318,12 @@ impl Plan {
             reply_capacity,
             scratch_bytes,
             horizon,
-            similarity_input: (cfg.pacing.similarity_atol > 0.0)
+            similarity_input: (policy.pacing.similarity_atol > 0.0)
                 .then(|| {
-                    cfg.inputs
+                    policy
+                        .inputs
                         .iter()
-                        .position(|b| b.key == cfg.pacing.similarity_key)
+                        .position(|b| b.key == policy.pacing.similarity_key)
                 })
                 .flatten(),
             planner,
@@ -327,8 +333,8 @@ impl Plan {
 
 /// vllm-omni clients build their loop from `action_horizon`, `action_dim` and `action_keys`:
 /// where the metadata gives them, they must match the outputs.
-fn check_vllm_metadata(cfg: &Config, outputs: &[OutputBinding]) -> Result<(), ConfigError> {
-    let m = &cfg.metadata;
+fn check_vllm_metadata(policy: &PolicySpec, outputs: &[OutputBinding]) -> Result<(), ConfigError> {
+    let m = &policy.metadata;
     if let Some(h) = m.get("action_horizon") {
         let h = h
             .as_integer()

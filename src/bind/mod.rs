@@ -140,7 +140,7 @@ tensor = "actions"
                 shape: vec![1, 4, 2],
             }],
         };
-        Plan::compile(&cfg, &io)
+        Plan::compile(&cfg, cfg.default_policy(), &io)
     }
 
     #[test]
@@ -158,7 +158,7 @@ tensor = "actions"
             ],
             outputs: vec![spec("actions", ElemType::F32, vec![1 << 40, 1 << 40, 2])],
         };
-        let Err(e) = Plan::compile(&cfg, &io) else {
+        let Err(e) = Plan::compile(&cfg, cfg.default_policy(), &io) else {
             panic!("a model declaring a 2^81-element output was accepted")
         };
         let e = e.to_string();

@@ -12,7 +12,8 @@ use std::time::Instant;
 use tract_onnx::prelude::*;
 use tract_onnx::tract_hir::infer::Factoid;
 
-use super::{Engine, EngineError, InputBuffer, IoSpec, ModelSource, RunStats, TensorSpec};
+use super::{Engine, EngineError, InputBuffer, IoSpec, RunStats, TensorSpec};
+use crate::config::ModelSource;
 use crate::dtype::ElemType;
 
 /// The tract backend.

@@ -137,7 +137,7 @@ where
     let mut first = None;
     let mut send_metadata = true;
     loop {
-        let cfg = &policy.cfg;
+        let pacing = &policy.spec.pacing;
         let capacity = policy.plan.reply_capacity.max(1024);
         let mut c = Conn {
             ws,
@@ -145,8 +145,8 @@ where
             dialect,
             id,
             sessions: Box::new(Sessions::new(
-                cfg.server.max_sessions,
-                cfg.pacing.latency_window,
+                shared.cfg.server.max_sessions,
+                pacing.latency_window,
             )),
             port: ReplyPort::new(&policy.worker.pool),
             out: Vec::with_capacity(capacity),
@@ -157,8 +157,8 @@ where
             wake: Arc::new(Notify::new()),
             prev_total_ms: None,
             filters: Filters {
-                skip_predicted_timesteps: cfg.pacing.skip_predicted_timesteps,
-                similarity_atol: cfg.pacing.similarity_atol,
+                skip_predicted_timesteps: pacing.skip_predicted_timesteps,
+                similarity_atol: pacing.similarity_atol,
             },
             counted_sessions: 0,
             epoch: 0,
@@ -404,7 +404,7 @@ where
         let shared = self.shared;
         let policy = self.policy.clone();
         let plan = &policy.plan;
-        let pacing = &policy.cfg.pacing;
+        let pacing = &policy.spec.pacing;
         let slot = lease.slot();
         let decoded = plan.decode(frame, &mut slot.inputs, &mut slot.seen);
         // A frame naming another policy is that policy's to decode (it may not even fit this
@@ -444,7 +444,7 @@ where
                 self.sessions.reset(meta.session_id.as_ref());
                 self.count_sessions();
                 self.drop_waiting(&policy);
-                match Dialect::encode_reset(shared.cfg.server.reset_reply(), &mut self.out) {
+                match Dialect::encode_reset(shared.cfg.server.reset_reply, &mut self.out) {
                     Frame::Text(t) => self.send_msg(Message::text(t)).await,
                     Frame::Binary => {
                         let msg = self.send.message(&self.out);
@@ -548,14 +548,14 @@ where
         Failure::Inference(format!(
             "the engine has been running one inference for over {} ms (engine.timeout_ms); \
              it may be stuck, so this request was not run",
-            self.policy.cfg.engine.timeout_ms
+            self.policy.spec.engine.timeout_ms
         ))
     }
 
     /// `reset_on_prompt_change`: a session whose prompt differs from its last one starts
     /// afresh, as after `endpoint: reset` (its waiting observations are dropped too).
     fn check_prompt(&mut self, policy: &Policy, id: Option<&protocol::SessionId>, slot: &mut Slot) {
-        if !policy.cfg.policy.reset_on_prompt_change {
+        if !policy.spec.reset_on_prompt_change {
             return;
         }
         let hash = policy.plan.prompt_hash(&mut slot.inputs);
@@ -602,7 +602,7 @@ where
     /// Counts a skipped observation and, if configured, tells the client.
     async fn skipped(&mut self, timestep: i64, why: SkipReason) -> Option<String> {
         self.shared.stats.skips.count(why);
-        if !self.policy.cfg.pacing.report_skipped {
+        if !self.policy.spec.pacing.report_skipped {
             return None;
         }
         Dialect::encode_skipped(timestep, why.as_str(), &mut self.out);
@@ -697,7 +697,7 @@ where
         let shared = self.shared;
         let policy = self.policy.clone();
         let plan = &policy.plan;
-        let pacing = &policy.cfg.pacing;
+        let pacing = &policy.spec.pacing;
         let now = Instant::now();
         let slot = lease.slot();
         let t = slot.ticket.clone();

@@ -32,8 +32,10 @@ pub struct Shared {
     pub pacer: crate::runtime::pacing::Pacer,
     pub stats: Arc<Stats>,
     /// The config the server started with (its `[server]`, `[auth]` and `[tls]` hold until a
-    /// restart; each policy's own config is in its [`Policy`]).
+    /// restart; each policy's own config is in its [`crate::policy::Policy`]).
     pub cfg: Config,
+    /// The keys and TLS acceptor opened from it.
+    pub access: crate::net::Access,
     /// The policies served now; a reload swaps the whole set.
     pub policies: Arc<ArcSwap<PolicySet>>,
     /// The set's generation, for connections to notice a reload.
@@ -201,8 +203,7 @@ pub(crate) async fn handle(
     handshake: tokio::sync::OwnedSemaphorePermit,
 ) {
     let timeout = Duration::from_secs_f64(shared.cfg.server.handshake_timeout_s);
-    let Some(mut stream) = secure(stream, peer, shared.cfg.tls.acceptor.as_ref(), timeout).await
-    else {
+    let Some(mut stream) = secure(stream, peer, shared.access.tls.as_ref(), timeout).await else {
         return;
     };
     let head = match tokio::time::timeout(timeout, read_head(&mut stream)).await {
@@ -271,7 +272,7 @@ pub(crate) async fn handle(
         }
         return;
     }
-    let auth = &shared.cfg.auth;
+    let auth = &shared.access;
     let is_metrics = head.method == "GET" && head.path == "/metrics" && !head.upgrade;
     if auth.keys.enabled() && (head.upgrade || (is_metrics && auth.protect_metrics)) {
         let verdict = auth.keys.check(head.authorization.as_deref());

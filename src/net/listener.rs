@@ -33,6 +33,8 @@ pub enum ServeError {
     Pacer(std::io::Error),
     #[error("cannot start the task planner: {0}")]
     Planner(std::io::Error),
+    #[error(transparent)]
+    Config(#[from] crate::config::ConfigError),
 }
 
 /// Binds the configured address.
@@ -51,8 +53,8 @@ pub async fn serve(
     shutdown: impl std::future::Future<Output = ()>,
 ) -> Result<(), ServeError> {
     let stats = loaded.stats.clone();
-    let own = cfg.policy_configs().swap_remove(0);
-    let set = PolicySet::single(Policy::new(own, loaded));
+    let own = cfg.default_policy().clone();
+    let set = PolicySet::single(Policy::new(&cfg, own, loaded));
     serve_set(
         cfg,
         Arc::new(ArcSwap::from_pointee(set)),
@@ -75,6 +77,7 @@ pub async fn serve_set(
     shutdown: impl std::future::Future<Output = ()>,
     reloader: Option<(Reloader, Arc<crate::policy::OpenFn>)>,
 ) -> Result<(), ServeError> {
+    let access = crate::net::Access::load(&cfg)?;
     let (stop_tx, stop_rx) = watch::channel(false);
     let s = &cfg.server;
     let ws_config = WebSocketConfig::default()
@@ -84,7 +87,9 @@ pub async fn serve_set(
         .max_frame_size(Some(s.max_message_bytes + MARKER_LEN))
         .write_buffer_size(0);
     let max = s.max_connections;
-    let spin = Duration::from_micros(cfg.pacing.spin_us);
+    // One clock for every policy: it spins as long as the most demanding one asks.
+    let spin_us = cfg.policies.iter().map(|p| p.pacing.spin_us).max();
+    let spin = Duration::from_micros(spin_us.unwrap_or_default());
     let pacer = crate::runtime::pacing::Pacer::start(spin).map_err(ServeError::Pacer)?;
     let connections = Arc::new(Semaphore::new(max));
     let set = policies.load_full();
@@ -120,6 +125,7 @@ pub async fn serve_set(
         connections,
         shutdown: stop_rx,
         cfg,
+        access,
     });
     let reloading = reloader.map(|(r, open)| {
         let served = Arc::new(crate::policy::reload::Served {
@@ -132,8 +138,12 @@ pub async fn serve_set(
     // The planner runs beside the request path for as long as the server does.
     let planner = match planner_link {
         Some(link) => Some(
-            crate::planner::Planner::start(&shared.cfg.planner, link)
-                .map_err(ServeError::Planner)?,
+            crate::planner::Planner::start(
+                &shared.cfg.planner,
+                crate::planner::api_key(&shared.cfg.planner)?,
+                link,
+            )
+            .map_err(ServeError::Planner)?,
         ),
         None => None,
     };

@@ -9,3 +9,27 @@ pub mod http;
 pub mod listener;
 pub mod scrape;
 pub mod tls;
+
+use crate::config::{Config, ConfigError};
+
+/// What the listener opens from `[auth]` and `[tls]` at start-up: the API keys (read from the
+/// config and `auth.key_file`) and the TLS acceptor (from the PEM files). A wrong path or a
+/// bad key fails here, naming the key, before anything is served.
+#[derive(Clone, Debug)]
+pub struct Access {
+    pub keys: auth::ApiKeys,
+    /// Whether `/metrics` needs a key too (when keys are configured).
+    pub protect_metrics: bool,
+    pub tls: Option<tls::Tls>,
+}
+
+impl Access {
+    pub fn load(cfg: &Config) -> Result<Access, ConfigError> {
+        let a = &cfg.auth;
+        Ok(Access {
+            keys: auth::ApiKeys::load(&a.api_keys, a.key_file.as_deref())?,
+            protect_metrics: a.protect_metrics,
+            tls: cfg.tls.as_ref().map(tls::Tls::open).transpose()?,
+        })
+    }
+}

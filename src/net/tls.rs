@@ -1,7 +1,7 @@
 //! TLS for `wss://` (`[tls] cert` and `key`, PEM files), through rustls with the ring provider.
 //!
-//! The certificate and key are read and checked when the config is loaded, so a wrong path or
-//! a key that does not match fails at start-up with the path in the message, never at the
+//! The certificate and key are read and checked at start-up (by [`super::Access::load`]), so
+//! a wrong path or a key that does not match fails with the path in the message, never at the
 //! first client.
 
 use std::path::Path;
@@ -11,7 +11,7 @@ use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::{CertificateDer, PrivateKeyDer};
 use tokio_rustls::TlsAcceptor;
 
-use crate::config::{ConfigError, invalid};
+use crate::config::{ConfigError, TlsConfig, invalid};
 
 /// A ready TLS acceptor (cheap to clone).
 #[derive(Clone)]
@@ -24,6 +24,11 @@ impl std::fmt::Debug for Tls {
 }
 
 impl Tls {
+    /// The acceptor `[tls]` describes.
+    pub fn open(cfg: &TlsConfig) -> Result<Tls, ConfigError> {
+        Tls::load(&cfg.cert, &cfg.key)
+    }
+
     /// Reads a PEM certificate chain and private key.
     pub fn load(cert: &Path, key: &Path) -> Result<Tls, ConfigError> {
         let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(cert)
@@ -64,15 +69,19 @@ impl Tls {
 #[cfg(test)]
 mod tests {
     use crate::config::Config;
+    use crate::net::Access;
 
+    /// The start-up error for a config with this `[tls]` table (parsing, then opening it).
     fn parse(tls: &str, dir: &std::path::Path) -> String {
         let text = format!(
             "[engine]\nmodel = \"m.onnx\"\n[[inputs]]\nkey = \"state\"\ntensor = \"state\"\n\
-             dtypes = [\"float32\"]\nshape = [2]\n[tls]\n{tls}\n"
+             dtypes = [\"float32\"]\nshape = [2]\n[[outputs]]\ntensor = \"actions\"\n\
+             [tls]\n{tls}\n"
         );
-        Config::parse(&text, "t", Some(dir))
-            .unwrap_err()
-            .to_string()
+        match Config::parse(&text, "t", Some(dir)) {
+            Err(e) => e.to_string(),
+            Ok(cfg) => Access::load(&cfg).unwrap_err().to_string(),
+        }
     }
 
     #[test]

@@ -29,29 +29,6 @@ pub enum CallError {
     BadResponse { endpoint: String, message: String },
 }
 
-/// Checks a configured base URL: plain `http://host[:port][/prefix]`.
-pub fn check_url(url: &str) -> Result<(), String> {
-    if url.starts_with("https://") {
-        return Err(format!(
-            "\"{url}\": https is not supported; use an http endpoint on the robot or the LAN \
-             (or a TLS-terminating proxy on the robot)"
-        ));
-    }
-    let Some(rest) = url.strip_prefix("http://") else {
-        return Err(format!("\"{url}\": must start with http://"));
-    };
-    let host = rest.split('/').next().unwrap_or_default();
-    if host.is_empty() || host.contains(char::is_whitespace) {
-        return Err(format!("\"{url}\": no host"));
-    }
-    if url.contains(['?', '#']) {
-        return Err(format!(
-            "\"{url}\": give the base URL only (`/v1/...` is appended)"
-        ));
-    }
-    Ok(())
-}
-
 struct Endpoint {
     base: String,
     ready: bool,
@@ -253,24 +230,6 @@ fn message_content(text: &str) -> Result<String, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn urls_are_checked() {
-        assert!(check_url("http://127.0.0.1:8080").is_ok());
-        assert!(check_url("http://vlm.lan/openai").is_ok());
-        assert!(
-            check_url("https://api.example.com")
-                .unwrap_err()
-                .contains("https")
-        );
-        assert!(check_url("127.0.0.1:8080").unwrap_err().contains("http://"));
-        assert!(check_url("http://").unwrap_err().contains("no host"));
-        assert!(
-            check_url("http://h/v1?x=1")
-                .unwrap_err()
-                .contains("base URL")
-        );
-    }
 
     #[test]
     fn the_message_content_is_read_from_the_first_choice() {

@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 
 use arc_swap::{ArcSwap, ArcSwapOption};
 
-use crate::config::PlannerConfig;
+use crate::config::{ConfigError, PlannerConfig, Precedence, Secret, invalid};
 use endpoint::{CallError, Endpoints};
 use reply::Answer;
 
@@ -127,7 +127,7 @@ impl Link {
             }),
             camera,
             max_subtask,
-            planner_first: cfg.precedence == "planner",
+            planner_first: cfg.precedence == Precedence::Planner,
             health: Health::default(),
             born: Instant::now(),
         }
@@ -240,6 +240,32 @@ fn pause(stop: &Receiver<()>, d: Duration) -> Result<(), Stopped> {
     }
 }
 
+/// The API key the planner sends: `planner.api_key`, else the contents of
+/// `planner.api_key_file` (read here, at start-up, not when the config is parsed).
+pub fn api_key(cfg: &PlannerConfig) -> Result<Option<Secret>, ConfigError> {
+    let (key, name) = match &cfg.api_key_file {
+        None => (cfg.api_key.clone(), "planner.api_key"),
+        Some(path) => {
+            let text = std::fs::read_to_string(path).map_err(|e| {
+                invalid(
+                    "planner.api_key_file",
+                    format!("cannot read {}: {e}", path.display()),
+                )
+            })?;
+            (
+                Some(Secret(text.trim().to_string())),
+                "planner.api_key_file",
+            )
+        }
+    };
+    if let Some(k) = &key
+        && (k.0.is_empty() || k.0.chars().any(|c| c.is_control()))
+    {
+        return Err(invalid(name, "must be non-empty and on one line"));
+    }
+    Ok(key)
+}
+
 /// The running planner: its thread and, if configured, its model server.
 pub struct Planner {
     stop: Option<Sender<()>>,
@@ -249,8 +275,13 @@ pub struct Planner {
 }
 
 impl Planner {
-    /// Starts the planner thread (and `serve_command`, if set).
-    pub fn start(cfg: &PlannerConfig, link: Arc<Link>) -> std::io::Result<Planner> {
+    /// Starts the planner thread (and `serve_command`, if set), calling with `key` (see
+    /// [`api_key`]).
+    pub fn start(
+        cfg: &PlannerConfig,
+        key: Option<Secret>,
+        link: Arc<Link>,
+    ) -> std::io::Result<Planner> {
         let server = if cfg.serve_command.is_empty() {
             None
         } else {
@@ -266,7 +297,7 @@ impl Planner {
         let thread = std::thread::Builder::new()
             .name("planner".into())
             .spawn(move || {
-                let _ = run(&cfg, &link, srv.as_deref(), &rx);
+                let _ = run(&cfg, key.as_ref(), &link, srv.as_deref(), &rx);
                 log::debug!("planner: stopped");
             })?;
         Ok(Planner {
@@ -312,13 +343,14 @@ impl Drop for Planner {
 /// The planner loop: wait for the model server, then at `rate_hz` take a frame, ask, publish.
 fn run(
     cfg: &PlannerConfig,
+    key: Option<&Secret>,
     link: &Link,
     server: Option<&supervise::Supervisor>,
     stop: &Receiver<()>,
 ) -> Result<(), Stopped> {
     let mut endpoints = Endpoints::new(
         &cfg.endpoints,
-        cfg.api_key.as_ref().map(|k| k.0.as_str()),
+        key.map(|k| k.0.as_str()),
         Duration::from_secs_f64(cfg.request_timeout_s),
         Duration::from_secs_f64(cfg.max_backoff_s),
     );
@@ -541,6 +573,33 @@ mod tests {
         let mut px = vec![0; r.output_buffer_size().expect("size")];
         r.next_frame(&mut px).expect("frame");
         assert_eq!(&px[..6], &[1, 10, 100, 2, 20, 101]);
+    }
+
+    #[test]
+    fn the_api_key_file_is_read_at_start_up_naming_the_key() {
+        let mut cfg = PlannerConfig {
+            api_key: Some(Secret("inline".into())),
+            ..PlannerConfig::default()
+        };
+        assert_eq!(api_key(&cfg).unwrap(), Some(Secret("inline".into())));
+        cfg.api_key_file = Some(std::path::PathBuf::from("/nonexistent/missing-key"));
+        let e = api_key(&cfg).unwrap_err().to_string();
+        assert!(
+            e.contains("planner.api_key_file") && e.contains("missing-key"),
+            "{e}"
+        );
+        let f = std::env::temp_dir().join(format!("policyd-planner-key-{}", std::process::id()));
+        std::fs::write(&f, "sk-from-file\n").unwrap();
+        cfg.api_key_file = Some(f.clone());
+        assert_eq!(api_key(&cfg).unwrap(), Some(Secret("sk-from-file".into())));
+        std::fs::write(&f, "\n").unwrap();
+        assert!(
+            api_key(&cfg)
+                .unwrap_err()
+                .to_string()
+                .contains("planner.api_key_file")
+        );
+        let _ = std::fs::remove_file(f);
     }
 
     #[test]

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use super::Policy;
 use crate::bind::Plan;
-use crate::config::{Config, ConfigError, invalid};
+use crate::config::{Config, ConfigError, PolicySpec, invalid};
 use crate::limits::{FRAME_GUARD_BUFFER, WS_READ_BUFFER};
 
 /// The memory policyd allocates for a config, as a formula and a number.
@@ -19,8 +19,9 @@ pub struct Budget {
 }
 
 impl Budget {
-    /// The memory `cfg` allocates for `plan`: slots, connections and the model.
-    pub fn compute(cfg: &Config, plan: &Plan) -> Budget {
+    /// The memory `policy` allocates for `plan` under `cfg`'s server limits: slots,
+    /// connections and the model.
+    pub fn compute(cfg: &Config, policy: &PolicySpec, plan: &Plan) -> Budget {
         let (io, reply, scratch, metadata) = (
             &plan.io,
             plan.reply_capacity,
@@ -31,10 +32,10 @@ impl Budget {
         let outputs: u64 = io.outputs.iter().map(|s| s.bytes() as u64).sum();
         let reply = reply as u64;
         let scratch = scratch as u64;
-        let slots = cfg.engine.slots as u64;
+        let slots = policy.engine.slots as u64;
         let conns = cfg.server.max_connections as u64;
         let msg = cfg.server.max_message_bytes as u64;
-        let model = cfg.model.as_ref().map(|m| m.size()).unwrap_or(0);
+        let model = policy.model.size();
         let guard = FRAME_GUARD_BUFFER as u64;
         let sessions = std::mem::size_of::<crate::runtime::session::Sessions>() as u64;
         let per_conn = msg + WS_READ_BUFFER as u64 + guard + 2 * reply + metadata as u64 + sessions;

@@ -6,8 +6,8 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use crate::bind::Plan;
-use crate::config::{Config, ConfigError};
-use crate::engine::{Engine, EngineError, ModelSource};
+use crate::config::{Backend, Config, ConfigError, ModelSource, PolicySpec};
+use crate::engine::{Engine, EngineError};
 use crate::metrics::Stats;
 use crate::runtime::worker::WorkerHandle;
 
@@ -39,70 +39,72 @@ pub struct Loaded {
     pub warmup: Duration,
 }
 
-/// Opens the engine a config names.
-pub fn open_engine(cfg: &Config) -> Result<Box<dyn Engine>, PolicyError> {
-    let model = cfg.model.clone().ok_or_else(|| {
-        crate::config::invalid("engine.model", "missing: give the path of the ONNX model")
-    })?;
-    let hints: Vec<(String, Vec<usize>)> = cfg
+/// Opens the engine a policy names, with the backend its config chose.
+pub fn open_engine(spec: &PolicySpec) -> Result<Box<dyn Engine>, PolicyError> {
+    let hints: Vec<(String, Vec<usize>)> = spec
         .inputs
         .iter()
         .filter_map(|b| b.engine_shape.clone().map(|s| (b.tensor.clone(), s)))
         .collect();
-    match cfg.engine.backend.as_str() {
+    let backend_missing = |b: Backend| -> PolicyError {
+        crate::config::invalid(
+            "engine.backend",
+            format!("\"{}\" is not in this build", b.name()),
+        )
+        .into()
+    };
+    match spec.engine.backend {
         #[cfg(feature = "cpu")]
-        "cpu" => Ok(Box::new(crate::engine::cpu::CpuEngine::load(
-            &model, &hints,
+        Backend::Cpu => Ok(Box::new(crate::engine::cpu::CpuEngine::load(
+            &spec.model,
+            &hints,
         )?)),
         #[cfg(feature = "tensorrt")]
-        "tensorrt" => {
-            let crate::engine::ModelSource::File(path) = &model else {
+        Backend::Tensorrt => {
+            let ModelSource::File(path) = &spec.model else {
                 return Err(crate::config::invalid(
                     "engine.model",
                     "the tensorrt backend needs a plan file (built with trtexec on the device)",
                 )
                 .into());
             };
-            let e = &cfg.engine;
+            let e = &spec.engine;
             let opts = crate::engine::tensorrt::Options {
-                model: model.describe(),
+                model: spec.model.describe(),
                 dla_core: e.dla_core,
-                cuda_graph: e.cuda_graph.unwrap_or(true),
-                zero_copy: e
-                    .zero_copy
-                    .as_deref()
-                    .and_then(crate::engine::ZeroCopy::parse)
-                    .unwrap_or(crate::engine::ZeroCopy::Auto),
+                cuda_graph: e.cuda_graph,
+                zero_copy: e.zero_copy,
                 shapes: hints,
             };
             Ok(Box::new(crate::engine::tensorrt::open(
                 path,
-                e.device.unwrap_or(0),
+                e.device,
                 e.tensorrt_library.as_deref(),
                 &opts,
             )?))
         }
-        other => Err(crate::config::invalid(
-            "engine.backend",
-            format!("unknown backend \"{other}\""),
-        )
-        .into()),
+        #[allow(unreachable_patterns)]
+        other => Err(backend_missing(other)),
     }
 }
 
-/// Loads the model, checks the config against it, allocates every buffer and warms up.
-pub fn load(cfg: &Config) -> Result<Loaded, PolicyError> {
-    load_engine(cfg, open_engine(cfg)?)
+/// Loads the model, checks the policy against it, allocates every buffer and warms up.
+pub fn load(cfg: &Config, spec: &PolicySpec) -> Result<Loaded, PolicyError> {
+    load_engine(cfg, spec, open_engine(spec)?)
 }
 
 /// [`load`] with an engine the caller opened (tests and benchmarks use a synthetic one).
-pub fn load_engine(cfg: &Config, engine: Box<dyn Engine>) -> Result<Loaded, PolicyError> {
-    let plan = Plan::compile(cfg, engine.io())?;
-    let mut budget = Budget::compute(cfg, &plan);
+pub fn load_engine(
+    cfg: &Config,
+    spec: &PolicySpec,
+    engine: Box<dyn Engine>,
+) -> Result<Loaded, PolicyError> {
+    let plan = Plan::compile(cfg, spec, engine.io())?;
+    let mut budget = Budget::compute(cfg, spec, &plan);
     budget.add(engine.working_memory());
     let backend = engine.backend();
     let (worker, warmup) =
-        WorkerHandle::start(engine, &plan, cfg.engine.slots, cfg.engine.warmup_runs)?;
+        WorkerHandle::start(engine, &plan, spec.engine.slots, spec.engine.warmup_runs)?;
     Ok(Loaded {
         plan,
         budget,
@@ -116,9 +118,9 @@ pub fn load_engine(cfg: &Config, engine: Box<dyn Engine>) -> Result<Loaded, Poli
 /// What decides whether a reload keeps a policy's engine: its engine, bindings, metadata,
 /// pacing and session options, the planner it feeds, and its model file's size and
 /// modification time (a model replaced in place is reloaded).
-pub fn fingerprint(cfg: &Config) -> String {
-    let model = match &cfg.model {
-        Some(ModelSource::File(p)) => {
+pub fn fingerprint(cfg: &Config, spec: &PolicySpec) -> String {
+    let model = match &spec.model {
+        ModelSource::File(p) => {
             let stamp = std::fs::metadata(p).ok().map(|m| {
                 let t = m
                     .modified()
@@ -128,18 +130,18 @@ pub fn fingerprint(cfg: &Config) -> String {
             });
             format!("{} {stamp:?}", p.display())
         }
-        Some(m) => m.describe(),
-        None => String::new(),
+        m => m.describe(),
     };
+    let planner = (spec.is_default && cfg.planner.enabled).then_some(&cfg.planner);
     format!(
         "{:?}|{:?}|{:?}|{:?}|{:?}|{}|{:?}|{model}",
-        cfg.engine,
-        cfg.inputs,
-        cfg.outputs,
-        cfg.metadata,
-        cfg.pacing,
-        cfg.policy.reset_on_prompt_change,
-        cfg.planner.enabled.then_some(&cfg.planner),
+        spec.engine,
+        spec.inputs,
+        spec.outputs,
+        spec.metadata,
+        spec.pacing,
+        spec.reset_on_prompt_change,
+        planner,
     )
 }
 
@@ -159,20 +161,19 @@ pub fn build(
     current: Option<&PolicySet>,
     open: &OpenFn,
 ) -> Result<Built, PolicyError> {
-    let cfgs = cfg.policy_configs();
-    let mut policies = Vec::with_capacity(cfgs.len());
+    let mut policies = Vec::with_capacity(cfg.policies.len());
     let (mut loaded, mut kept) = (Vec::new(), Vec::new());
-    for c in cfgs {
-        let name = c.policy.name.clone();
+    for c in &cfg.policies {
+        let name = c.name.clone();
         if let Some(old) = current.and_then(|s| s.get(&name))
-            && old.fingerprint == fingerprint(&c)
+            && old.fingerprint == fingerprint(cfg, c)
         {
             kept.push(name);
             policies.push(old.clone());
             continue;
         }
         let context = |e: PolicyError| -> PolicyError {
-            if cfg.policies.is_empty() {
+            if !cfg.named {
                 e
             } else {
                 PolicyError::Policy {
@@ -181,8 +182,8 @@ pub fn build(
                 }
             }
         };
-        let engine = open(&c).map_err(context)?;
-        let mut l = load_engine(&c, engine).map_err(context)?;
+        let engine = open(c).map_err(context)?;
+        let mut l = load_engine(cfg, c, engine).map_err(context)?;
         // The planner thread feeds one link for the server's life: a reloaded default policy
         // takes over the running link if its prompt and camera are the same.
         if let (Some(tap), Some(old)) = (
@@ -199,13 +200,13 @@ pub fn build(
             }
         }
         loaded.push(name);
-        policies.push(Arc::new(Policy::new(c, l)));
+        policies.push(Arc::new(Policy::new(cfg, c.clone(), l)));
     }
     let budget = check_budget(cfg, &policies)?;
     Ok(Built {
         set: PolicySet {
             policies,
-            default: cfg.default_policy(),
+            default: cfg.default,
             generation: current.map_or(0, |s| s.generation + 1),
             budget,
         },
@@ -219,10 +220,10 @@ pub fn build(
 pub fn check(cfg: &Config, origin: &str) -> Result<String, PolicyError> {
     use std::fmt::Write;
     let mut out = String::new();
-    let several = !cfg.policies.is_empty();
+    let several = cfg.named;
     let mut budgets = Vec::new();
-    for c in cfg.policy_configs() {
-        let name = c.policy.name.clone();
+    for c in &cfg.policies {
+        let name = c.name.clone();
         let context = |e: PolicyError| {
             if several {
                 PolicyError::Policy {
@@ -233,18 +234,14 @@ pub fn check(cfg: &Config, origin: &str) -> Result<String, PolicyError> {
                 e
             }
         };
-        let engine = open_engine(&c).map_err(context)?;
-        let plan = Plan::compile(&c, engine.io()).map_err(|e| context(e.into()))?;
-        let mut budget = Budget::compute(&c, &plan);
+        let engine = open_engine(c).map_err(context)?;
+        let plan = Plan::compile(cfg, c, engine.io()).map_err(|e| context(e.into()))?;
+        let mut budget = Budget::compute(cfg, c, &plan);
         budget.add(engine.working_memory());
         let title = if several {
             format!(
                 "policy \"{name}\"{}: ",
-                if c.policy.is_default {
-                    " (default)"
-                } else {
-                    ""
-                }
+                if c.is_default { " (default)" } else { "" }
             )
         } else {
             String::new()
@@ -263,7 +260,7 @@ pub fn check(cfg: &Config, origin: &str) -> Result<String, PolicyError> {
             let _ = writeln!(out, "  output '{}' {} {:?}", s.name, s.dtype, s.shape);
         }
         if let Some(tap) = &plan.planner {
-            let p = &c.planner;
+            let p = &cfg.planner;
             let _ = writeln!(
                 out,
                 "  planner: {} at {} Hz via {}; subtask fills '{}' (at most {} bytes, {} \

@@ -13,7 +13,7 @@ use std::time::Duration;
 use tokio_tungstenite::tungstenite::Bytes;
 
 use crate::bind::Plan;
-use crate::config::Config;
+use crate::config::{Config, PolicySpec};
 use crate::engine::Engine;
 pub mod budget;
 pub mod build;
@@ -22,15 +22,15 @@ pub mod reload;
 use crate::runtime::worker::WorkerHandle;
 use build::{Loaded, PolicyError, fingerprint};
 
-/// Opens the engine a per-policy config names (the server's: [`build::open_engine`];
-/// tests pass a synthetic one).
-pub type OpenFn = dyn Fn(&Config) -> Result<Box<dyn Engine>, PolicyError> + Send + Sync;
+/// Opens the engine a policy names (the server's: [`build::open_engine`]; tests pass a
+/// synthetic one).
+pub type OpenFn = dyn Fn(&PolicySpec) -> Result<Box<dyn Engine>, PolicyError> + Send + Sync;
 
 /// One served policy: its config, compiled plan, engine worker and metadata frame.
 pub struct Policy {
     pub name: String,
-    /// The whole config as this policy sees it (see [`Config::policy_configs`]).
-    pub cfg: Config,
+    /// What the config says of this policy.
+    pub spec: PolicySpec,
     pub plan: Plan,
     /// What it allocates, for the set's memory check and `/metrics`.
     pub budget: budget::Budget,
@@ -46,25 +46,25 @@ pub struct Policy {
 }
 
 impl Policy {
-    /// Wraps a loaded engine as the policy `cfg` describes.
-    pub fn new(cfg: Config, loaded: Loaded) -> Policy {
+    /// Wraps a loaded engine as the policy `spec` of `cfg` describes.
+    pub fn new(cfg: &Config, spec: PolicySpec, loaded: Loaded) -> Policy {
         Policy {
-            name: cfg.policy.name.clone(),
-            fingerprint: fingerprint(&cfg),
+            name: spec.name.clone(),
+            fingerprint: fingerprint(cfg, &spec),
             metadata: Bytes::from(loaded.plan.metadata.clone()),
             plan: loaded.plan,
             budget: loaded.budget,
             worker: loaded.worker,
             backend: loaded.backend,
             warmup: loaded.warmup,
-            cfg,
+            spec,
             monitor: Mutex::new(None),
         }
     }
 
     /// Starts the stall monitor (`engine.timeout_ms`), once; it stops with the policy.
     pub fn watch(&self) {
-        let timeout = self.cfg.engine.timeout_ms;
+        let timeout = self.spec.engine.timeout_ms;
         let mut m = self.monitor.lock().unwrap_or_else(|p| p.into_inner());
         if timeout == 0 || m.is_some() {
             return;

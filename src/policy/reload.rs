@@ -102,22 +102,10 @@ fn list_or_none(names: &[String]) -> String {
 /// restart. Says so when the file changed them.
 fn warn_fixed_sections(old: &Config, new: &Config) {
     let changed = [
-        (
-            "[server]",
-            format!("{:?}", old.server) != format!("{:?}", new.server),
-        ),
-        (
-            "[auth]",
-            format!("{:?}", old.auth) != format!("{:?}", new.auth),
-        ),
-        (
-            "[tls]",
-            (&old.tls.cert, &old.tls.key) != (&new.tls.cert, &new.tls.key),
-        ),
-        (
-            "[planner]",
-            format!("{:?}", old.planner) != format!("{:?}", new.planner),
-        ),
+        ("[server]", old.server != new.server),
+        ("[auth]", old.auth != new.auth),
+        ("[tls]", old.tls != new.tls),
+        ("[planner]", old.planner != new.planner),
     ];
     for (section, differs) in changed {
         if differs {

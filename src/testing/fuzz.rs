@@ -10,7 +10,7 @@
 use std::cell::RefCell;
 
 use crate::bind::{Plan, ReplyParts};
-use crate::config::Config;
+use crate::config::{Config, PacingConfig, PolicySpec};
 use crate::dtype::ElemType;
 use crate::engine::{InputBuffer, IoSpec, TensorSpec};
 use crate::policy::budget::Budget;
@@ -126,15 +126,15 @@ key = "aux"
 /// Engine I/O shaped like a config's bindings, so that its plan compiles: each binding's
 /// wire shape (after its layout change) behind a batch axis, text as int64, and each output
 /// a 10-step chunk of its columns (7 unless the config says).
-pub fn io_for(cfg: &Config) -> IoSpec {
+pub fn io_for(policy: &PolicySpec) -> IoSpec {
     let mut inputs: Vec<TensorSpec> = Vec::new();
-    for b in &cfg.inputs {
+    for b in &policy.inputs {
         if inputs.iter().any(|t| t.name == b.tensor) {
             continue;
         }
         let mut shape = b.engine_shape.clone().unwrap_or_else(|| {
             let mut s = b.shape.clone();
-            if let Some(p) = b.layout().perm()
+            if let Some(p) = b.layout.perm()
                 && s.len() >= 3
             {
                 let n = s.len();
@@ -158,7 +158,7 @@ pub fn io_for(cfg: &Config) -> IoSpec {
         });
     }
     let mut outputs: Vec<TensorSpec> = Vec::new();
-    for o in &cfg.outputs {
+    for o in &policy.outputs {
         if outputs.iter().any(|t| t.name == o.tensor) {
             continue;
         }
@@ -174,7 +174,7 @@ pub fn io_for(cfg: &Config) -> IoSpec {
 
 /// One binding set with its buffers, allocated once per thread.
 struct Case {
-    cfg: Config,
+    pacing: PacingConfig,
     plan: Plan,
     inputs: Vec<Box<dyn InputBuffer>>,
     seen: Vec<bool>,
@@ -188,8 +188,9 @@ fn cases() -> Vec<Case> {
         .iter()
         .filter_map(|text| {
             let cfg = Config::parse(text, "fuzz", None).ok()?;
-            let io = io_for(&cfg);
-            let plan = Plan::compile(&cfg, &io).ok()?;
+            let spec = cfg.default_policy();
+            let io = io_for(spec);
+            let plan = Plan::compile(&cfg, spec, &io).ok()?;
             Some(Case {
                 inputs: io
                     .inputs
@@ -200,7 +201,7 @@ fn cases() -> Vec<Case> {
                 outputs: io.outputs.iter().map(|s| vec![0; s.bytes()]).collect(),
                 scratch: vec![0; plan.scratch_bytes],
                 reply: Vec::with_capacity(plan.reply_capacity),
-                cfg,
+                pacing: spec.pacing.clone(),
                 plan,
             })
         })
@@ -247,7 +248,7 @@ pub fn decode(data: &[u8]) {
         let mut parts = ReplyParts {
             outputs: &c.outputs,
             scratch: &mut c.scratch,
-            chunk: c.plan.chunk(&c.cfg.pacing, delay),
+            chunk: c.plan.chunk(&c.pacing, delay),
         };
         let timing = Timing {
             policy_infer_ms: 1.0,
@@ -284,10 +285,10 @@ pub fn config(data: &[u8]) {
     let Ok(cfg) = Config::parse(text, "fuzz", None) else {
         return;
     };
-    for c in cfg.policy_configs() {
-        let io = io_for(&c);
-        if let Ok(plan) = Plan::compile(&c, &io) {
-            let _ = Budget::compute(&c, &plan).render();
+    for spec in &cfg.policies {
+        let io = io_for(spec);
+        if let Ok(plan) = Plan::compile(&cfg, spec, &io) {
+            let _ = Budget::compute(&cfg, spec, &plan).render();
         }
     }
 }

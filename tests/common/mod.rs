@@ -75,7 +75,8 @@ pub async fn start(cfg: Config, behaviour: Behaviour) -> Running {
 /// [`start`] with the synthetic engine's inputs and outputs given.
 pub async fn start_io(cfg: Config, io: IoSpec, behaviour: Behaviour) -> Running {
     let engine = Box::new(SyntheticEngine::new(io, behaviour));
-    let loaded = policyd::policy::build::load_engine(&cfg, engine).expect("loads");
+    let loaded =
+        policyd::policy::build::load_engine(&cfg, cfg.default_policy(), engine).expect("loads");
     let stats = loaded.stats.clone();
     let pool = loaded.worker.pool.clone();
     let listener = policyd::net::listener::bind(&cfg).await.expect("bind");

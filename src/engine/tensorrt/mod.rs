@@ -25,7 +25,8 @@ use std::sync::{Arc, Mutex};
 use device::{Device, DevicePtr, Graph, HostAlloc};
 use shim::{Handle, ShimApi};
 
-use super::{Engine, EngineError, InputBuffer, IoSpec, RunStats, TensorSpec, ZeroCopy};
+use super::{Engine, EngineError, InputBuffer, IoSpec, RunStats, TensorSpec};
+use crate::config::ZeroCopy;
 use crate::dtype::ElemType;
 
 /// How the engine is set up (from `[engine]`).
@@ -935,7 +936,8 @@ tensor = "actions"
         let cfg = crate::config::Config::parse(text, "t", Some(std::path::Path::new("."))).unwrap();
         let dev = Arc::new(HostDevice::new(true));
         let e = open(PLAN, &dev, &opts(true, ZeroCopy::Auto)).unwrap();
-        let loaded = crate::policy::build::load_engine(&cfg, Box::new(e)).unwrap();
+        let loaded =
+            crate::policy::build::load_engine(&cfg, cfg.default_policy(), Box::new(e)).unwrap();
         assert_eq!(loaded.backend, "tensorrt");
         let budget = loaded.budget.render();
         assert!(budget.contains("tensorrt"), "{budget}");
@@ -950,7 +952,7 @@ tensor = "actions"
         let cfg =
             crate::config::Config::parse(&wrong, "t", Some(std::path::Path::new("."))).unwrap();
         let e = open(PLAN, &dev, &opts(true, ZeroCopy::Auto)).unwrap();
-        let err = crate::policy::build::load_engine(&cfg, Box::new(e))
+        let err = crate::policy::build::load_engine(&cfg, cfg.default_policy(), Box::new(e))
             .err()
             .unwrap()
             .to_string();

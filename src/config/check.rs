@@ -1,0 +1,973 @@
+//! Is each value in range, and what does it resolve to? Every section of the raw file checked
+//! on its own and turned into its typed, resolved form; each error names its key where the
+//! value was read, through the section's [`Keys`] (a policy's keys carry `policies[i].` and
+//! its name), so nothing rewrites keys afterwards.
+
+use std::path::{Path, PathBuf};
+
+use super::raw::{
+    RawAuth, RawConfig, RawEngine, RawInput, RawOutput, RawPlanner, RawServer, RawTls,
+};
+use super::*;
+use crate::limits::{
+    MAX_ELEMENTS, MAX_LATENCY_WINDOW, MAX_PATH, MAX_POLICIES, MAX_POLICY_NAME,
+    MAX_SIMILARITY_STATE, MAX_SLOTS, element_count,
+};
+use crate::protocol::RESERVED_KEYS;
+
+/// The backends compiled into this build, for messages.
+pub const BACKENDS: &str = match (cfg!(feature = "cpu"), cfg!(feature = "tensorrt")) {
+    (true, true) => "cpu, tensorrt",
+    (true, false) => "cpu",
+    (false, true) => "tensorrt",
+    (false, false) => "none",
+};
+
+/// How a section's errors name their keys: a policy's under `policies[i].`, with its name.
+struct Keys {
+    prefix: String,
+    suffix: String,
+}
+
+impl Keys {
+    /// Top-level keys, as written.
+    fn top() -> Keys {
+        Keys {
+            prefix: String::new(),
+            suffix: String::new(),
+        }
+    }
+
+    /// The keys of `policies[i]`, named `name`.
+    fn policy(i: usize, name: &str) -> Keys {
+        Keys {
+            prefix: format!("policies[{i}]."),
+            suffix: format!(" (policy \"{name}\")"),
+        }
+    }
+
+    fn invalid(&self, key: impl AsRef<str>, message: impl Into<String>) -> ConfigError {
+        invalid(
+            format!("{}{}", self.prefix, key.as_ref()),
+            format!("{}{}", message.into(), self.suffix),
+        )
+    }
+}
+
+/// Checks and resolves a parsed file; `base` is its folder (paths are relative to it).
+pub(super) fn resolve(raw: RawConfig, base: Option<&Path>) -> Result<Config, ConfigError> {
+    let top = Keys::top();
+    let server = server(&raw.server)?;
+    let named = !raw.policies.is_empty();
+    let mut policies = Vec::new();
+    let default;
+    if named {
+        policy_list(&raw)?;
+        default = raw.policies.iter().position(|p| p.default).unwrap_or(0);
+        for (i, p) in raw.policies.iter().enumerate() {
+            let cx = Keys::policy(i, &p.name);
+            let (mut pacing, pacing_keys) = match &p.pacing {
+                Some(own) => (own.clone(), Keys::policy(i, &p.name)),
+                None => (raw.pacing.clone(), Keys::top()),
+            };
+            if let Some(n) = p.actions_per_chunk {
+                pacing.actions_per_chunk = n;
+            }
+            policies.push(policy(
+                &cx,
+                &pacing_keys,
+                PolicyParts {
+                    name: p.name.clone(),
+                    is_default: i == default,
+                    engine: &p.engine,
+                    inputs: &p.inputs,
+                    outputs: &p.outputs,
+                    metadata: &p.metadata,
+                    pacing,
+                    reset_on_prompt_change: p.reset_on_prompt_change,
+                },
+                base,
+            )?);
+        }
+    } else {
+        default = 0;
+        policies.push(policy(
+            &top,
+            &top,
+            PolicyParts {
+                name: "default".into(),
+                is_default: true,
+                engine: &raw.engine,
+                inputs: &raw.inputs,
+                outputs: &raw.outputs,
+                metadata: &raw.metadata,
+                pacing: raw.pacing.clone(),
+                reset_on_prompt_change: raw.reset_on_prompt_change,
+            },
+            base,
+        )?);
+    }
+    Ok(Config {
+        server,
+        planner: planner(&raw.planner, base)?,
+        auth: auth(&raw.auth, base),
+        tls: tls(&raw.tls, base)?,
+        policies,
+        default,
+        named,
+    })
+}
+
+/// A path the file names, resolved against its folder.
+fn path(base: Option<&Path>, p: &Path) -> PathBuf {
+    base.map_or_else(|| p.to_path_buf(), |b| b.join(p))
+}
+
+fn auth(a: &RawAuth, base: Option<&Path>) -> AuthConfig {
+    AuthConfig {
+        api_keys: a.api_keys.clone(),
+        key_file: a.key_file.as_deref().map(|f| path(base, f)),
+        protect_metrics: a.protect_metrics,
+    }
+}
+
+fn tls(t: &RawTls, base: Option<&Path>) -> Result<Option<TlsConfig>, ConfigError> {
+    match (&t.cert, &t.key) {
+        (None, None) => Ok(None),
+        (Some(c), Some(k)) => Ok(Some(TlsConfig {
+            cert: path(base, c),
+            key: path(base, k),
+        })),
+        (Some(_), None) => Err(invalid("tls.key", "missing: tls.cert needs its key")),
+        (None, Some(_)) => Err(invalid(
+            "tls.cert",
+            "missing: tls.key needs its certificate",
+        )),
+    }
+}
+
+/// `[server]`'s values.
+pub(super) fn server(s: &RawServer) -> Result<ServerConfig, ConfigError> {
+    let cx = Keys::top();
+    if s.host.trim().is_empty() {
+        return Err(cx.invalid("server.host", "must not be empty"));
+    }
+    if s.max_connections == 0 || s.max_connections > 4096 {
+        return Err(cx.invalid(
+            "server.max_connections",
+            format!("must be between 1 and 4096, got {}", s.max_connections),
+        ));
+    }
+    if s.max_message_bytes < 1024 || s.max_message_bytes > (1 << 30) {
+        return Err(cx.invalid(
+            "server.max_message_bytes",
+            format!(
+                "must be between 1024 and 1073741824, got {}",
+                s.max_message_bytes
+            ),
+        ));
+    }
+    for (key, v, max) in [
+        ("server.ping_interval_s", s.ping_interval_s, 86400.0),
+        ("server.ping_timeout_s", s.ping_timeout_s, 86400.0),
+        ("server.idle_timeout_s", s.idle_timeout_s, 86400.0 * 365.0),
+        ("server.handshake_timeout_s", s.handshake_timeout_s, 3600.0),
+        ("server.frame_timeout_s", s.frame_timeout_s, 3600.0),
+    ] {
+        if !(v.is_finite() && (0.0..=max).contains(&v)) {
+            return Err(cx.invalid(
+                key,
+                format!("must be a number of seconds between 0 and {max}, got {v}"),
+            ));
+        }
+    }
+    if s.ping_interval_s > 0.0 && s.ping_timeout_s <= 0.0 {
+        return Err(cx.invalid(
+            "server.ping_timeout_s",
+            "must be positive when server.ping_interval_s is set",
+        ));
+    }
+    if s.handshake_timeout_s <= 0.0 {
+        return Err(cx.invalid("server.handshake_timeout_s", "must be positive"));
+    }
+    if s.max_sessions == 0 || s.max_sessions > crate::limits::MAX_SESSIONS {
+        return Err(cx.invalid(
+            "server.max_sessions",
+            format!(
+                "must be between 1 and {}, got {}",
+                crate::limits::MAX_SESSIONS,
+                s.max_sessions
+            ),
+        ));
+    }
+    let reset_reply = match s.reset_reply.as_str() {
+        "msgpack" => ResetReply::Msgpack,
+        "text" => ResetReply::Text,
+        other => {
+            return Err(cx.invalid(
+                "server.reset_reply",
+                format!("must be \"msgpack\" or \"text\", got \"{other}\""),
+            ));
+        }
+    };
+    if !(2..=64).contains(&s.max_depth) {
+        return Err(cx.invalid(
+            "server.max_depth",
+            format!("must be between 2 and 64, got {}", s.max_depth),
+        ));
+    }
+    if s.memory_budget_mb > 1 << 24 {
+        return Err(cx.invalid(
+            "server.memory_budget_mb",
+            format!(
+                "must be at most 16777216 (16 TiB), got {}",
+                s.memory_budget_mb
+            ),
+        ));
+    }
+    if !(8..=1_000_000).contains(&s.max_map_entries) {
+        return Err(cx.invalid(
+            "server.max_map_entries",
+            format!("must be between 8 and 1000000, got {}", s.max_map_entries),
+        ));
+    }
+
+    Ok(ServerConfig {
+        host: s.host.clone(),
+        port: s.port,
+        max_connections: s.max_connections,
+        max_message_bytes: s.max_message_bytes,
+        ping_interval_s: s.ping_interval_s,
+        ping_timeout_s: s.ping_timeout_s,
+        idle_timeout_s: s.idle_timeout_s,
+        handshake_timeout_s: s.handshake_timeout_s,
+        frame_timeout_s: s.frame_timeout_s,
+        max_sessions: s.max_sessions,
+        reset_reply,
+        max_depth: s.max_depth,
+        max_map_entries: s.max_map_entries,
+        memory_budget_mb: s.memory_budget_mb,
+    })
+}
+
+/// `[[policies]]` as a list: names, the default, and nothing left at the top level.
+fn policy_list(raw: &RawConfig) -> Result<(), ConfigError> {
+    if raw.policies.len() > MAX_POLICIES {
+        return Err(invalid(
+            "policies",
+            format!(
+                "{} policies declared; at most {MAX_POLICIES}",
+                raw.policies.len()
+            ),
+        ));
+    }
+    for (i, p) in raw.policies.iter().enumerate() {
+        let ok = !p.name.is_empty()
+            && p.name.len() <= MAX_POLICY_NAME
+            && p.name
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'));
+        if !ok {
+            return Err(invalid(
+                format!("policies[{i}].name"),
+                format!(
+                    "\"{}\": use 1-{MAX_POLICY_NAME} letters, digits, '-', '_' or '.' (it \
+                         goes in the path /policies/<name>)",
+                    p.name
+                ),
+            ));
+        }
+        if let Some(j) = raw.policies[..i].iter().position(|q| q.name == p.name) {
+            return Err(invalid(
+                format!("policies[{i}].name"),
+                format!("\"{}\" is also the name of policies[{j}]", p.name),
+            ));
+        }
+    }
+    let defaults: Vec<&str> = raw
+        .policies
+        .iter()
+        .filter(|p| p.default)
+        .map(|p| p.name.as_str())
+        .collect();
+    if defaults.len() > 1 {
+        return Err(invalid(
+            "policies.default",
+            format!(
+                "only one policy may be the default; {} are",
+                defaults.join(", ")
+            ),
+        ));
+    }
+    for (key, set) in [
+        ("engine", raw.engine.model.is_some()),
+        ("inputs", !raw.inputs.is_empty()),
+        ("outputs", !raw.outputs.is_empty()),
+        ("metadata", !raw.metadata.is_empty()),
+        ("reset_on_prompt_change", raw.reset_on_prompt_change),
+    ] {
+        if set {
+            return Err(invalid(
+                key,
+                "with [[policies]], give it inside each policy ([policies.engine], \
+                     [[policies.inputs]], [[policies.outputs]], [policies.metadata], \
+                     reset_on_prompt_change)",
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// What one policy is made of, from the top level or a `[[policies]]` entry.
+struct PolicyParts<'a> {
+    name: String,
+    is_default: bool,
+    engine: &'a RawEngine,
+    inputs: &'a [RawInput],
+    outputs: &'a [RawOutput],
+    metadata: &'a toml::Table,
+    pacing: PacingConfig,
+    reset_on_prompt_change: bool,
+}
+
+/// One policy's engine, pacing, bindings and metadata.
+fn policy(
+    cx: &Keys,
+    pacing_keys: &Keys,
+    p: PolicyParts<'_>,
+    base: Option<&Path>,
+) -> Result<PolicySpec, ConfigError> {
+    let (engine, model) = engine(cx, p.engine, base)?;
+    let inputs = inputs(cx, p.inputs)?;
+    pacing(pacing_keys, &p.pacing, &inputs)?;
+    let outputs = outputs(cx, p.outputs)?;
+    for (key, v) in p.metadata {
+        check_metadata(cx, &format!("metadata.{key}"), v)?;
+    }
+    Ok(PolicySpec {
+        name: p.name,
+        is_default: p.is_default,
+        engine,
+        model,
+        inputs,
+        outputs,
+        metadata: p.metadata.clone(),
+        pacing: p.pacing,
+        reset_on_prompt_change: p.reset_on_prompt_change,
+    })
+}
+
+/// `[engine]`, and the model it names.
+fn engine(
+    cx: &Keys,
+    e: &RawEngine,
+    base: Option<&Path>,
+) -> Result<(EngineConfig, ModelSource), ConfigError> {
+    let backend = match e.backend.as_str() {
+        "cpu" if cfg!(feature = "cpu") => Backend::Cpu,
+        "cpu" => {
+            return Err(cx.invalid(
+                "engine.backend",
+                "\"cpu\" is not in this build (built without the `cpu` feature)",
+            ));
+        }
+        "tensorrt" if cfg!(feature = "tensorrt") => Backend::Tensorrt,
+        "tensorrt" => {
+            return Err(cx.invalid(
+                "engine.backend",
+                "\"tensorrt\" is not in this build; build policyd with \
+                 `--features tensorrt` (see docs/tensorrt.md)",
+            ));
+        }
+        other => {
+            return Err(cx.invalid(
+                "engine.backend",
+                format!("unknown backend \"{other}\"; this build has: {BACKENDS}"),
+            ));
+        }
+    };
+    if backend != Backend::Tensorrt {
+        for (key, set) in [
+            ("engine.device", e.device.is_some()),
+            ("engine.dla_core", e.dla_core.is_some()),
+            ("engine.cuda_graph", e.cuda_graph.is_some()),
+            ("engine.zero_copy", e.zero_copy.is_some()),
+            ("engine.tensorrt_library", e.tensorrt_library.is_some()),
+        ] {
+            if set {
+                return Err(cx.invalid(
+                    key,
+                    format!(
+                        "applies to the tensorrt backend only; engine.backend is \"{}\"",
+                        e.backend
+                    ),
+                ));
+            }
+        }
+    }
+    if let Some(d) = e.device
+        && d > 63
+    {
+        return Err(cx.invalid(
+            "engine.device",
+            format!("must be a CUDA device ordinal (0-63), got {d}"),
+        ));
+    }
+    if let Some(d) = e.dla_core
+        && d > 7
+    {
+        return Err(cx.invalid(
+            "engine.dla_core",
+            format!("must be a DLA core number (0 or 1 on Jetson AGX Orin), got {d}"),
+        ));
+    }
+    let zero_copy = match e.zero_copy.as_deref() {
+        None | Some("auto") => ZeroCopy::Auto,
+        Some("on") => ZeroCopy::On,
+        Some("off") => ZeroCopy::Off,
+        Some(z) => {
+            return Err(cx.invalid(
+                "engine.zero_copy",
+                format!("must be \"auto\", \"on\" or \"off\", got \"{z}\""),
+            ));
+        }
+    };
+    let Some(model) = &e.model else {
+        return Err(cx.invalid("engine.model", "missing: give the path of the ONNX model"));
+    };
+    if e.slots == 0 || e.slots > MAX_SLOTS {
+        return Err(cx.invalid(
+            "engine.slots",
+            format!("must be between 1 and {MAX_SLOTS}, got {}", e.slots),
+        ));
+    }
+    if e.timeout_ms != 0 && !(10..=3_600_000).contains(&e.timeout_ms) {
+        return Err(cx.invalid(
+            "engine.timeout_ms",
+            format!(
+                "must be 0 (never) or between 10 and 3600000, got {}",
+                e.timeout_ms
+            ),
+        ));
+    }
+    if e.warmup_runs > 1000 {
+        return Err(cx.invalid(
+            "engine.warmup_runs",
+            format!("must be at most 1000, got {}", e.warmup_runs),
+        ));
+    }
+    Ok((
+        EngineConfig {
+            backend,
+            device: e.device.unwrap_or(0),
+            dla_core: e.dla_core,
+            cuda_graph: e.cuda_graph.unwrap_or(true),
+            zero_copy,
+            tensorrt_library: e.tensorrt_library.clone(),
+            slots: e.slots,
+            warmup_runs: e.warmup_runs,
+            timeout_ms: e.timeout_ms,
+        },
+        ModelSource::File(path(base, model)),
+    ))
+}
+
+fn is_text(b: &RawInput) -> bool {
+    b.dtypes.iter().any(|d| d == "text")
+}
+
+/// `[[inputs]]`: each binding on its own and against the others.
+fn inputs(cx: &Keys, inputs: &[RawInput]) -> Result<Vec<InputConfig>, ConfigError> {
+    let mut out = Vec::with_capacity(inputs.len());
+    if inputs.is_empty() {
+        return Err(cx.invalid("inputs", "at least one [[inputs]] binding is needed"));
+    }
+    for (i, b) in inputs.iter().enumerate() {
+        let k = |f: &str| format!("inputs[{i}].{f}");
+        if b.key.is_empty() || b.key.len() > MAX_PATH {
+            return Err(cx.invalid(k("key"), format!("must be 1 to {MAX_PATH} bytes long")));
+        }
+        if b.key.starts_with('/') || b.key.ends_with('/') || b.key.contains("//") {
+            return Err(cx.invalid(k("key"), format!("\"{}\" has an empty path segment", b.key)));
+        }
+        if RESERVED_KEYS.contains(&b.key.as_str()) {
+            return Err(cx.invalid(
+                k("key"),
+                format!(
+                    "\"{}\" is reserved by the protocol and cannot be bound",
+                    b.key
+                ),
+            ));
+        }
+        if let Some(j) = inputs[..i].iter().position(|o| o.key == b.key) {
+            return Err(cx.invalid(
+                k("key"),
+                format!("\"{}\" is already bound by inputs[{j}]", b.key),
+            ));
+        }
+        if let Some(j) = inputs[..i].iter().position(|o| o.tensor == b.tensor) {
+            return Err(cx.invalid(
+                k("tensor"),
+                format!(
+                    "engine input \"{}\" is already bound by inputs[{j}]",
+                    b.tensor
+                ),
+            ));
+        }
+        if b.dtypes.is_empty() {
+            return Err(cx.invalid(
+                k("dtypes"),
+                "list at least one accepted wire dtype, e.g. [\"float32\", \"float64\"]",
+            ));
+        }
+        if is_text(b) {
+            if b.dtypes.len() != 1 {
+                return Err(cx.invalid(k("dtypes"), "\"text\" cannot be mixed with numeric dtypes"));
+            }
+            if b.shape.len() != 1 {
+                return Err(cx.invalid(
+                    k("shape"),
+                    "a text binding's shape is [max_bytes]: the UTF-8 bytes, one per element",
+                ));
+            }
+            if matches!(b.layout.as_deref(), Some("hwc_to_chw" | "chw_to_hwc"))
+                || !b.mean.is_empty()
+                || b.scale != 1.0
+                || b.offset != 0.0
+            {
+                return Err(cx.invalid(
+                    k("dtypes"),
+                    "a text binding takes no layout, scale, offset, mean or std",
+                ));
+            }
+        }
+        let mut dtypes = Vec::new();
+        for d in b.dtypes.iter().filter(|_| !is_text(b)) {
+            if let Some(t) = ElemType::from_name(d) {
+                dtypes.push(t);
+            } else {
+                return Err(cx.invalid(
+                    k("dtypes"),
+                    format!(
+                        "unknown dtype \"{d}\"; use a numpy name such as uint8, float32, float64, or \"text\""
+                    ),
+                ));
+            }
+        }
+        if b.shape.len() > crate::limits::MAX_RANK {
+            return Err(cx.invalid(
+                k("shape"),
+                format!("rank {} exceeds {}", b.shape.len(), crate::limits::MAX_RANK),
+            ));
+        }
+        if b.shape.contains(&0) {
+            return Err(cx.invalid(k("shape"), "dimensions must be positive"));
+        }
+        let count = elements(cx, &k("shape"), &b.shape)?;
+        if let Some(es) = &b.engine_shape {
+            if es.is_empty() || es.len() > crate::limits::MAX_RANK || es.contains(&0) {
+                return Err(cx.invalid(
+                    k("engine_shape"),
+                    format!(
+                        "needs 1 to {} positive dimensions, got {es:?}",
+                        crate::limits::MAX_RANK
+                    ),
+                ));
+            }
+            elements(cx, &k("engine_shape"), es)?;
+        }
+        let layout_ok = matches!(
+            b.layout.as_deref(),
+            None | Some("none" | "hwc_to_chw" | "chw_to_hwc")
+        );
+        if !layout_ok {
+            return Err(cx.invalid(
+                k("layout"),
+                format!(
+                    "must be \"hwc_to_chw\", \"chw_to_hwc\" or \"none\", got \"{}\"",
+                    b.layout.as_deref().unwrap_or_default()
+                ),
+            ));
+        }
+        let layout = match b.layout.as_deref() {
+            Some("hwc_to_chw") => Layout::HwcToChw,
+            Some("chw_to_hwc") => Layout::ChwToHwc,
+            _ => Layout::None,
+        };
+        if layout.perm().is_some() && b.shape.len() < 3 {
+            return Err(cx.invalid(k("layout"), "needs a shape of rank 3 or more"));
+        }
+        if !b.scale.is_finite() || !b.offset.is_finite() || !b.fill.is_finite() {
+            return Err(cx.invalid(k("scale"), "scale, offset and fill must be finite numbers"));
+        }
+        check_norm(
+            cx,
+            &k("mean"),
+            &k("std"),
+            &b.mean,
+            &b.std,
+            &[1, *b.shape.last().unwrap_or(&1), count],
+        )?;
+        out.push(InputConfig {
+            key: b.key.clone(),
+            tensor: b.tensor.clone(),
+            kind: if is_text(b) {
+                InputKind::Text
+            } else {
+                InputKind::Numeric(dtypes)
+            },
+            shape: b.shape.clone(),
+            layout,
+            scale: b.scale,
+            offset: b.offset,
+            mean: b.mean.clone(),
+            std: b.std.clone(),
+            optional: b.optional,
+            fill: b.fill,
+            engine_shape: b.engine_shape.clone(),
+        });
+    }
+    Ok(out)
+}
+
+/// `[[outputs]]`: each on its own (lengths against the action dimension are checked once the
+/// engine is known).
+fn outputs(cx: &Keys, outputs: &[RawOutput]) -> Result<Vec<OutputConfig>, ConfigError> {
+    let mut out = Vec::with_capacity(outputs.len());
+    if outputs.is_empty() {
+        return Err(cx.invalid("outputs", "at least one [[outputs]] binding is needed"));
+    }
+    for (i, o) in outputs.iter().enumerate() {
+        let k = |f: &str| format!("outputs[{i}].{f}");
+        if o.key.is_empty() {
+            return Err(cx.invalid(k("key"), "must not be empty"));
+        }
+        if let Some(j) = outputs[..i].iter().position(|p| p.key == o.key) {
+            return Err(cx.invalid(
+                k("key"),
+                format!("\"{}\" is already used by outputs[{j}]", o.key),
+            ));
+        }
+        let dtype = ElemType::from_name(&o.dtype);
+        let Some(dtype @ (ElemType::F32 | ElemType::F64)) = dtype else {
+            return Err(cx.invalid(
+                k("dtype"),
+                format!("must be \"float32\" or \"float64\", got \"{}\"", o.dtype),
+            ));
+        };
+        if o.columns == Some(0) {
+            return Err(cx.invalid(k("columns"), "must be positive"));
+        }
+        // Lengths against the action dimension are checked once the engine is known.
+        check_norm(cx, &k("mean"), &k("std"), &o.mean, &o.std, &[])?;
+        out.push(OutputConfig {
+            tensor: o.tensor.clone(),
+            key: o.key.clone(),
+            dtype,
+            columns: o.columns,
+            mean: o.mean.clone(),
+            std: o.std.clone(),
+        });
+    }
+    Ok(out)
+}
+
+/// `[pacing]`, with the similarity filter's input among `inputs`.
+fn pacing(cx: &Keys, p: &PacingConfig, inputs: &[InputConfig]) -> Result<(), ConfigError> {
+    if !p.fps.is_finite() || p.fps <= 0.0 || p.fps > 10_000.0 {
+        return Err(cx.invalid(
+            "pacing.fps",
+            format!("must be a control rate in (0, 10000] Hz, got {}", p.fps),
+        ));
+    }
+    if !p.latency_budget_ms.is_finite()
+        || p.latency_budget_ms < 0.0
+        || p.latency_budget_ms > 60_000.0
+    {
+        return Err(cx.invalid(
+            "pacing.latency_budget_ms",
+            format!(
+                "must be between 0 (off) and 60000 ms, got {}",
+                p.latency_budget_ms
+            ),
+        ));
+    }
+    if p.latency_window == 0 || p.latency_window > MAX_LATENCY_WINDOW {
+        return Err(cx.invalid(
+            "pacing.latency_window",
+            format!(
+                "must be between 1 and {MAX_LATENCY_WINDOW}, got {}",
+                p.latency_window
+            ),
+        ));
+    }
+    if p.spin_us > 20_000 {
+        return Err(cx.invalid(
+            "pacing.spin_us",
+            format!("must be at most 20000 µs, got {}", p.spin_us),
+        ));
+    }
+    if !p.similarity_atol.is_finite() || p.similarity_atol < 0.0 {
+        return Err(cx.invalid(
+            "pacing.similarity_atol",
+            format!(
+                "must be 0 (off) or a positive distance, got {}",
+                p.similarity_atol
+            ),
+        ));
+    }
+    if p.similarity_atol > 0.0 {
+        let Some(b) = inputs.iter().find(|b| b.key == p.similarity_key) else {
+            return Err(cx.invalid(
+                "pacing.similarity_key",
+                format!(
+                    "names no [[inputs]] key (got \"{}\"); the similarity filter needs the state's key, e.g. \"observation/state\"",
+                    p.similarity_key
+                ),
+            ));
+        };
+        let n = element_count(&b.shape).unwrap_or(usize::MAX);
+        if b.is_text() || n > MAX_SIMILARITY_STATE {
+            return Err(cx.invalid(
+                "pacing.similarity_key",
+                format!(
+                    "must name a numeric input of at most {MAX_SIMILARITY_STATE} elements; '{}' has {n}",
+                    b.key
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// `[planner]`'s own values; its bindings are checked against the plan.
+pub(super) fn planner(p: &RawPlanner, base: Option<&Path>) -> Result<PlannerConfig, ConfigError> {
+    let cx = Keys::top();
+    let precedence = match p.precedence.as_str() {
+        "client" => Precedence::Client,
+        "planner" => Precedence::Planner,
+        other => {
+            return Err(cx.invalid(
+                "planner.precedence",
+                format!("must be \"client\" or \"planner\", got \"{other}\""),
+            ));
+        }
+    };
+    let resolved = PlannerConfig {
+        enabled: p.enabled,
+        endpoints: p.endpoints.clone(),
+        model: p.model.clone(),
+        api_key: p.api_key.clone(),
+        api_key_file: p.api_key_file.as_deref().map(|f| path(base, f)),
+        system_prompt: p.system_prompt.clone(),
+        instruction: p.instruction.clone(),
+        rate_hz: p.rate_hz,
+        camera: p.camera.clone(),
+        prompt_key: p.prompt_key.clone(),
+        precedence,
+        max_tokens: p.max_tokens,
+        temperature: p.temperature,
+        json_mode: p.json_mode,
+        request_timeout_s: p.request_timeout_s,
+        max_backoff_s: p.max_backoff_s,
+        serve_command: p.serve_command.clone(),
+        ready_marker: p.ready_marker.clone(),
+        ready_timeout_s: p.ready_timeout_s,
+        stop_grace_s: p.stop_grace_s,
+    };
+    if !p.enabled {
+        return Ok(resolved);
+    }
+    if p.endpoints.is_empty() {
+        return Err(cx.invalid(
+            "planner.endpoints",
+            "missing: give at least one base URL, e.g. [\"http://127.0.0.1:8080\"]",
+        ));
+    }
+    for (i, e) in p.endpoints.iter().enumerate() {
+        if let Err(why) = check_url(e) {
+            return Err(cx.invalid(format!("planner.endpoints[{i}]"), why));
+        }
+    }
+    if p.model.trim().is_empty() {
+        return Err(cx.invalid(
+            "planner.model",
+            "missing: the model name the endpoints serve (as listed by GET /v1/models)",
+        ));
+    }
+    if let Some(k) = &p.api_key
+        && (k.0.is_empty() || k.0.chars().any(|c| c.is_control()))
+    {
+        return Err(cx.invalid("planner.api_key", "must be non-empty and on one line"));
+    }
+    if p.system_prompt.trim().is_empty() {
+        return Err(cx.invalid("planner.system_prompt", "must not be empty"));
+    }
+    if !(p.rate_hz.is_finite() && p.rate_hz > 0.0 && p.rate_hz <= 50.0) {
+        return Err(cx.invalid(
+            "planner.rate_hz",
+            format!("must be above 0 and at most 50, got {}", p.rate_hz),
+        ));
+    }
+    if p.max_tokens == 0 || p.max_tokens > 32768 {
+        return Err(cx.invalid(
+            "planner.max_tokens",
+            format!("must be between 1 and 32768, got {}", p.max_tokens),
+        ));
+    }
+    if !(p.temperature.is_finite() && (0.0..=2.0).contains(&p.temperature)) {
+        return Err(cx.invalid(
+            "planner.temperature",
+            format!("must be between 0 and 2, got {}", p.temperature),
+        ));
+    }
+    for (key, v, min, max) in [
+        (
+            "planner.request_timeout_s",
+            p.request_timeout_s,
+            0.01,
+            600.0,
+        ),
+        ("planner.max_backoff_s", p.max_backoff_s, 0.5, 3600.0),
+        ("planner.ready_timeout_s", p.ready_timeout_s, 0.0, 3600.0),
+        ("planner.stop_grace_s", p.stop_grace_s, 0.0, 600.0),
+    ] {
+        if !(v.is_finite() && (min..=max).contains(&v)) {
+            return Err(cx.invalid(
+                key,
+                format!("must be a number of seconds between {min} and {max}, got {v}"),
+            ));
+        }
+    }
+    if p.serve_command.first().is_some_and(|c| c.trim().is_empty()) {
+        return Err(cx.invalid(
+            "planner.serve_command",
+            "the first element must be the program to run",
+        ));
+    }
+    if p.serve_command.is_empty() && p.ready_marker.is_some() {
+        return Err(cx.invalid(
+            "planner.ready_marker",
+            "applies to planner.serve_command, which is not set",
+        ));
+    }
+    if p.ready_marker.as_deref().is_some_and(|m| m.is_empty()) {
+        return Err(cx.invalid("planner.ready_marker", "must not be empty"));
+    }
+    Ok(resolved)
+}
+
+/// mean/std must come together, with equal lengths from `allowed` (empty: any length),
+/// finite, std non-negative.
+fn check_norm(
+    cx: &Keys,
+    mk: &str,
+    sk: &str,
+    mean: &[f64],
+    std: &[f64],
+    allowed: &[usize],
+) -> Result<(), ConfigError> {
+    if mean.len() != std.len() {
+        return Err(cx.invalid(
+            mk,
+            format!(
+                "has {} values but {sk} has {}; give both with equal lengths",
+                mean.len(),
+                std.len()
+            ),
+        ));
+    }
+    if mean.is_empty() {
+        return Ok(());
+    }
+    if !allowed.is_empty() && !allowed.contains(&mean.len()) {
+        return Err(cx.invalid(
+            mk,
+            format!(
+                "has {} values; give 1, one per entry of the last axis ({}), or one per element ({})",
+                mean.len(),
+                allowed[1],
+                allowed[2]
+            ),
+        ));
+    }
+    if mean.iter().any(|v| !v.is_finite()) {
+        return Err(cx.invalid(mk, "values must be finite"));
+    }
+    if std.iter().any(|v| !v.is_finite() || *v < 0.0) {
+        return Err(cx.invalid(sk, "values must be finite and non-negative"));
+    }
+    Ok(())
+}
+
+fn check_metadata(cx: &Keys, key: &str, v: &toml::Value) -> Result<(), ConfigError> {
+    match v {
+        toml::Value::Datetime(_) => {
+            Err(cx.invalid(key, "dates cannot be sent as metadata; use a string"))
+        }
+        toml::Value::Array(a) => a
+            .iter()
+            .enumerate()
+            .try_for_each(|(i, x)| check_metadata(cx, &format!("{key}[{i}]"), x)),
+        toml::Value::Table(t) => t
+            .iter()
+            .try_for_each(|(k, x)| check_metadata(cx, &format!("{key}.{k}"), x)),
+        _ => Ok(()),
+    }
+}
+
+/// [`element_count`], or an error naming `key`.
+fn elements(cx: &Keys, key: &str, shape: &[usize]) -> Result<usize, ConfigError> {
+    element_count(shape).ok_or_else(|| {
+        cx.invalid(
+            key,
+            format!("{shape:?} holds more than {MAX_ELEMENTS} elements; check the dimensions"),
+        )
+    })
+}
+
+/// A planner endpoint: a plain-http base URL (the planner appends `/v1/...`).
+pub fn check_url(url: &str) -> Result<(), String> {
+    if url.starts_with("https://") {
+        return Err(format!(
+            "\"{url}\": https is not supported; use an http endpoint on the robot or the LAN \
+             (or a TLS-terminating proxy on the robot)"
+        ));
+    }
+    let Some(rest) = url.strip_prefix("http://") else {
+        return Err(format!("\"{url}\": must start with http://"));
+    };
+    let host = rest.split('/').next().unwrap_or_default();
+    if host.is_empty() || host.contains(char::is_whitespace) {
+        return Err(format!("\"{url}\": no host"));
+    }
+    if url.contains(['?', '#']) {
+        return Err(format!(
+            "\"{url}\": give the base URL only (`/v1/...` is appended)"
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls_are_checked() {
+        assert!(check_url("http://127.0.0.1:8080").is_ok());
+        assert!(check_url("http://vlm.lan/openai").is_ok());
+        assert!(
+            check_url("https://api.example.com")
+                .unwrap_err()
+                .contains("https")
+        );
+        assert!(check_url("127.0.0.1:8080").unwrap_err().contains("http://"));
+        assert!(check_url("http://").unwrap_err().contains("no host"));
+        assert!(
+            check_url("http://h/v1?x=1")
+                .unwrap_err()
+                .contains("base URL")
+        );
+    }
+}

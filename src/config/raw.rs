@@ -1,0 +1,394 @@
+//! What does the file say, exactly? The TOML's shape, deserialized with `deny_unknown_fields`
+//! and the documented defaults, before any value is checked. Private to `config`: closed sets
+//! are still strings here, so that [`super::check`] can name the key of a bad value; paths are
+//! still relative to the file. Nothing outside `config` sees these types.
+
+use std::path::PathBuf;
+
+use serde::Deserialize;
+
+use super::{PacingConfig, Secret};
+
+/// The whole configuration file.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawConfig {
+    #[serde(default)]
+    pub(super) server: RawServer,
+    /// The engine of a single-policy config (with `[[policies]]`, each has its own).
+    #[serde(default)]
+    pub(super) engine: RawEngine,
+    /// Observation key → engine input.
+    #[serde(default)]
+    pub(super) inputs: Vec<RawInput>,
+    /// Engine output → reply key.
+    #[serde(default)]
+    pub(super) outputs: Vec<RawOutput>,
+    /// When replies are released and how action chunks are cut (see the README's pacing part).
+    #[serde(default)]
+    pub(super) pacing: PacingConfig,
+    /// Sent verbatim (as msgpack) in the metadata frame on connect.
+    #[serde(default)]
+    pub(super) metadata: toml::Table,
+    /// API keys for the WebSocket (and `/metrics`).
+    #[serde(default)]
+    pub(super) auth: RawAuth,
+    /// TLS (`wss://`).
+    #[serde(default)]
+    pub(super) tls: RawTls,
+    /// The optional task planner (a vision-language model that names the next subtask).
+    #[serde(default)]
+    pub(super) planner: RawPlanner,
+    /// Reset a session when its prompt changes (single-policy configs; with `[[policies]]`,
+    /// each policy has its own).
+    #[serde(default)]
+    pub(super) reset_on_prompt_change: bool,
+    /// Several policies served at once, each with its own engine, bindings and metadata;
+    /// clients choose one by name (see docs/policies.md). Without it, the top-level
+    /// `[engine]`, `[[inputs]]`, `[[outputs]]` and `[metadata]` are the one policy.
+    #[serde(default)]
+    pub(super) policies: Vec<RawPolicy>,
+}
+
+/// `[[policies]]`: one named policy.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawPolicy {
+    /// Chosen by clients with the path `/policies/<name>` or a `policy` field.
+    pub(super) name: String,
+    /// Served to clients that name no policy (exactly one policy has it, or the first).
+    #[serde(default)]
+    pub(super) default: bool,
+    pub(super) engine: RawEngine,
+    #[serde(default)]
+    pub(super) inputs: Vec<RawInput>,
+    #[serde(default)]
+    pub(super) outputs: Vec<RawOutput>,
+    #[serde(default)]
+    pub(super) metadata: toml::Table,
+    /// This policy's `[pacing]` (replaces the top-level table when given).
+    #[serde(default)]
+    pub(super) pacing: Option<PacingConfig>,
+    /// Shorthand for `pacing.actions_per_chunk` of this policy.
+    #[serde(default)]
+    pub(super) actions_per_chunk: Option<usize>,
+    /// Reset a session when its prompt changes, as if the client had sent `reset`.
+    #[serde(default)]
+    pub(super) reset_on_prompt_change: bool,
+}
+
+/// `[tls]`: serve `wss://` (and `https://` health) with this certificate and key (PEM),
+/// relative to the config file. Both or neither.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub(super) struct RawTls {
+    pub(super) cert: Option<PathBuf>,
+    pub(super) key: Option<PathBuf>,
+}
+
+/// `[planner]`: a vision-language model behind an OpenAI-compatible chat-completions API that
+/// names the policy's next subtask from the instruction and the current camera view. Off by
+/// default; when on, it runs on its own thread at its own rate and the request path only reads
+/// its latest answer (see docs/planner.md).
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub(super) struct RawPlanner {
+    pub(super) enabled: bool,
+    /// Base URLs (`http://host:port`), used round-robin; `/v1/chat/completions` and
+    /// `/v1/models` (the readiness probe) are appended.
+    pub(super) endpoints: Vec<String>,
+    /// The `model` field of each request.
+    pub(super) model: String,
+    /// Sent as `Authorization: Bearer …` (prefer `api_key_file`).
+    pub(super) api_key: Option<Secret>,
+    /// A file holding the API key, relative to the config file.
+    pub(super) api_key_file: Option<PathBuf>,
+    /// The system message; `{instruction}` and `{subtask}` are replaced.
+    pub(super) system_prompt: String,
+    /// The high-level instruction (a client's prompt replaces it when `precedence = "planner"`).
+    pub(super) instruction: String,
+    /// Planner calls per second (at most; a slow endpoint makes it slower).
+    pub(super) rate_hz: f64,
+    /// The image input binding (its `key`) whose latest frame is sent, or none for text only.
+    /// It must accept `uint8` in HWC or CHW layout with 1, 3 or 4 channels.
+    pub(super) camera: Option<String>,
+    /// The text input binding the subtask fills.
+    pub(super) prompt_key: String,
+    /// `client`: a prompt the client sends wins, the subtask fills in when it sends none.
+    /// `planner`: the subtask wins once there is one, and the client's prompt becomes the
+    /// planner's instruction.
+    pub(super) precedence: String,
+    pub(super) max_tokens: u32,
+    pub(super) temperature: f64,
+    /// Ask for JSON output (`response_format: {"type": "json_object"}`); turn off for a server
+    /// that rejects the field.
+    pub(super) json_mode: bool,
+    /// Longest a planner call may take, connection included.
+    pub(super) request_timeout_s: f64,
+    /// Longest wait between readiness probes of a failing endpoint (the backoff doubles from
+    /// 0.5 s up to this).
+    pub(super) max_backoff_s: f64,
+    /// A local model server to start and supervise (argv; empty: none).
+    pub(super) serve_command: Vec<String>,
+    /// A line of the server's output that says it is ready (else: the readiness probe).
+    pub(super) ready_marker: Option<String>,
+    /// Longest wait for `serve_command` to become ready before the planner goes on without it.
+    pub(super) ready_timeout_s: f64,
+    /// On shutdown the server gets SIGINT, then SIGKILL after this many seconds.
+    pub(super) stop_grace_s: f64,
+}
+
+impl Default for RawPlanner {
+    fn default() -> Self {
+        RawPlanner {
+            enabled: false,
+            endpoints: Vec::new(),
+            model: String::new(),
+            api_key: None,
+            api_key_file: None,
+            system_prompt: super::DEFAULT_PLANNER_PROMPT.into(),
+            instruction: String::new(),
+            rate_hz: 1.0,
+            camera: None,
+            prompt_key: "prompt".into(),
+            precedence: "client".into(),
+            max_tokens: 128,
+            temperature: 0.0,
+            json_mode: true,
+            request_timeout_s: 10.0,
+            max_backoff_s: 30.0,
+            serve_command: Vec::new(),
+            ready_marker: None,
+            ready_timeout_s: 300.0,
+            stop_grace_s: 5.0,
+        }
+    }
+}
+
+/// `[auth]`: who may open a WebSocket. With no key configured, anyone on the network can.
+#[derive(Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub(super) struct RawAuth {
+    /// Keys written into the config (prefer `key_file`, so keys stay out of the main config).
+    pub(super) api_keys: Vec<String>,
+    /// A file of keys, one a line (`#` comments), relative to the config file.
+    pub(super) key_file: Option<PathBuf>,
+    /// Whether `/metrics` needs a key too (when keys are configured).
+    pub(super) protect_metrics: bool,
+}
+
+impl Default for RawAuth {
+    fn default() -> Self {
+        RawAuth {
+            api_keys: Vec::new(),
+            key_file: None,
+            protect_metrics: true,
+        }
+    }
+}
+
+impl std::fmt::Debug for RawAuth {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RawAuth")
+            .field(
+                "api_keys",
+                &format_args!("[{} redacted]", self.api_keys.len()),
+            )
+            .field("key_file", &self.key_file)
+            .field("protect_metrics", &self.protect_metrics)
+            .finish()
+    }
+}
+
+/// `[server]`: the listener and per-connection limits.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub(super) struct RawServer {
+    pub(super) host: String,
+    pub(super) port: u16,
+    /// WebSocket connections served at once; one more gets HTTP 503 in the handshake.
+    pub(super) max_connections: usize,
+    /// Largest inbound message; a larger frame is rejected before it is buffered.
+    pub(super) max_message_bytes: usize,
+    /// Server ping interval (0 = no pings).
+    pub(super) ping_interval_s: f64,
+    /// Close a connection whose pong is this late.
+    pub(super) ping_timeout_s: f64,
+    /// Close a connection idle this long (0 = off: openpi-client never reconnects).
+    pub(super) idle_timeout_s: f64,
+    /// Time a client gets to complete the HTTP upgrade.
+    pub(super) handshake_timeout_s: f64,
+    /// Time one WebSocket frame may take to arrive, first byte to last (0 = no limit): a
+    /// half-sent frame closes the connection after this.
+    pub(super) frame_timeout_s: f64,
+    /// Sessions (`session_id`) tracked per connection; the least recently used is evicted.
+    pub(super) max_sessions: usize,
+    /// Reply to `endpoint: reset` as a msgpack map (`msgpack`) or the text frame
+    /// `reset successful` (`text`, older vllm-omni and RoboArena clients).
+    pub(super) reset_reply: String,
+    /// Deepest map/list nesting accepted in a request.
+    pub(super) max_depth: usize,
+    /// Most entries accepted in any map or list of a request.
+    pub(super) max_map_entries: usize,
+    /// Memory the policies may allocate at start-up, in MiB (0 = unchecked): a config whose
+    /// policies need more is refused, naming each policy's share.
+    pub(super) memory_budget_mb: u64,
+}
+
+impl Default for RawServer {
+    fn default() -> Self {
+        RawServer {
+            host: "127.0.0.1".into(),
+            port: 8000,
+            max_connections: 8,
+            max_message_bytes: 4 << 20,
+            ping_interval_s: 20.0,
+            ping_timeout_s: 20.0,
+            idle_timeout_s: 0.0,
+            handshake_timeout_s: 10.0,
+            frame_timeout_s: 30.0,
+            max_sessions: 16,
+            reset_reply: "msgpack".into(),
+            max_depth: 16,
+            max_map_entries: 1024,
+            memory_budget_mb: 0,
+        }
+    }
+}
+
+/// `[engine]`: which backend runs which model.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawEngine {
+    /// `cpu` (tract-onnx) or `tensorrt` (builds with the `tensorrt` feature).
+    #[serde(default = "default_backend")]
+    pub(super) backend: String,
+    /// Model file, relative to the config file's folder: ONNX for `cpu`, a TensorRT plan
+    /// (built on the device with `trtexec`) for `tensorrt`.
+    pub(super) model: Option<PathBuf>,
+    /// `tensorrt`: the CUDA device ordinal.
+    #[serde(default)]
+    pub(super) device: Option<u32>,
+    /// `tensorrt`: run on this DLA core (Jetson AGX/NX) instead of the GPU.
+    #[serde(default)]
+    pub(super) dla_core: Option<u32>,
+    /// `tensorrt`: replay copy-in → enqueue → copy-out as one CUDA graph after warm-up.
+    #[serde(default)]
+    pub(super) cuda_graph: Option<bool>,
+    /// `tensorrt`: `auto` (on for integrated GPUs such as Jetson's), `on` or `off`: engine
+    /// inputs and outputs live in mapped page-locked host memory, so no copy is made.
+    #[serde(default)]
+    pub(super) zero_copy: Option<String>,
+    /// `tensorrt`: libnvinfer to open (default: the sonames of TensorRT 11, 10, 8).
+    #[serde(default)]
+    pub(super) tensorrt_library: Option<PathBuf>,
+    /// Requests in flight at once (each has its own input and output buffers).
+    #[serde(default = "default_slots")]
+    pub(super) slots: usize,
+    /// Runs before the server reports ready.
+    #[serde(default = "default_warmup")]
+    pub(super) warmup_runs: usize,
+    /// A run taking longer than this counts as a stalled engine (0 = never): waiting requests
+    /// get a timeout error, new ones are refused, health answers 503 until it finishes.
+    #[serde(default = "default_engine_timeout")]
+    pub(super) timeout_ms: u64,
+}
+
+impl Default for RawEngine {
+    fn default() -> Self {
+        RawEngine {
+            backend: default_backend(),
+            model: None,
+            device: None,
+            dla_core: None,
+            cuda_graph: None,
+            zero_copy: None,
+            tensorrt_library: None,
+            slots: default_slots(),
+            warmup_runs: default_warmup(),
+            timeout_ms: default_engine_timeout(),
+        }
+    }
+}
+
+fn default_backend() -> String {
+    "cpu".into()
+}
+fn default_slots() -> usize {
+    2
+}
+fn default_warmup() -> usize {
+    3
+}
+fn default_engine_timeout() -> u64 {
+    10_000
+}
+
+/// `[[inputs]]`: one observation key bound to one engine input.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawInput {
+    /// Observation key; nested maps are joined with `/` (`images/cam_high`).
+    pub(super) key: String,
+    /// Engine input name.
+    pub(super) tensor: String,
+    /// Accepted wire dtypes (`uint8`, `float32`, `float64`, …), converted to the engine's; or
+    /// `["text"]` for a string such as `prompt`, whose UTF-8 bytes fill a `[max_bytes]` input.
+    pub(super) dtypes: Vec<String>,
+    /// Expected wire shape.
+    pub(super) shape: Vec<usize>,
+    /// `hwc_to_chw`, `chw_to_hwc` or `none`.
+    #[serde(default)]
+    pub(super) layout: Option<String>,
+    /// `y = ((x·scale + offset) − mean) / (std + 1e-6)`.
+    #[serde(default = "one")]
+    pub(super) scale: f64,
+    #[serde(default)]
+    pub(super) offset: f64,
+    /// Per-feature (length of the wire shape's last axis), per-element, or one value.
+    #[serde(default)]
+    pub(super) mean: Vec<f64>,
+    #[serde(default)]
+    pub(super) std: Vec<f64>,
+    /// May be absent from a request; the engine input is then filled with `fill`.
+    #[serde(default)]
+    pub(super) optional: bool,
+    #[serde(default)]
+    pub(super) fill: f64,
+    /// Fixed engine shape, for models whose input has symbolic dimensions.
+    #[serde(default)]
+    pub(super) engine_shape: Option<Vec<usize>>,
+}
+
+fn one() -> f64 {
+    1.0
+}
+
+/// `[[outputs]]`: one engine output sent under one reply key.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawOutput {
+    /// Engine output name.
+    pub(super) tensor: String,
+    /// Reply key.
+    #[serde(default = "actions")]
+    pub(super) key: String,
+    /// Wire dtype of the reply array (`float32` or `float64`).
+    #[serde(default = "f32_name")]
+    pub(super) dtype: String,
+    /// Keep only the first N entries of the last axis (openpi's `actions[:, :14]`).
+    #[serde(default)]
+    pub(super) columns: Option<usize>,
+    /// Un-normalisation `x·(std + 1e-6) + mean`, per action dimension (or one value).
+    #[serde(default)]
+    pub(super) mean: Vec<f64>,
+    #[serde(default)]
+    pub(super) std: Vec<f64>,
+}
+
+fn actions() -> String {
+    "actions".into()
+}
+fn f32_name() -> String {
+    "float32".into()
+}
