@@ -20,7 +20,7 @@ if [ ! -x "$VENV/bin/python" ]; then
     python3 -m venv "$VENV"
     "$VENV/bin/pip" install -q openpi-server onnxruntime numpy
 fi
-cargo build --release -q
+cargo build --release -q -p policyd -p policyd-bench
 BIN=target/release/policyd
 
 wait_port() {

@@ -20,7 +20,6 @@
 //! convert outputs) → [`protocol::dialect`] (frame the reply) → [`net::connection`].
 
 pub mod app;
-pub mod bench;
 pub mod bind;
 pub mod config;
 pub mod demo;

@@ -1,6 +1,8 @@
 //! The `policyd` binary's command line: serve (the default), check a config, print the
-//! embedded one, or benchmark a server. Everything it runs lives in the library.
+//! embedded one, or benchmark a server (through the `policyd-bench` binary). Everything it
+//! runs lives in the library.
 
+use std::ffi::OsString;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -79,19 +81,52 @@ enum Command {
     /// Print the embedded default config (a starting point for your own).
     PrintDefaultConfig,
     /// Measure an OpenPI-protocol server (policyd or another): latency percentiles, throughput,
-    /// server CPU per request; against a second server or the transport floor (see
-    /// docs/benchmarks.md).
-    Bench(Box<policyd::bench::BenchArgs>),
-    /// Serve the transport floor: a WebSocket endpoint that answers every frame with a fixed
-    /// reply without decoding it (what `bench --floor` starts).
-    BenchFloor {
-        /// Address to listen on (port 0: any free port; the bound address is printed).
-        #[arg(long, default_value = "127.0.0.1:8100")]
-        listen: std::net::SocketAddr,
-        /// Shape of the float32 `actions` array in the reply, e.g. 50x14.
-        #[arg(long, default_value = "50x14")]
-        actions: String,
+    /// server CPU per request; against a second server or the transport floor. Runs
+    /// `policyd-bench` (see `policyd-bench --help` and docs/benchmarks.md).
+    #[command(disable_help_flag = true)]
+    Bench {
+        /// Arguments for policyd-bench.
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<OsString>,
     },
+    /// Serve the transport floor (`policyd-bench floor`).
+    #[command(disable_help_flag = true)]
+    BenchFloor {
+        /// Arguments for `policyd-bench floor`.
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<OsString>,
+    },
+}
+
+/// Runs the load generator, a separate binary so that the serving one links none of it:
+/// `$POLICYD_BENCH`, else the `policyd-bench` beside this binary, else the one on PATH.
+fn run_bench(leading: &[&str], config: Option<&PathBuf>, args: &[OsString]) -> Result<(), String> {
+    let program = match std::env::var_os("POLICYD_BENCH") {
+        Some(p) => PathBuf::from(p),
+        None => std::env::current_exe()
+            .ok()
+            .map(|e| e.with_file_name("policyd-bench"))
+            .filter(|p| p.is_file())
+            .unwrap_or_else(|| PathBuf::from("policyd-bench")),
+    };
+    let mut cmd = std::process::Command::new(&program);
+    cmd.args(leading);
+    if let Some(c) = config {
+        cmd.arg("--config").arg(c);
+    }
+    let status = cmd.args(args).status().map_err(|e| {
+        format!(
+            "cannot run {}: {e} (the load generator is the policyd-bench binary: install it \
+             beside policyd, or build it with `cargo build --release -p policyd-bench`)",
+            program.display()
+        )
+    })?;
+    match status.code() {
+        Some(0) => Ok(()),
+        // policyd-bench printed its own error.
+        Some(code) => std::process::exit(code),
+        None => Err(format!("{} was killed ({status})", program.display())),
+    }
 }
 
 fn main() -> ExitCode {
@@ -130,37 +165,18 @@ fn run(cli: Cli) -> Result<(), String> {
         }
         Some(Command::CheckConfig { file }) => {
             let cfg = load_config(Some(file), host.as_deref(), port)?;
+            // Fails as serving would: key files and the certificate are read too.
+            policyd::net::Access::load(&cfg).map_err(|e| e.to_string())?;
+            if cfg.planner.enabled {
+                policyd::planner::api_key(&cfg.planner).map_err(|e| e.to_string())?;
+            }
             let report = policyd::policy::build::check(&cfg, &file.display().to_string())
                 .map_err(|e| e.to_string())?;
             print!("{report}");
             Ok(())
         }
-        Some(Command::Bench(args)) => {
-            let cfg = match &cli.config {
-                Some(p) => Some(Config::load(p).map_err(|e| e.to_string())?),
-                None => None,
-            };
-            let exe = std::env::current_exe()
-                .map_err(|e| format!("cannot find the policyd binary for --floor: {e}"))?;
-            let report = policyd::bench::run(args, cfg.as_ref(), &[exe.into_os_string()])
-                .map_err(|e| e.to_string())?;
-            if args.json {
-                println!("{}", report.json());
-            } else {
-                print!("{}", report.text());
-            }
-            Ok(())
-        }
-        Some(Command::BenchFloor { listen, actions }) => {
-            let shape: Vec<usize> = actions
-                .split('x')
-                .map(|d| d.trim().parse::<usize>())
-                .collect::<Result<_, _>>()
-                .ok()
-                .filter(|s: &Vec<usize>| !s.is_empty() && s.iter().all(|&d| d > 0 && d < 1 << 16))
-                .ok_or_else(|| format!("--actions '{actions}': expected dimensions like 50x14"))?;
-            policyd::bench::floor::run(*listen, &shape)
-        }
+        Some(Command::Bench { args }) => run_bench(&[], cli.config.as_ref(), args),
+        Some(Command::BenchFloor { args }) => run_bench(&["floor"], None, args),
         Some(Command::Serve) | None => {
             let cfg = load_config(cli.config.as_ref(), host.as_deref(), port)?;
             // A reload re-reads the same file with the same command-line overrides.

@@ -16,7 +16,7 @@ use serde::Deserialize;
 use crate::dtype::ElemType;
 use crate::protocol::dialect::ResetReply;
 
-pub use check::{BACKENDS, check_url};
+pub use check::check_url;
 
 /// A configuration error. The message names the config key and what to fix.
 #[derive(Debug, thiserror::Error)]

@@ -39,17 +39,37 @@ pub struct Loaded {
     pub warmup: Duration,
 }
 
-/// Opens the engine a policy names, with the backend its config chose.
-pub fn open_engine(spec: &PolicySpec) -> Result<Box<dyn Engine>, PolicyError> {
-    let hints: Vec<(String, Vec<usize>)> = spec
-        .inputs
+/// The backends compiled into this build, for messages.
+pub const BACKENDS: &str = match (cfg!(feature = "cpu"), cfg!(feature = "tensorrt")) {
+    (true, true) => "cpu, tensorrt",
+    (true, false) => "cpu",
+    (false, true) => "tensorrt",
+    (false, false) => "none",
+};
+
+/// Fixed shapes (`engine_shape`) for the inputs whose dims the model leaves symbolic.
+#[cfg_attr(not(any(feature = "cpu", feature = "tensorrt")), allow(dead_code))]
+fn shape_hints(spec: &PolicySpec) -> Vec<(String, Vec<usize>)> {
+    spec.inputs
         .iter()
         .filter_map(|b| b.engine_shape.clone().map(|s| (b.tensor.clone(), s)))
-        .collect();
+        .collect()
+}
+
+/// Opens the engine a policy names, with the backend its config chose.
+pub fn open_engine(spec: &PolicySpec) -> Result<Box<dyn Engine>, PolicyError> {
     let backend_missing = |b: Backend| -> PolicyError {
+        let how = match b {
+            Backend::Cpu => "build policyd with its default features",
+            Backend::Tensorrt => "build policyd with `--features tensorrt` (see docs/tensorrt.md)",
+        };
         crate::config::invalid(
             "engine.backend",
-            format!("\"{}\" is not in this build", b.name()),
+            format!(
+                "\"{}\" is not in this build, which has: {}; {how}",
+                b.name(),
+                BACKENDS
+            ),
         )
         .into()
     };
@@ -57,7 +77,7 @@ pub fn open_engine(spec: &PolicySpec) -> Result<Box<dyn Engine>, PolicyError> {
         #[cfg(feature = "cpu")]
         Backend::Cpu => Ok(Box::new(crate::engine::cpu::CpuEngine::load(
             &spec.model,
-            &hints,
+            &shape_hints(spec),
         )?)),
         #[cfg(feature = "tensorrt")]
         Backend::Tensorrt => {
@@ -74,7 +94,7 @@ pub fn open_engine(spec: &PolicySpec) -> Result<Box<dyn Engine>, PolicyError> {
                 dla_core: e.dla_core,
                 cuda_graph: e.cuda_graph,
                 zero_copy: e.zero_copy,
-                shapes: hints,
+                shapes: shape_hints(spec),
             };
             Ok(Box::new(crate::engine::tensorrt::open(
                 path,

@@ -121,10 +121,19 @@ pub async fn http_get(addr: SocketAddr, path: &str, headers: &str) -> String {
 /// The command that runs the policyd binary: the binary itself, after the emulator when the
 /// tests run under one (`POLICYD_CROSS_RUNNER`, set by cross/env.sh for qemu-aarch64).
 pub fn policyd_command() -> Vec<std::ffi::OsString> {
+    // Only policyd's own tests have the policyd binary (policyd-bench's reuse this file).
+    let Some(bin) = option_env!("CARGO_BIN_EXE_policyd") else {
+        panic!("policyd_command is for the policyd package's tests");
+    };
+    command(bin)
+}
+
+/// `bin`, after the emulator when the tests run under one.
+pub fn command(bin: &str) -> Vec<std::ffi::OsString> {
     let runner = std::env::var("POLICYD_CROSS_RUNNER").unwrap_or_default();
     runner
         .split_whitespace()
-        .chain([env!("CARGO_BIN_EXE_policyd")])
+        .chain([bin])
         .map(Into::into)
         .collect()
 }

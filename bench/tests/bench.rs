@@ -1,15 +1,17 @@
-//! `policyd bench` against real servers on loopback: a policyd with a synthetic engine of known
+//! `policyd-bench` against real servers on loopback: a policyd with a synthetic engine of known
 //! compute time, and the transport floor it starts itself. Checks the figures it reports, the
 //! open loop's coordinated-omission accounting, the comparison, the JSON and the plot.
 
 use std::time::Duration;
 
 use clap::Parser;
-use policyd::bench::{self, BenchArgs};
 use policyd::config::Config;
 use policyd::testing::synthetic::Behaviour;
+use policyd_bench::{self as bench, BenchArgs};
 use serde_json::Value;
 
+// The servers under test are policyd's own test servers.
+#[path = "../../tests/common/mod.rs"]
 mod common;
 
 #[derive(Parser)]
@@ -25,7 +27,10 @@ fn args(line: &str) -> BenchArgs {
         .bench
 }
 
-use common::policyd_command as policyd;
+/// The command that runs policyd-bench (which `--floor` runs again as `floor`).
+fn policyd() -> Vec<std::ffi::OsString> {
+    common::command(env!("CARGO_BIN_EXE_policyd-bench"))
+}
 
 /// The runs time real requests: one at a time, so they do not load each other's CPU.
 static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
@@ -219,9 +224,9 @@ fn a_server_that_rejects_the_profile_fails_the_run_with_its_message() {
     let cmd = policyd();
     let out = std::process::Command::new(&cmd[0])
         .args(&cmd[1..])
-        .args(["bench", &url, "--profile", "aloha", "--duration", "1"])
+        .args([&url, "--profile", "aloha", "--duration", "1"])
         .output()
-        .expect("runs policyd bench");
+        .expect("runs policyd-bench");
     assert_eq!(out.status.code(), Some(2));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("'aloha' profile"), "{err}");

@@ -1,5 +1,7 @@
-//! `policyd bench`: measures any OpenPI-protocol server (policyd or another) the way a robot
-//! uses it, and compares servers fairly on one machine.
+//! How fast does a server answer a robot? `policyd-bench` (also run as `policyd bench`)
+//! measures any OpenPI-protocol server (policyd or another) the way a robot uses it, and
+//! compares servers fairly on one machine. A crate of its own: the serving binary links none
+//! of it.
 //!
 //! Requests are pre-encoded ([`profile`]), sent closed- or open-loop over N connections
 //! ([`load`]), recorded in HDR histograms, and reported with the server's CPU per request
@@ -20,8 +22,8 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use crate::config::Config;
 use load::{LoadSpec, Outcome};
+use policyd::config::Config;
 use profile::{FramePool, Profile};
 use report::{Figures, Report, RunInfo};
 
@@ -150,19 +152,19 @@ impl Drop for FloorProcess {
     }
 }
 
-/// Starts `policyd bench-floor` on a free loopback port; returns it and its URL.
+/// Starts the floor (`policyd-bench floor`) on a free loopback port; returns it and its URL.
 fn start_floor(
-    policyd: &[OsString],
+    bench: &[OsString],
     actions: &[usize],
 ) -> Result<(FloorProcess, String), BenchError> {
     let shape: Vec<String> = actions.iter().map(|d| d.to_string()).collect();
-    let (program, leading) = policyd
+    let (program, leading) = bench
         .split_first()
-        .ok_or_else(|| BenchError::Floor("no command to run policyd".into()))?;
+        .ok_or_else(|| BenchError::Floor("no command to run policyd-bench".into()))?;
     let child = Command::new(program)
         .args(leading)
         .args([
-            "bench-floor",
+            "floor",
             "--listen",
             "127.0.0.1:0",
             "--actions",
@@ -224,13 +226,13 @@ impl BenchArgs {
     }
 }
 
-/// Runs the benchmark `args` describe. `config` (the global `--config`) supplies the
-/// observation; `policyd` is the command that runs policyd (the binary, after an emulator
-/// when there is one), started as the transport floor for `--floor`.
+/// Runs the benchmark `args` describe. `config` (`--config`) supplies the observation;
+/// `bench` is the command that runs policyd-bench (the binary, after an emulator when there
+/// is one), started as `floor` for `--floor`.
 pub fn run(
     args: &BenchArgs,
     config: Option<&Config>,
-    policyd: &[OsString],
+    bench: &[OsString],
 ) -> Result<Report, BenchError> {
     args.check()?;
     let profile = match config {
@@ -270,7 +272,7 @@ pub fn run(
     let mut _floor = None;
     if args.floor {
         let shape = load::actions_shape(&first_reply).unwrap_or_else(|| vec![50, 14]);
-        let (p, url) = start_floor(policyd, &shape)?;
+        let (p, url) = start_floor(bench, &shape)?;
         let pid = p.0.id();
         _floor = Some(p);
         targets.push(Target::new("floor", &url, Some(pid)));

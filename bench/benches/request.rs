@@ -3,14 +3,14 @@
 //! WebSocket framing and masking both ways, decode with transforms, scheduling, the engine,
 //! and encode. The bytes named are the request plus the reply.
 //!
-//! `policyd bench` measures the same thing across processes, with percentiles, CPU per
+//! `policyd-bench` measures the same thing across processes, with percentiles, CPU per
 //! request, and the transport floor beside it.
 
 use std::path::Path;
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
-use policyd::bench::load::{self, Reply};
-use policyd::bench::profile::Profile;
+use policyd_bench::load::{self, Reply};
+use policyd_bench::profile::Profile;
 use policyd::config::Config;
 
 fn bench(c: &mut Criterion) {
@@ -20,7 +20,8 @@ fn bench(c: &mut Criterion) {
         .build()
         .unwrap();
     for profile in ["tiny", "libero", "aloha"] {
-        let mut cfg = Config::load(Path::new(&format!("configs/{profile}.toml"))).unwrap();
+        let file = format!("{}/../configs/{profile}.toml", env!("CARGO_MANIFEST_DIR"));
+        let mut cfg = Config::load(Path::new(&file)).unwrap();
         cfg.server.port = 0;
         let loaded = policyd::policy::build::load(&cfg, cfg.default_policy()).unwrap();
         let listener = rt.block_on(policyd::net::listener::bind(&cfg)).unwrap();

@@ -3,7 +3,7 @@
 //!
 //! It runs on the same WebSocket stack and runtime shape as policyd, so the gap between the two
 //! is what policyd's serving (decode, transforms, scheduling, encode) costs on top of receiving
-//! and unmasking the frames. It is its own process (`policyd bench-floor`), so its CPU time can
+//! and unmasking the frames. It is its own process (`policyd-bench floor`), so its CPU time can
 //! be read like any server's.
 
 use std::io::Write;
@@ -15,11 +15,11 @@ use tokio::net::TcpListener;
 use tokio_tungstenite::tungstenite::Message;
 use tokio_tungstenite::tungstenite::protocol::WebSocketConfig;
 
-use crate::dtype::ElemType;
-use crate::protocol::{Encoder, Timing, encode_timing};
+use policyd::dtype::ElemType;
+use policyd::protocol::{Encoder, Timing, encode_timing};
 
 /// The line the floor prints on stdout once it listens (the address follows).
-pub const READY: &str = "policyd bench-floor listening on ";
+pub const READY: &str = "policyd-bench floor listening on ";
 
 /// An openpi reply with a float32 `actions` array of `shape` and zero timings.
 pub fn reply(shape: &[usize]) -> Vec<u8> {
@@ -82,7 +82,7 @@ pub async fn serve(listener: TcpListener, reply: Bytes) {
     }
 }
 
-/// `policyd bench-floor`: listens on `addr`, prints [`READY`] and the bound address, serves.
+/// `policyd-bench floor`: listens on `addr`, prints [`READY`] and the bound address, serves.
 pub fn run(addr: SocketAddr, actions: &[usize]) -> Result<(), String> {
     // Two worker threads, as policyd's runtime has.
     let rt = tokio::runtime::Builder::new_multi_thread()

@@ -7,9 +7,9 @@
 
 use bytes::Bytes;
 
-use crate::config::PolicySpec;
-use crate::dtype::ElemType;
-use crate::protocol::Encoder;
+use policyd::config::PolicySpec;
+use policyd::dtype::ElemType;
+use policyd::protocol::Encoder;
 
 /// One array of an observation.
 #[derive(Clone, Debug, PartialEq)]
@@ -305,7 +305,7 @@ mod tests {
 
     #[test]
     fn a_config_profile_sends_each_binding_with_its_first_dtype() {
-        let cfg = crate::config::Config::parse(
+        let cfg = policyd::config::Config::parse(
             "[engine]\nmodel = \"synthetic\"\n\
              [[inputs]]\nkey = \"images/top\"\ntensor = \"a\"\ndtypes = [\"uint8\"]\nshape = [4, 4, 3]\n\
              [[inputs]]\nkey = \"joints\"\ntensor = \"b\"\ndtypes = [\"float32\", \"float64\"]\nshape = [6]\n\

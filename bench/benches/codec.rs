@@ -5,7 +5,7 @@
 use std::path::Path;
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
-use policyd::bench::profile::Profile;
+use policyd_bench::profile::Profile;
 use policyd::bind::{Plan, ReplyParts};
 use policyd::config::Config;
 use policyd::policy::build::open_engine;
@@ -13,12 +13,13 @@ use policyd::protocol::{Dialect, Timing};
 
 fn bench(c: &mut Criterion) {
     for profile in ["aloha", "droid", "libero", "tiny"] {
-        let cfg = Config::load(Path::new(&format!("configs/{profile}.toml"))).unwrap();
+        let file = format!("{}/../configs/{profile}.toml", env!("CARGO_MANIFEST_DIR"));
+        let cfg = Config::load(Path::new(&file)).unwrap();
         let engine = open_engine(cfg.default_policy()).unwrap();
         let plan = Plan::compile(&cfg, cfg.default_policy(), engine.io()).unwrap();
         let mut inputs = engine.alloc_inputs().unwrap();
         let mut seen = vec![false; plan.inputs.len()];
-        // The observation as openpi's examples send it (`policyd bench`'s built-in profile).
+        // The observation as openpi's examples send it (policyd-bench's built-in profile).
         let f = Profile::built_in(profile).unwrap().encode(1).0;
         plan.decode(&f, &mut inputs, &mut seen).unwrap();
         let mut g = c.benchmark_group(format!("codec/{profile}"));
