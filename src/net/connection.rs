@@ -25,13 +25,12 @@ use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
 use tokio_tungstenite::tungstenite::{Bytes, Message};
 
 use crate::bind::ReplyParts;
-use crate::limits::MAX_SLOTS;
 use crate::net::frame_guard::oversize_marker;
 use crate::net::http::Shared;
 use crate::policy::Policy;
 use crate::protocol::dialect::{Frame, OPENPI_ERROR_REASON};
 use crate::protocol::{self, Dialect, Endpoint, Failure, Timing};
-use crate::runtime::pacing::Release;
+use crate::runtime::pacing::{Release, ReleaseQueue};
 use crate::runtime::scheduler::{Filters, Kind, SessionKey, SkipReason};
 use crate::runtime::session::Sessions;
 use crate::runtime::worker::{Lease, ReplyPort, Slot, Ticket};
@@ -88,7 +87,7 @@ struct Conn<'a, S> {
     /// An `infer` is queued, running or waiting for release: the next frame waits.
     infer_busy: bool,
     /// Finished slots waiting for their release time, earliest first.
-    releasing: heapless::Deque<Lease, MAX_SLOTS>,
+    releasing: ReleaseQueue<Lease>,
     wake: Arc<Notify>,
     prev_total_ms: Option<f64>,
     filters: Filters,
@@ -111,9 +110,51 @@ enum Change {
     Named(Arc<Policy>, Bytes, Instant),
 }
 
+/// Why a connection ended (logged when it closes).
+#[derive(Debug, PartialEq)]
+pub enum Closed {
+    /// The client left before the metadata frame was sent.
+    BeforeMetadata,
+    /// The client closed the connection (a close frame, or the socket's end).
+    ByClient,
+    /// A send failed: the client is gone.
+    Gone,
+    /// The WebSocket stream failed (tungstenite's error).
+    Protocol(String),
+    /// The server is shutting down (1001).
+    Shutdown,
+    /// A reload removed the connection's policy (1001).
+    PolicyRemoved,
+    /// No pong within `server.ping_timeout_s`.
+    PingTimeout,
+    /// Nothing for `server.idle_timeout_s`.
+    Idle,
+    /// The dialect closes after an error (openpi: a text frame, then 1011); the error.
+    AfterError(String),
+}
+
+impl std::fmt::Display for Closed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Closed::BeforeMetadata => f.write_str("client left before the metadata frame"),
+            Closed::ByClient => f.write_str("client closed the connection"),
+            Closed::Gone => f.write_str("client went away"),
+            Closed::Protocol(e) => write!(f, "protocol error: {e}"),
+            Closed::Shutdown => f.write_str("server shutdown (1001)"),
+            Closed::PolicyRemoved => f.write_str("policy removed by a reload (1001)"),
+            Closed::PingTimeout => f.write_str("keepalive ping timeout"),
+            Closed::Idle => f.write_str("idle timeout"),
+            Closed::AfterError(e) => f.write_str(e),
+        }
+    }
+}
+
+/// What a helper of the loop returns: `Err` when the connection ended.
+type Step = Result<(), Closed>;
+
 /// How a connection's time with one policy ended.
 enum End {
-    Closed(String),
+    Closed(Closed),
     /// Go on with another policy (fresh sessions), starting with this frame.
     Switch {
         to: Arc<Policy>,
@@ -129,7 +170,7 @@ pub async fn serve<S>(
     shared: &Shared,
     dialect: Dialect,
     mut policy: Arc<Policy>,
-) -> String
+) -> Closed
 where
     S: AsyncRead + AsyncWrite + Unpin,
 {
@@ -153,7 +194,7 @@ where
             send: SendBuf::new(capacity),
             outstanding: 0,
             infer_busy: false,
-            releasing: heapless::Deque::new(),
+            releasing: ReleaseQueue::default(),
             wake: Arc::new(Notify::new()),
             prev_total_ms: None,
             filters: Filters {
@@ -207,7 +248,7 @@ where
                 .await
                 .is_err()
         {
-            return End::Closed("client left before the metadata frame".into());
+            return End::Closed(Closed::BeforeMetadata);
         }
         let mut pending: Option<(Bytes, Instant)> = first;
         let mut generation = shared.generation.subscribe();
@@ -231,7 +272,7 @@ where
             // On shutdown, everything already read is still answered.
             if stopping && self.outstanding == 0 && pending.is_none() && self.releasing.is_empty() {
                 close(&mut self.ws, CloseCode::Away, "server shutting down").await;
-                return End::Closed("server shutdown (1001)".into());
+                return End::Closed(Closed::Shutdown);
             }
             // A policy change waits for the requests in flight: they are answered first.
             if self.change.is_some()
@@ -242,7 +283,7 @@ where
                 match change {
                     Change::Removed => {
                         close(&mut self.ws, CloseCode::Away, "policy removed by a reload").await;
-                        return End::Closed("policy removed by a reload (1001)".into());
+                        return End::Closed(Closed::PolicyRemoved);
                     }
                     Change::Replaced(to) => {
                         return End::Switch {
@@ -264,7 +305,7 @@ where
                 if let Some(lease) = lease
                     && let Some((frame, received)) = pending.take()
                 {
-                    if let Some(why) = self.start(&frame, received, lease).await {
+                    if let Err(why) = self.start(&frame, received, lease).await {
                         return End::Closed(why);
                     }
                     continue;
@@ -273,8 +314,7 @@ where
             let idle_deadline = idle.map(|d| last_activity + d);
             let release_backstop = self
                 .releasing
-                .front()
-                .and_then(|l| l.peek().ticket.release_at)
+                .next_at()
                 .map(|t| t + Duration::from_millis(2));
             let quiet = self.outstanding == 0 && pending.is_none() && self.releasing.is_empty();
             let wants_slot = !self.infer_busy && pending.is_some() && self.change.is_none();
@@ -291,7 +331,7 @@ where
                 }
                 lease = policy.worker.pool.acquire(), if wants_slot => {
                     if let Some((frame, received)) = pending.take()
-                        && let Some(why) = self.start(&frame, received, lease).await
+                        && let Err(why) = self.start(&frame, received, lease).await
                     {
                         return End::Closed(why);
                     }
@@ -303,7 +343,7 @@ where
                         continue;
                     }
                     self.outstanding -= 1;
-                    if let Some(why) = self.finished(lease).await {
+                    if let Err(why) = self.finished(lease).await {
                         return End::Closed(why);
                     }
                     last_activity = Instant::now();
@@ -314,32 +354,32 @@ where
                         self.abandoned += self.outstanding;
                         self.outstanding = 0;
                         self.infer_busy = false;
-                        if let Some(why) = self.fail(self.stall_failure()).await {
-                            return End::Closed(why);
-                        }
+                        if let Err(why) = self.fail(self.stall_failure()).await {
+                        return End::Closed(why);
+                    }
                     }
                 }
                 _ = self.wake.notified(), if !self.releasing.is_empty() => {
-                    if let Some(why) = self.release_due().await {
+                    if let Err(why) = self.release_due().await {
                         return End::Closed(why);
                     }
                 }
                 _ = sleep_until_opt(release_backstop), if release_backstop.is_some() => {
-                    if let Some(why) = self.release_due().await {
+                    if let Err(why) = self.release_due().await {
                         return End::Closed(why);
                     }
                 }
                 msg = self.ws.next(), if pending.is_none() && !stopping && self.change.is_none() => {
                     last_activity = Instant::now();
                     match msg {
-                        None => return End::Closed("client closed the connection".into()),
+                        None => return End::Closed(Closed::ByClient),
                         Some(Ok(Message::Binary(b))) => match oversize_marker(&b) {
                             None => pending = Some((b, Instant::now())),
                             Some(size) => {
                                 let f = oversize(size, cfg.max_message_bytes);
-                                if let Some(why) = self.fail(f).await {
-                                    return End::Closed(why);
-                                }
+                                if let Err(why) = self.fail(f).await {
+                        return End::Closed(why);
+                    }
                             }
                         },
                         Some(Ok(Message::Text(t))) => {
@@ -347,30 +387,30 @@ where
                                 Some(size) => oversize(size, cfg.max_message_bytes),
                                 None => Failure::Request("text frames are not accepted; send the observation as a binary msgpack frame".into()),
                             };
-                            if let Some(why) = self.fail(f).await {
-                                return End::Closed(why);
-                            }
+                            if let Err(why) = self.fail(f).await {
+                        return End::Closed(why);
+                    }
                         }
                         Some(Ok(Message::Pong(_))) => ping_sent = None,
                         Some(Ok(Message::Ping(_))) | Some(Ok(Message::Frame(_))) => {}
                         Some(Ok(Message::Close(_))) => {
                             // tungstenite answers the close; drive it to the end.
                             while let Ok(Some(_)) = tokio::time::timeout(Duration::from_secs(1), self.ws.next()).await {}
-                            return End::Closed("client closed the connection".into());
+                            return End::Closed(Closed::ByClient);
                         }
-                        Some(Err(e)) => return End::Closed(format!("protocol error: {e}")),
+                        Some(Err(e)) => return End::Closed(Closed::Protocol(e.to_string())),
                     }
                 }
                 _ = ping.tick(), if ping_every.is_some() => {
                     match ping_sent {
                         Some(t) if t.elapsed() >= pong_timeout => {
                             close(&mut self.ws, CloseCode::Error, "keepalive ping timeout").await;
-                            return End::Closed("keepalive ping timeout".into());
+                            return End::Closed(Closed::PingTimeout);
                         }
                         Some(_) => {}
                         None => {
                             if self.ws.send(Message::Ping(Bytes::new())).await.is_err() {
-                                return End::Closed("client went away".into());
+                                return End::Closed(Closed::Gone);
                             }
                             ping_sent = Some(Instant::now());
                         }
@@ -378,7 +418,7 @@ where
                 }
                 _ = sleep_until_opt(idle_deadline), if idle_deadline.is_some() && quiet => {
                     close(&mut self.ws, CloseCode::Normal, "idle timeout").await;
-                    return End::Closed("idle timeout".into());
+                    return End::Closed(Closed::Idle);
                 }
             }
         }
@@ -395,43 +435,32 @@ where
     }
 
     /// Decodes a frame into `lease`'s slot and queues it (or answers it directly).
-    async fn start(
-        &mut self,
-        frame: &Bytes,
-        received: Instant,
-        mut lease: Lease,
-    ) -> Option<String> {
+    async fn start(&mut self, frame: &Bytes, received: Instant, mut lease: Lease) -> Step {
         let shared = self.shared;
         let policy = self.policy.clone();
         let plan = &policy.plan;
         let pacing = &policy.spec.pacing;
-        let slot = lease.slot();
-        let decoded = plan.decode(frame, &mut slot.inputs, &mut slot.seen);
-        // A frame naming another policy is that policy's to decode (it may not even fit this
-        // one's bindings); the connection moves once its requests in flight are answered.
-        let named = match &decoded {
-            Ok(m) => m.policy.clone(),
-            Err(_) => protocol::peek_policy(frame, &plan.limits),
-        };
-        if let Some(name) = named
+        // Routed before it is decoded: with several policies, a frame naming another is that
+        // policy's to decode (it may not even fit this one's bindings).
+        if shared.policies.load().policies.len() > 1
+            && let Some(name) = protocol::peek_policy(frame, &plan.limits)
             && name.as_str() != policy.name
         {
             drop(lease);
-            let set = shared.policies.load();
-            let Some(to) = set.get(&name) else {
-                let e = format!(
-                    "no policy named \"{name}\"; this server serves: {}",
-                    set.names()
-                );
-                return self.fail(Failure::Request(e)).await;
-            };
-            self.change = Some(Change::Named(to.clone(), frame.clone(), received));
-            return None;
+            return self.to_policy(&name, frame, received).await;
         }
-        let meta = match decoded {
+        let slot = lease.slot();
+        let meta = match plan.decode(frame, &mut slot.inputs, &mut slot.seen) {
             Ok(m) => m,
             Err(e) => return self.fail(Failure::Request(e.to_string())).await,
         };
+        if let Some(name) = &meta.policy
+            && name.as_str() != policy.name
+        {
+            // One policy served: the name can only be unknown (or added by a reload since).
+            drop(lease);
+            return self.to_policy(name, frame, received).await;
+        }
         if meta.endpoint != Endpoint::Reset && *policy.worker.state.stalled.borrow() {
             drop(lease);
             return self.fail(self.stall_failure()).await;
@@ -472,7 +501,7 @@ where
                     Ok(_) => {
                         self.outstanding += 1;
                         self.infer_busy = true;
-                        None
+                        Ok(())
                     }
                     Err(_) => {
                         self.fail(Failure::Inference(
@@ -521,7 +550,7 @@ where
                 match lease.submit(&policy.worker, &self.port, key) {
                     Ok(None) => {
                         self.outstanding += 1;
-                        None
+                        Ok(())
                     }
                     Ok(Some(mut old)) => {
                         // The session's waiting observation was replaced before it ran.
@@ -542,6 +571,21 @@ where
                 }
             }
         }
+    }
+
+    /// Moves the connection to the policy `name` once its requests in flight are answered,
+    /// `frame` first; an error if no policy has that name.
+    async fn to_policy(&mut self, name: &str, frame: &Bytes, received: Instant) -> Step {
+        let set = self.shared.policies.load();
+        let Some(to) = set.get(name) else {
+            let e = format!(
+                "no policy named \"{name}\"; this server serves: {}",
+                set.names()
+            );
+            return self.fail(Failure::Request(e)).await;
+        };
+        self.change = Some(Change::Named(to.clone(), frame.clone(), received));
+        Ok(())
     }
 
     fn stall_failure(&self) -> Failure {
@@ -600,10 +644,10 @@ where
     }
 
     /// Counts a skipped observation and, if configured, tells the client.
-    async fn skipped(&mut self, timestep: i64, why: SkipReason) -> Option<String> {
+    async fn skipped(&mut self, timestep: i64, why: SkipReason) -> Step {
         self.shared.stats.skips.count(why);
         if !self.policy.spec.pacing.report_skipped {
-            return None;
+            return Ok(());
         }
         Dialect::encode_skipped(timestep, why.as_str(), &mut self.out);
         let msg = self.send.message(&self.out);
@@ -612,7 +656,7 @@ where
 
     /// A slot came back from the engine: report a failure, or release the result (now, or at
     /// its release time).
-    async fn finished(&mut self, mut lease: Lease) -> Option<String> {
+    async fn finished(&mut self, mut lease: Lease) -> Step {
         let policy = self.policy.clone();
         let plan = &policy.plan;
         let slot = lease.slot();
@@ -638,32 +682,14 @@ where
         }
         match crate::runtime::pacing::release(Instant::now(), slot.ticket.release_at) {
             Release::At(at) => {
-                // Keep the queue ordered by release time (it nearly always is already).
-                let pos = self
-                    .releasing
-                    .iter()
-                    .position(|l| l.peek().ticket.release_at.is_some_and(|t| t > at))
-                    .unwrap_or(self.releasing.len());
-                if pos == self.releasing.len() {
-                    if let Err(l) = self.releasing.push_back(lease) {
-                        return self.release(l, false).await;
-                    }
-                } else {
-                    let mut tail: heapless::Vec<Lease, MAX_SLOTS> = heapless::Vec::new();
-                    while self.releasing.len() > pos {
-                        if let Some(l) = self.releasing.pop_back() {
-                            let _ = tail.push(l);
-                        }
-                    }
-                    let _ = self.releasing.push_back(lease);
-                    while let Some(l) = tail.pop() {
-                        let _ = self.releasing.push_back(l);
-                    }
+                if let Err(lease) = self.releasing.hold(at, lease) {
+                    // One entry per slot: cannot be full; if it were, out now.
+                    return self.release(lease, false).await;
                 }
                 self.shared
                     .pacer
                     .wake_at(at - crate::runtime::pacing::WAKE_LEAD, &self.wake);
-                None
+                Ok(())
             }
             Release::Late => {
                 self.shared.stats.release.missed();
@@ -674,26 +700,15 @@ where
     }
 
     /// Releases every held result whose time has come.
-    async fn release_due(&mut self) -> Option<String> {
-        loop {
-            let soon = Instant::now() + crate::runtime::pacing::WAKE_LEAD;
-            let due = self
-                .releasing
-                .front()
-                .map(|l| l.peek().ticket.release_at)
-                .filter(|t| t.is_none_or(|t| t <= soon));
-            if let Some(at) = due? {
-                crate::runtime::pacing::spin_until(at);
-            }
-            let lease = self.releasing.pop_front()?;
-            if let Some(why) = self.release(lease, true).await {
-                return Some(why);
-            }
+    async fn release_due(&mut self) -> Step {
+        while let Some(lease) = self.releasing.pop_due() {
+            self.release(lease, true).await?;
         }
+        Ok(())
     }
 
     /// Encodes a result and sends it.
-    async fn release(&mut self, mut lease: Lease, paced: bool) -> Option<String> {
+    async fn release(&mut self, mut lease: Lease, paced: bool) -> Step {
         let shared = self.shared;
         let policy = self.policy.clone();
         let plan = &policy.plan;
@@ -753,16 +768,12 @@ where
         self.send_msg(msg).await
     }
 
-    async fn send_msg(&mut self, msg: Message) -> Option<String> {
-        if self.ws.send(msg).await.is_err() {
-            return Some("client went away".into());
-        }
-        None
+    async fn send_msg(&mut self, msg: Message) -> Step {
+        self.ws.send(msg).await.map_err(|_| Closed::Gone)
     }
 
-    /// Reports a failure in the connection's dialect. Returns why the connection ended, if
-    /// it did.
-    async fn fail(&mut self, f: Failure) -> Option<String> {
+    /// Reports a failure in the connection's dialect; `Err` when the dialect closes after it.
+    async fn fail(&mut self, f: Failure) -> Step {
         self.shared.stats.metrics.error(self.dialect, f.kind());
         let reply = self.dialect.encode_error(&f, &mut self.out);
         let sent = match reply.frame {
@@ -774,17 +785,17 @@ where
             Frame::Binary => {
                 log::info!("request error: {}", f.message());
                 let msg = self.send.message(&self.out);
-                if let Some(why) = self.send_msg(msg).await {
-                    return Some(why);
-                }
+                self.send_msg(msg).await?;
                 None
             }
         };
         if reply.close {
             close(&mut self.ws, CloseCode::Error, OPENPI_ERROR_REASON).await;
-            return Some(sent.unwrap_or_else(|| f.message().to_string()));
+            return Err(Closed::AfterError(
+                sent.unwrap_or_else(|| f.message().to_string()),
+            ));
         }
-        None
+        Ok(())
     }
 }
 

@@ -231,8 +231,8 @@ pub trait Visitor {
     fn value(&mut self, index: usize, path: &[u8], value: Value<'_>) -> Result<(), WireError>;
 }
 
-/// The `policy` a frame names, read without binding anything (for a frame that failed to
-/// decode against the current policy's bindings: it may be meant for another).
+/// The `policy` a frame names, read without binding anything: a server of several policies
+/// routes a frame by it before the policy it names decodes it.
 pub fn peek_policy(frame: &[u8], limits: &Limits) -> Option<PolicyName> {
     struct Nothing;
     impl Visitor for Nothing {

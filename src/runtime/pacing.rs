@@ -8,8 +8,9 @@
 //! costs about 2 % of a core.
 //!
 //! Entries live in a fixed-capacity heap: each belongs to a slot waiting for release, and there
-//! are at most [`MAX_SLOTS`] slots. [`ReleaseStats`] records how far each release landed from
-//! its target, and the deadline misses.
+//! are at most [`MAX_SLOTS`] slots. A connection holds its finished results in a
+//! [`ReleaseQueue`] (earliest first, as bounded). [`ReleaseStats`] records how far each release
+//! landed from its target, and the deadline misses.
 
 use std::cmp::Ordering as CmpOrdering;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -58,6 +59,62 @@ pub fn release(ready: Instant, target: Option<Instant>) -> Release {
         None => Release::Now,
         Some(t) if t > ready => Release::At(t),
         Some(_) => Release::Late,
+    }
+}
+
+/// Finished results held for their release time, earliest first, as one connection keeps
+/// them: at most one per slot, so the queue never grows. Sorted latest first, so that the
+/// earliest is popped from the end; equal times leave in the order they came.
+pub struct ReleaseQueue<T> {
+    held: heapless::Vec<(Instant, T), MAX_SLOTS>,
+}
+
+impl<T> Default for ReleaseQueue<T> {
+    fn default() -> Self {
+        ReleaseQueue {
+            held: heapless::Vec::new(),
+        }
+    }
+}
+
+impl<T> ReleaseQueue<T> {
+    pub fn is_empty(&self) -> bool {
+        self.held.is_empty()
+    }
+
+    pub fn len(&self) -> usize {
+        self.held.len()
+    }
+
+    /// The earliest release time held.
+    pub fn next_at(&self) -> Option<Instant> {
+        self.held.last().map(|(at, _)| *at)
+    }
+
+    /// Holds `item` until `at`; hands it back if the queue is full (more items than slots).
+    pub fn hold(&mut self, at: Instant, item: T) -> Result<(), T> {
+        let pos = self
+            .held
+            .iter()
+            .position(|(t, _)| *t <= at)
+            .unwrap_or(self.held.len());
+        self.held.insert(pos, (at, item)).map_err(|(_, item)| item)
+    }
+
+    /// The earliest item if it is due within [`WAKE_LEAD`] of now, at its exact time (spun
+    /// to); `None` if nothing is due yet.
+    pub fn pop_due(&mut self) -> Option<T> {
+        let at = self.next_at()?;
+        if at > Instant::now() + WAKE_LEAD {
+            return None;
+        }
+        spin_until(at);
+        self.held.pop().map(|(_, item)| item)
+    }
+
+    /// Every item, in release order, whether due or not (the connection is closing).
+    pub fn drain(&mut self) -> impl Iterator<Item = T> + '_ {
+        std::iter::from_fn(|| self.held.pop().map(|(_, item)| item))
     }
 }
 
@@ -288,6 +345,36 @@ impl ReleaseStats {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_release_queue_hands_out_the_earliest_first_and_ties_in_arrival_order() {
+        let now = Instant::now();
+        let ms = |n: u64| now + Duration::from_millis(n);
+        let mut q = ReleaseQueue::default();
+        for (at, name) in [(30, "c"), (10, "a"), (20, "b"), (10, "a2"), (40, "d")] {
+            q.hold(ms(at), name).expect("room");
+        }
+        assert_eq!(q.len(), 5);
+        assert_eq!(q.next_at(), Some(ms(10)));
+        let order: Vec<_> = q.drain().collect();
+        assert_eq!(order, ["a", "a2", "b", "c", "d"]);
+        assert!(q.is_empty());
+    }
+
+    #[test]
+    fn the_release_queue_pops_only_what_is_due_and_is_bounded() {
+        let now = Instant::now();
+        let mut q = ReleaseQueue::default();
+        q.hold(now + Duration::from_secs(60), 2).expect("room");
+        q.hold(now, 1).expect("room");
+        assert_eq!(q.pop_due(), Some(1), "due now");
+        assert_eq!(q.pop_due(), None, "a minute away");
+        assert_eq!(q.len(), 1);
+        for i in 1..MAX_SLOTS {
+            q.hold(now, 10 + i).expect("room for one per slot");
+        }
+        assert_eq!(q.hold(now, 99), Err(99), "full: handed back");
+    }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn wakes_in_order_and_never_early() {
