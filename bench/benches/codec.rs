@@ -5,11 +5,11 @@
 use std::path::Path;
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
-use policyd_bench::profile::Profile;
 use policyd::bind::{Plan, ReplyParts};
 use policyd::config::Config;
 use policyd::policy::build::open_engine;
 use policyd::protocol::{Dialect, Timing};
+use policyd_bench::profile::Profile;
 
 fn bench(c: &mut Criterion) {
     for profile in ["aloha", "droid", "libero", "tiny"] {

@@ -9,9 +9,9 @@
 use std::path::Path;
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+use policyd::config::Config;
 use policyd_bench::load::{self, Reply};
 use policyd_bench::profile::Profile;
-use policyd::config::Config;
 
 fn bench(c: &mut Criterion) {
     let rt = tokio::runtime::Builder::new_multi_thread()

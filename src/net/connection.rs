@@ -447,7 +447,7 @@ where
             && name.as_str() != policy.name
         {
             drop(lease);
-            return self.to_policy(&name, frame, received).await;
+            return self.switch_to(&name, frame, received).await;
         }
         let slot = lease.slot();
         let meta = match plan.decode(frame, &mut slot.inputs, &mut slot.seen) {
@@ -459,7 +459,7 @@ where
         {
             // One policy served: the name can only be unknown (or added by a reload since).
             drop(lease);
-            return self.to_policy(name, frame, received).await;
+            return self.switch_to(name, frame, received).await;
         }
         if meta.endpoint != Endpoint::Reset && *policy.worker.state.stalled.borrow() {
             drop(lease);
@@ -575,7 +575,7 @@ where
 
     /// Moves the connection to the policy `name` once its requests in flight are answered,
     /// `frame` first; an error if no policy has that name.
-    async fn to_policy(&mut self, name: &str, frame: &Bytes, received: Instant) -> Step {
+    async fn switch_to(&mut self, name: &str, frame: &Bytes, received: Instant) -> Step {
         let set = self.shared.policies.load();
         let Some(to) = set.get(name) else {
             let e = format!(
