@@ -9,7 +9,9 @@ use std::sync::Arc;
 
 use clap::{Parser, Subcommand};
 
-use policyd::config::Config;
+use policyd::app::AppError;
+use policyd::config::{Config, ConfigError};
+use policyd::policy::build::PolicyError;
 use policyd::policy::build::open_engine;
 use policyd::policy::reload::Reloader;
 
@@ -100,7 +102,11 @@ enum Command {
 
 /// Runs the load generator, a separate binary so that the serving one links none of it:
 /// `$POLICYD_BENCH`, else the `policyd-bench` beside this binary, else the one on PATH.
-fn run_bench(leading: &[&str], config: Option<&PathBuf>, args: &[OsString]) -> Result<(), String> {
+fn run_bench(
+    leading: &[&str],
+    config: Option<&PathBuf>,
+    args: &[OsString],
+) -> Result<(), CliError> {
     let program = match std::env::var_os("POLICYD_BENCH") {
         Some(p) => PathBuf::from(p),
         None => std::env::current_exe()
@@ -114,18 +120,18 @@ fn run_bench(leading: &[&str], config: Option<&PathBuf>, args: &[OsString]) -> R
     if let Some(c) = config {
         cmd.arg("--config").arg(c);
     }
-    let status = cmd.args(args).status().map_err(|e| {
-        format!(
-            "cannot run {}: {e} (the load generator is the policyd-bench binary: install it \
-             beside policyd, or build it with `cargo build --release -p policyd-bench`)",
-            program.display()
-        )
+    let status = cmd.args(args).status().map_err(|source| CliError::Bench {
+        program: program.display().to_string(),
+        source,
     })?;
     match status.code() {
         Some(0) => Ok(()),
         // policyd-bench printed its own error.
         Some(code) => std::process::exit(code),
-        None => Err(format!("{} was killed ({status})", program.display())),
+        None => Err(CliError::BenchKilled {
+            program: program.display().to_string(),
+            status,
+        }),
     }
 }
 
@@ -147,16 +153,42 @@ fn load_config(
     path: Option<&PathBuf>,
     host: Option<&str>,
     port: Option<u16>,
-) -> Result<Config, String> {
+) -> Result<Config, ConfigError> {
     let mut cfg = match path {
-        Some(p) => Config::load(p).map_err(|e| e.to_string())?,
-        None => policyd::demo::config().map_err(|e| e.to_string())?,
+        Some(p) => Config::load(p)?,
+        None => policyd::demo::config()?,
     };
-    cfg.override_listen(host, port).map_err(|e| e.to_string())?;
+    cfg.override_listen(host, port)?;
     Ok(cfg)
 }
 
-fn run(cli: Cli) -> Result<(), String> {
+/// Why a command failed; printed as `policyd: error: …`, exit status 2.
+#[derive(Debug, thiserror::Error)]
+enum CliError {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error(transparent)]
+    Policy(#[from] PolicyError),
+    #[error(transparent)]
+    App(#[from] AppError),
+    #[error("cannot start the async runtime: {0}")]
+    Runtime(std::io::Error),
+    /// `policyd bench`: policyd-bench could not be run.
+    #[error(
+        "cannot run {program}: {source} (the load generator is the policyd-bench binary: install it beside policyd, or build it with `cargo build --release -p policyd-bench`)"
+    )]
+    Bench {
+        program: String,
+        source: std::io::Error,
+    },
+    #[error("{program} was killed ({status})")]
+    BenchKilled {
+        program: String,
+        status: std::process::ExitStatus,
+    },
+}
+
+fn run(cli: Cli) -> Result<(), CliError> {
     let (host, port) = (cli.host.clone(), cli.port);
     match &cli.command {
         Some(Command::PrintDefaultConfig) => {
@@ -166,12 +198,11 @@ fn run(cli: Cli) -> Result<(), String> {
         Some(Command::CheckConfig { file }) => {
             let cfg = load_config(Some(file), host.as_deref(), port)?;
             // Fails as serving would: key files and the certificate are read too.
-            policyd::net::Access::load(&cfg).map_err(|e| e.to_string())?;
+            policyd::net::Access::load(&cfg)?;
             if cfg.planner.enabled {
-                policyd::planner::api_key(&cfg.planner).map_err(|e| e.to_string())?;
+                policyd::planner::api_key(&cfg.planner)?;
             }
-            let report = policyd::policy::build::check(&cfg, &file.display().to_string())
-                .map_err(|e| e.to_string())?;
+            let report = policyd::policy::build::check(&cfg, &file.display().to_string())?;
             print!("{report}");
             Ok(())
         }
@@ -182,7 +213,7 @@ fn run(cli: Cli) -> Result<(), String> {
             // A reload re-reads the same file with the same command-line overrides.
             let reload = cli.config.clone().map(|p| {
                 let load = move || load_config(Some(&p), host.as_deref(), port);
-                Arc::new(load) as Arc<dyn Fn() -> Result<Config, String> + Send + Sync>
+                Arc::new(load) as Arc<dyn Fn() -> Result<Config, ConfigError> + Send + Sync>
             });
             serve(cfg, reload)
         }
@@ -191,20 +222,20 @@ fn run(cli: Cli) -> Result<(), String> {
 
 fn serve(
     cfg: Config,
-    reload: Option<Arc<dyn Fn() -> Result<Config, String> + Send + Sync>>,
-) -> Result<(), String> {
+    reload: Option<Arc<dyn Fn() -> Result<Config, ConfigError> + Send + Sync>>,
+) -> Result<(), CliError> {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
-        .map_err(|e| format!("cannot start the async runtime: {e}"))?;
+        .map_err(CliError::Runtime)?;
     rt.block_on(async {
         let (tx, rx) = tokio::sync::mpsc::channel(4);
         tokio::spawn(reload_signal(tx, reload.is_some()));
         let source = reload.map(|load| Reloader { load, requests: rx });
         policyd::app::run_with_reload(cfg, open_engine, shutdown_signal(), source)
             .await
-            .map_err(|e| e.to_string())
+            .map_err(CliError::from)
     })
 }
 

@@ -108,9 +108,7 @@ async fn start(text: &str) -> Server {
     let source = text.clone();
     let (reload, requests) = mpsc::channel(4);
     let reloader = Reloader {
-        load: Arc::new(move || {
-            Config::parse(&source.lock().expect("lock"), "test", None).map_err(|e| e.to_string())
-        }),
+        load: Arc::new(move || Config::parse(&source.lock().expect("lock"), "test", None)),
         requests,
     };
     let (stop, stopped) = oneshot::channel::<()>();

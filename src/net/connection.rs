@@ -484,18 +484,11 @@ where
             Endpoint::Infer => {
                 self.check_prompt(&policy, meta.session_id.as_ref(), slot);
                 let (reset, _) = self.sessions.begin(meta.session_id.as_ref());
-                slot.reset = reset;
                 self.count_sessions();
-                slot.result = None;
-                slot.ticket = Ticket {
-                    kind: Kind::Infer,
-                    epoch: self.epoch,
-                    session: self.sessions.current().clone(),
-                    received,
-                    release_at,
-                    timestep: 0,
-                    timestamp: 0.0,
-                };
+                slot.prepare(
+                    self.ticket(Kind::Infer, received, release_at, (0, 0.0)),
+                    reset,
+                );
                 let key = self.key(slot.ticket.session.clone());
                 match lease.submit(&policy.worker, &self.port, key) {
                     Ok(_) => {
@@ -535,17 +528,9 @@ where
                     drop(lease);
                     return self.skipped(timestep, why).await;
                 }
-                slot.reset = reset;
-                slot.result = None;
-                slot.ticket = Ticket {
-                    kind: Kind::Observe,
-                    epoch: self.epoch,
-                    session: self.sessions.current().clone(),
-                    received,
-                    release_at,
-                    timestep,
-                    timestamp,
-                };
+                let ticket =
+                    self.ticket(Kind::Observe, received, release_at, (timestep, timestamp));
+                slot.prepare(ticket, reset);
                 let key = self.key(slot.ticket.session.clone());
                 match lease.submit(&policy.worker, &self.port, key) {
                     Ok(None) => {
@@ -586,6 +571,25 @@ where
         };
         self.change = Some(Change::Named(to.clone(), frame.clone(), received));
         Ok(())
+    }
+
+    /// The ticket of a request of the current session.
+    fn ticket(
+        &self,
+        kind: Kind,
+        received: Instant,
+        release_at: Option<Instant>,
+        (timestep, timestamp): (i64, f64),
+    ) -> Ticket {
+        Ticket {
+            kind,
+            epoch: self.epoch,
+            session: self.sessions.current().clone(),
+            received,
+            release_at,
+            timestep,
+            timestamp,
+        }
     }
 
     fn stall_failure(&self) -> Failure {

@@ -108,16 +108,38 @@ struct Head {
 pub trait Transport: AsyncRead + AsyncWrite + Unpin + Send {}
 impl<T: AsyncRead + AsyncWrite + Unpin + Send> Transport for T {}
 
-async fn read_head<S: Transport>(stream: &mut S) -> Result<Head, &'static str> {
+/// Why no request head was read.
+#[derive(Debug, thiserror::Error)]
+enum HeadError {
+    /// The client went away: there is nobody to answer.
+    #[error("read error: {0}")]
+    Read(std::io::Error),
+    #[error("closed before the request was complete")]
+    Closed,
+    /// The client is there and gets a 400 saying why.
+    #[error("request head too large")]
+    TooLarge,
+    #[error("malformed HTTP request")]
+    Malformed,
+}
+
+impl HeadError {
+    /// Whether a 400 can reach the client.
+    fn answerable(&self) -> bool {
+        matches!(self, HeadError::TooLarge | HeadError::Malformed)
+    }
+}
+
+async fn read_head<S: Transport>(stream: &mut S) -> Result<Head, HeadError> {
     let mut buf = vec![0u8; MAX_HEAD];
     let mut len = 0;
     loop {
         let n = stream
             .read(&mut buf[len..])
             .await
-            .map_err(|_| "read error")?;
+            .map_err(HeadError::Read)?;
         if n == 0 {
-            return Err("closed before the request was complete");
+            return Err(HeadError::Closed);
         }
         len += n;
         let mut headers = [httparse::EMPTY_HEADER; 64];
@@ -150,8 +172,8 @@ async fn read_head<S: Transport>(stream: &mut S) -> Result<Head, &'static str> {
                 });
             }
             Ok(httparse::Status::Partial) if len < MAX_HEAD => continue,
-            Ok(httparse::Status::Partial) => return Err("request head too large"),
-            Err(_) => return Err("malformed HTTP request"),
+            Ok(httparse::Status::Partial) => return Err(HeadError::TooLarge),
+            Err(_) => return Err(HeadError::Malformed),
         }
     }
 }
@@ -210,7 +232,7 @@ pub(crate) async fn handle(
         Ok(Ok(h)) => h,
         Ok(Err(why)) => {
             log::debug!("{peer}: {why}");
-            if why != "closed before the request was complete" && why != "read error" {
+            if why.answerable() {
                 respond(
                     &mut stream,
                     "400 Bad Request",

@@ -7,7 +7,7 @@ use arc_swap::ArcSwap;
 use sd_notify::NotifyState;
 use tokio::sync::watch;
 
-use crate::config::Config;
+use crate::config::{Config, ConfigError};
 
 use super::{OpenFn, PolicySet};
 
@@ -16,7 +16,7 @@ use super::{OpenFn, PolicySet};
 pub struct Reloader {
     /// Reads and checks the config again (`Config::load` of the file the server started
     /// with, with the same command-line overrides).
-    pub load: Arc<dyn Fn() -> Result<Config, String> + Send + Sync>,
+    pub load: Arc<dyn Fn() -> Result<Config, ConfigError> + Send + Sync>,
     /// One message per reload request.
     pub requests: tokio::sync::mpsc::Receiver<()>,
 }
@@ -55,7 +55,7 @@ pub async fn run(
         let (load, open) = (r.load.clone(), open.clone());
         let started = served.started.clone();
         let built = tokio::task::spawn_blocking(move || {
-            let cfg = load()?;
+            let cfg = load().map_err(|e| e.to_string())?;
             warn_fixed_sections(&started, &cfg);
             super::build::build(&cfg, Some(&current), open.as_ref()).map_err(|e| e.to_string())
         })

@@ -67,6 +67,16 @@ pub struct Slot {
     pub result: Option<Result<RunStats, EngineError>>,
 }
 
+impl Slot {
+    /// Readies a decoded request for the engine: what it is, whether the engine drops its
+    /// history first, and no result yet.
+    pub fn prepare(&mut self, ticket: Ticket, reset: bool) {
+        self.ticket = ticket;
+        self.reset = reset;
+        self.result = None;
+    }
+}
+
 /// A fixed set of slots.
 pub struct SlotPool {
     /// Boxed so that handing a slot between threads moves a pointer, not the slot.
