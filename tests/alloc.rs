@@ -379,7 +379,7 @@ camera = "cam"
     {
         std::thread::sleep(Duration::from_millis(5));
     }
-    let link = plan.planner.as_ref().unwrap().link.clone();
+    let link = plan.planner.as_ref().unwrap().link(&cfg.planner);
     link.publish(&policyd::planner::reply::Answer {
         subtask: "pick up the red cup".into(),
         done: false,
@@ -392,13 +392,13 @@ camera = "cam"
     let mut lease = loaded.worker.pool.try_acquire().unwrap();
     let slot = lease.slot();
     // Warm-up: arc-swap gives each thread its debt list on its first load.
-    plan.decode(&frame, &mut slot.inputs, &mut slot.seen)
+    plan.decode_with(&frame, &mut slot.inputs, &mut slot.seen, Some(&link))
         .unwrap();
 
     let before = allocs();
     for _ in 0..n {
         link.want_frame();
-        plan.decode(&frame, &mut slot.inputs, &mut slot.seen)
+        plan.decode_with(&frame, &mut slot.inputs, &mut slot.seen, Some(&link))
             .unwrap();
     }
     allocs() - before

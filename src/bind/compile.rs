@@ -8,7 +8,7 @@ use crate::engine::IoSpec;
 use crate::protocol::{self, Encoder, Limits};
 use crate::transform::{Affine, Transform};
 
-/// Checks `[planner]`'s bindings against the compiled inputs and makes the link.
+/// Checks `[planner]`'s bindings against the compiled inputs.
 fn planner_tap(
     cfg: &Config,
     inputs: &[InputBinding],
@@ -79,9 +79,10 @@ fn planner_tap(
         }
     };
     Ok(Some(PlannerTap {
-        link: std::sync::Arc::new(crate::planner::Link::new(p, geometry, max_subtask)),
         prompt,
         camera,
+        geometry,
+        max_subtask,
     }))
 }
 

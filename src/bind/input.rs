@@ -2,9 +2,10 @@
 //! value straight into its engine input buffer, text bindings, fill values for what the
 //! request left out.
 
-use super::{InputBinding, Plan};
+use super::{InputBinding, Plan, PlannerTap};
 use crate::dtype::{ElemType, WireDType};
 use crate::engine::InputBuffer;
+use crate::planner::Link;
 use crate::protocol::{self, Value, Visitor, WireError};
 use crate::transform::{Affine, load_f64};
 
@@ -17,9 +18,24 @@ impl Plan {
         bufs: &mut [Box<dyn InputBuffer>],
         seen: &mut [bool],
     ) -> Result<protocol::RequestMeta, WireError> {
+        self.decode_with(frame, bufs, seen, None)
+    }
+
+    /// [`decode`](Self::decode) for a policy the task planner feeds through `planner`: its
+    /// subtask fills the prompt binding (by `planner.precedence`), a client's prompt becomes
+    /// its instruction, and the camera binding's frame is offered to it.
+    pub fn decode_with(
+        &self,
+        frame: &[u8],
+        bufs: &mut [Box<dyn InputBuffer>],
+        seen: &mut [bool],
+        planner: Option<&Link>,
+    ) -> Result<protocol::RequestMeta, WireError> {
         seen.iter_mut().for_each(|s| *s = false);
+        let tap = self.planner.as_ref().zip(planner);
         let mut w = SlotWriter {
             plan: self,
+            tap,
             bufs,
             seen,
         };
@@ -27,11 +43,11 @@ impl Plan {
         if meta.endpoint == protocol::Endpoint::Reset {
             return Ok(meta);
         }
-        if let Some(tap) = &self.planner {
+        if let Some((tap, link)) = tap {
             let b = &self.inputs[tap.prompt];
             let sent = w.seen[tap.prompt];
-            if !sent || tap.link.planner_first {
-                let subtask = tap.link.subtask();
+            if !sent || link.planner_first {
+                let subtask = link.subtask();
                 if let Some(s) = subtask.as_deref() {
                     // The planner checked the length; a failure leaves the client's prompt.
                     if write_text(b, None, s.as_bytes(), w.bufs[b.index].bytes_mut()).is_ok() {
@@ -100,6 +116,8 @@ impl Plan {
 /// Writes bound values into a slot's input buffers.
 struct SlotWriter<'a> {
     plan: &'a Plan,
+    /// The planner's tap and link, when the planner feeds this decode.
+    tap: Option<(&'a PlannerTap, &'a Link)>,
     bufs: &'a mut [Box<dyn InputBuffer>],
     seen: &'a mut [bool],
 }
@@ -141,15 +159,15 @@ impl Visitor for SlotWriter<'_> {
             }
             Value::Text { dtype, data } if b.text => {
                 write_text(b, dtype, data, self.bufs[b.index].bytes_mut())?;
-                if let Some(tap) = &self.plan.planner
+                if let Some((tap, link)) = self.tap
                     && tap.prompt == i
-                    && tap.link.planner_first
+                    && link.planner_first
                 {
                     // The client's prompt is the planner's instruction (valid UTF-8 by now).
                     match dtype {
                         None | Some(WireDType::Bytes(_)) => {
                             let end = data.iter().rposition(|&c| c != 0).map_or(0, |e| e + 1);
-                            tap.link.client_instruction(&data[..end]);
+                            link.client_instruction(&data[..end]);
                         }
                         // UTF-32: re-read as the UTF-8 bytes just written (rare; allocates).
                         Some(_) => {
@@ -160,7 +178,7 @@ impl Visitor for SlotWriter<'_> {
                                 .take_while(|&v| v != b.fill)
                                 .map(|v| v as u8)
                                 .collect();
-                            tap.link.client_instruction(&bytes);
+                            link.client_instruction(&bytes);
                         }
                     }
                 }
@@ -200,11 +218,11 @@ impl Visitor for SlotWriter<'_> {
                 got: a.shape.to_vec(),
             });
         }
-        if let Some(tap) = &self.plan.planner
+        if let Some((tap, link)) = self.tap
             && tap.camera == Some(i)
             && a.storage == ElemType::U8
         {
-            tap.link.offer_image(a.data);
+            link.offer_image(a.data);
         }
         let dst = self.bufs[b.index].bytes_mut();
         let ok = match pos {

@@ -15,6 +15,7 @@ pub use output::{Chunk, Reply, ReplyParts};
 
 use crate::dtype::ElemType;
 use crate::engine::IoSpec;
+use crate::planner::Link;
 use crate::protocol::Limits;
 use crate::transform::{Affine, Transform};
 
@@ -73,22 +74,31 @@ pub struct Plan {
     pub planner: Option<PlannerTap>,
 }
 
-/// The request path's side of the planner: which bindings it reads and fills.
-#[derive(Clone)]
+/// The request path's side of the planner: which bindings it reads and fills. Indices
+/// only: the [`Link`] the planner thread feeds lives as long as the server (the listener
+/// makes it from the first default policy's tap), so a reload never moves it.
+#[derive(Clone, Debug, PartialEq)]
 pub struct PlannerTap {
-    pub link: std::sync::Arc<crate::planner::Link>,
     /// The text binding the subtask fills (`planner.prompt_key`).
     pub prompt: usize,
     /// The image binding whose frames the planner sees (`planner.camera`).
     pub camera: Option<usize>,
+    /// That image's geometry (what the link's frame buffer is sized for).
+    pub geometry: Option<crate::planner::Geometry>,
+    /// The most bytes a subtask may have (the prompt input's length).
+    pub max_subtask: usize,
 }
 
-impl std::fmt::Debug for PlannerTap {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("PlannerTap")
-            .field("prompt", &self.prompt)
-            .field("camera", &self.camera)
-            .finish_non_exhaustive()
+impl PlannerTap {
+    /// The link for a planner feeding this tap.
+    pub fn link(&self, cfg: &crate::config::PlannerConfig) -> Link {
+        Link::new(cfg, self.geometry, self.max_subtask)
+    }
+
+    /// Whether `link` (made for an earlier plan) fits this tap: same frame geometry, same
+    /// subtask length.
+    pub fn fits(&self, link: &Link) -> bool {
+        link.camera == self.geometry && link.max_subtask == self.max_subtask
     }
 }
 
@@ -178,10 +188,14 @@ tensor = "actions"
     }
 
     fn tokens(p: &Plan, frame: &[u8]) -> Result<Vec<i64>, WireError> {
+        tokens_with(p, None, frame)
+    }
+
+    fn tokens_with(p: &Plan, link: Option<&Link>, frame: &[u8]) -> Result<Vec<i64>, WireError> {
         let mut bufs: Vec<Box<dyn InputBuffer>> =
             vec![Box::new(Buf(vec![0; 8])), Box::new(Buf(vec![0; 64]))];
         let mut seen = vec![false; 2];
-        p.decode(frame, &mut bufs, &mut seen)?;
+        p.decode_with(frame, &mut bufs, &mut seen, link)?;
         Ok(bufs[1]
             .bytes_mut()
             .chunks_exact(8)
@@ -291,7 +305,7 @@ tensor = "actions"
         };
         let p = plan(&on("")).expect("the prompt binding is a text binding");
         let tap = p.planner.as_ref().expect("a planner tap");
-        assert_eq!((tap.prompt, tap.camera, tap.link.max_subtask), (1, None, 8));
+        assert_eq!((tap.prompt, tap.camera, tap.max_subtask), (1, None, 8));
         let err = |extra: &str| plan(&on(extra)).unwrap_err().to_string();
         assert!(err("prompt_key = \"state\"").contains("planner.prompt_key"));
         assert!(err("prompt_key = \"task\"").contains("\"state\", \"prompt\""));
@@ -302,19 +316,24 @@ tensor = "actions"
     #[test]
     fn the_subtask_fills_the_prompt_by_precedence() {
         use crate::planner::reply::Answer;
+        // A plan and the link a planner feeds it through.
         let on = |precedence: &str| {
-            plan(&format!(
+            let text = format!(
                 "{CFG}\n[planner]\nenabled = true\nendpoints = [\"http://127.0.0.1:9\"]\n\
                  model = \"m\"\nprecedence = \"{precedence}\"\ninstruction = \"tidy up\""
-            ))
-            .expect("plan")
+            );
+            let p = plan(&text).expect("plan");
+            let cfg = Config::parse(&text, "test", None).expect("config");
+            let link = p.planner.as_ref().expect("tap").link(&cfg.planner);
+            (p, link)
         };
-        let say = |p: &Plan, s: &str| {
-            p.planner.as_ref().expect("tap").link.publish(&Answer {
+        let say = |(_, link): &(Plan, Link), s: &str| {
+            link.publish(&Answer {
                 subtask: s.into(),
                 done: false,
             })
         };
+        let tokens = |(p, link): &(Plan, Link), frame: &[u8]| tokens_with(p, Some(link), frame);
         let no_prompt = {
             let mut buf = Vec::new();
             let mut e = Encoder { buf: &mut buf };
@@ -332,7 +351,7 @@ tensor = "actions"
         assert_eq!(tokens(&p, &client).expect("ok")[..3], [103, 111, -1]);
         let p = on("planner");
         assert_eq!(tokens(&p, &client).expect("ok")[..3], [103, 111, -1]);
-        let link = p.planner.as_ref().expect("tap").link.clone();
+        let link = &p.1;
         assert_eq!(link.instruction().as_str(), "go");
         say(&p, "ab");
         assert_eq!(tokens(&p, &client).expect("ok")[..3], [97, 98, -1]);

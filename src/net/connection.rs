@@ -27,6 +27,7 @@ use tokio_tungstenite::tungstenite::{Bytes, Message};
 use crate::bind::ReplyParts;
 use crate::net::frame_guard::oversize_marker;
 use crate::net::http::Shared;
+use crate::planner::Link;
 use crate::policy::Policy;
 use crate::protocol::dialect::{Frame, OPENPI_ERROR_REASON};
 use crate::protocol::{self, Dialect, Endpoint, Failure, Timing};
@@ -75,6 +76,8 @@ struct Conn<'a, S> {
     policy: Arc<Policy>,
     /// A policy switch waiting for the requests in flight to finish.
     change: Option<Change>,
+    /// The planner's link, if it feeds this policy (see [`Shared::planner`]).
+    planner: Option<Arc<Link>>,
     dialect: Dialect,
     id: u64,
     sessions: Box<Sessions>,
@@ -204,6 +207,7 @@ where
             counted_sessions: 0,
             epoch: 0,
             abandoned: 0,
+            planner: planner_for(shared, &policy),
             policy: policy.clone(),
             change: None,
         };
@@ -450,7 +454,8 @@ where
             return self.switch_to(&name, frame, received).await;
         }
         let slot = lease.slot();
-        let meta = match plan.decode(frame, &mut slot.inputs, &mut slot.seen) {
+        let planner = self.planner.as_deref();
+        let meta = match plan.decode_with(frame, &mut slot.inputs, &mut slot.seen, planner) {
             Ok(m) => m,
             Err(e) => return self.fail(Failure::Request(e.to_string())).await,
         };
@@ -801,6 +806,13 @@ where
         }
         Ok(())
     }
+}
+
+/// The planner's link, for the default policy whose bindings it fits.
+fn planner_for(shared: &Shared, policy: &Policy) -> Option<Arc<Link>> {
+    let link = shared.planner.as_ref()?;
+    let tap = policy.plan.planner.as_ref()?;
+    (policy.spec.is_default && tap.fits(link)).then(|| link.clone())
 }
 
 /// The error for a message the frame guard dropped for its size.

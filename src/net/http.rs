@@ -36,6 +36,9 @@ pub struct Shared {
     pub cfg: Config,
     /// The keys and TLS acceptor opened from it.
     pub access: crate::net::Access,
+    /// What the task planner feeds, when `[planner]` is on: passed to the decode of the
+    /// default policy whose bindings it fits.
+    pub planner: Option<Arc<crate::planner::Link>>,
     /// The policies served now; a reload swaps the whole set.
     pub policies: Arc<ArcSwap<PolicySet>>,
     /// The set's generation, for connections to notice a reload.

@@ -96,12 +96,13 @@ pub async fn serve_set(
     for p in &set.policies {
         p.watch();
     }
+    // The planner's link, for the server's life: made for the default policy's bindings.
     let planner_link = set
         .default_policy()
         .plan
         .planner
         .as_ref()
-        .map(|t| t.link.clone());
+        .map(|t| Arc::new(t.link(&cfg.planner)));
     let generation = watch::Sender::new(set.generation);
     drop(set);
     let reloads = Arc::new(ReloadStatus::default());
@@ -126,6 +127,7 @@ pub async fn serve_set(
         shutdown: stop_rx,
         cfg,
         access,
+        planner: planner_link.clone(),
     });
     let reloading = reloader.map(|(r, open)| {
         let served = Arc::new(crate::policy::reload::Served {

@@ -55,7 +55,7 @@ impl Budget {
             ("model        weights as stored".to_string(), model),
         ];
         let mut lines = lines;
-        if let Some(g) = plan.planner.as_ref().and_then(|t| t.link.camera) {
+        if let Some(g) = plan.planner.as_ref().and_then(|t| t.geometry) {
             lines.push((
                 "planner      camera frame handed to the planner".to_string(),
                 g.bytes() as u64,

@@ -203,21 +203,18 @@ pub fn build(
             }
         };
         let engine = open(c).map_err(context)?;
-        let mut l = load_engine(cfg, c, engine).map_err(context)?;
-        // The planner thread feeds one link for the server's life: a reloaded default policy
-        // takes over the running link if its prompt and camera are the same.
+        let l = load_engine(cfg, c, engine).map_err(context)?;
+        // The planner thread feeds one link for the server's life (see bind::PlannerTap): a
+        // reloaded default policy reads and fills it only if its prompt and camera fit.
         if let (Some(tap), Some(old)) = (
-            l.plan.planner.as_mut(),
+            l.plan.planner.as_ref(),
             current.and_then(|s| s.default_policy().plan.planner.as_ref()),
-        ) {
-            if tap.link.camera == old.link.camera && tap.link.max_subtask == old.link.max_subtask {
-                tap.link = old.link.clone();
-            } else {
-                log::warn!(
-                    "policy \"{name}\": its planner prompt or camera changed; the planner feeds \
-                     it after a restart"
-                );
-            }
+        ) && (tap.geometry != old.geometry || tap.max_subtask != old.max_subtask)
+        {
+            log::warn!(
+                "policy \"{name}\": its planner prompt or camera changed; the planner feeds it \
+                 after a restart"
+            );
         }
         loaded.push(name);
         policies.push(Arc::new(Policy::new(cfg, c.clone(), l)));
@@ -289,7 +286,7 @@ pub fn check(cfg: &Config, origin: &str) -> Result<String, PolicyError> {
                 p.rate_hz,
                 p.endpoints.join(", "),
                 p.prompt_key,
-                tap.link.max_subtask,
+                tap.max_subtask,
                 p.precedence,
                 p.camera.as_deref().unwrap_or("none (text only)")
             );
