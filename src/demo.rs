@@ -1,5 +1,6 @@
-//! The embedded default: the ALOHA demo policy and its config, built into the binary, so that
-//! `policyd` with no arguments serves something real on the CPU engine.
+//! What does `policyd` with no arguments serve? The embedded default: the ALOHA demo policy and its
+//! config, built into the binary, so that `policyd` with no arguments serves something real on the
+//! CPU engine.
 
 use crate::config::{Config, ConfigError, ModelSource};
 

@@ -1,4 +1,5 @@
-//! Element types: numpy `dtype.str` on the wire, and the names used in the config.
+//! Which element types exist? Element types: numpy `dtype.str` on the wire, and the names used in
+//! the config.
 //!
 //! One enum serves the wire (what a client sent), the engine (what a model takes) and the reply
 //! (what policyd casts to), so a conversion is always "element type A to element type B".

@@ -1,23 +1,27 @@
 //! policyd: a robot-policy inference appliance speaking the OpenPI WebSocket protocol.
 //!
-//! Layers, lowest first; a module uses only modules of its own or a lower layer, never one to
-//! its right (`scripts/check-layers` checks it in CI):
+//! Layers, lowest first; a module uses only modules of its own or a lower layer, never one
+//! above it, and no two modules use each other (`scripts/check-layers` checks it in CI):
 //!
 //! ```text
-//! limits, dtype      caps and element types
-//! transform, protocol  element conversion; the wire format and its two dialects
-//! config, engine, planner  the resolved config; backends; the task planner
-//! bind               bindings compiled against an engine: frame → inputs, outputs → reply
-//! runtime            slots and the engine worker, scheduler, pacing, sessions
-//! metrics            request-path counters
-//! policy             the served policies: build (open, compile, warm), reload
-//! service, net       systemd; HTTP, auth, TLS, the connection loop
-//! app                listen → build (503 meanwhile) → notify → serve → drain
+//! limits, dtype, service   caps and element types; systemd (notify, watchdog, sockets)
+//! transform, protocol      element conversion; the wire format and its two dialects
+//! config                   the file's raw form, its checks, the resolved Config
+//! engine, planner, demo    backends; the task planner; the embedded default
+//! bind                     bindings compiled against an engine: frame → inputs, outputs → reply
+//! runtime                  slots and the engine worker, scheduler, pacing, sessions
+//! metrics                  request-path counters
+//! policy                   the served policies: build (open, compile, warm), budget, reload
+//! net                      HTTP, auth, TLS, the frame guard, the connection loop
+//! app                      listen → build (503 meanwhile) → notify → serve → drain
+//! testing                  (feature `testing`) the synthetic engine, fuzz entry points
 //! ```
 //!
-//! One observation flows one way: [`net::connection`] → [`protocol::request`] (decode) →
-//! [`bind`] (into a slot's engine inputs) → [`runtime`] → [`engine`] → [`bind`] (cut and
-//! convert outputs) → [`protocol::dialect`] (frame the reply) → [`net::connection`].
+//! One observation flows one way: [`net::connection`] (routes the frame to its policy) →
+//! [`protocol::request`] (reads it, in [`bind`]'s decode, whose visitor writes each value into
+//! a slot's engine inputs) → [`runtime`] (scheduler, worker) → [`engine`] → [`bind`] (cut and
+//! convert the outputs) → [`protocol::encode`] and [`protocol::dialect`] (the reply's bytes and
+//! framing) → [`net::connection`] (released on time by [`runtime::pacing`]).
 
 pub mod app;
 pub mod bind;

@@ -1,4 +1,5 @@
-//! Element conversion between a wire array and an engine buffer, in one pass.
+//! How does a wire array become an engine buffer? Element conversion between a wire array and an
+//! engine buffer, in one pass.
 //!
 //! Every binding compiles (at start-up) into a [`Transform`]: an index map (identity, an axis
 //! permutation such as HWC→CHW, or a column slice) and an affine map `y = x·a + b` whose

@@ -1,5 +1,6 @@
-//! Compiling a policy's bindings: every `[[inputs]]`/`[[outputs]]` entry checked against the
-//! engine's I/O (names, dtypes, shapes, layouts, normalisation) and turned into transforms.
+//! Does a policy's config fit its engine? Compiling its bindings: every `[[inputs]]`/`[[outputs]]`
+//! entry checked against the engine's I/O (names, dtypes, shapes, layouts, normalisation) and
+//! turned into transforms.
 
 use super::{InputBinding, OutputBinding, Plan, PlannerTap};
 use crate::config::{Config, ConfigError, PolicySpec, invalid};

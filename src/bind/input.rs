@@ -1,5 +1,5 @@
-//! Writing a request's values into a slot: the decoder's [`Visitor`] converting each bound
-//! value straight into its engine input buffer, text bindings, fill values for what the
+//! How do a request's values land in a slot? Writing them in: the decoder's [`Visitor`] converting
+//! each bound value straight into its engine input buffer, text bindings, fill values for what the
 //! request left out.
 
 use super::{InputBinding, Plan, PlannerTap};

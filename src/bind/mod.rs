@@ -1,8 +1,8 @@
 //! How do a frame's values reach the engine, and the engine's outputs the reply? The bindings
 //! of one policy, checked against its engine's real inputs and outputs and compiled once
-//! ([`compile`]): the request path then makes no decisions. It looks up a key and applies a
-//! precompiled transform into a preallocated slot buffer ([`input`]), and cuts and converts
-//! outputs into the reply ([`output`]), which the dialect frames.
+//! (`compile.rs`): the request path then makes no decisions. It looks up a key and applies a
+//! precompiled transform into a preallocated slot buffer (`input.rs`), and cuts and converts
+//! outputs into the reply (`output.rs`), which the dialect frames.
 //!
 //! Like tract's typed pipeline (parse, check, optimise, run), a [`Plan`] is immutable once
 //! compiled; the run state lives in the runtime's slots.

@@ -1,5 +1,6 @@
-//! Reading a finished slot for the reply: non-finite checks, the rows of the chunk a reply
-//! keeps, each output converted to its reply dtype, as [`Outputs`] for the dialect to frame.
+//! What does a finished slot's reply carry? Reading it out: non-finite checks, the rows of the
+//! chunk a reply keeps, each output converted to its reply dtype, as [`Outputs`] for the dialect to
+//! frame.
 
 use super::{OutputBinding, Plan};
 use crate::config::PacingConfig;

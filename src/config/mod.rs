@@ -1,6 +1,6 @@
 //! What is policyd told to serve, and how? The configuration, resolved: every value checked,
 //! every closed set an enum, every path absolute against the file's folder, one
-//! [`PolicySpec`] per policy. [`raw`] is the file's shape, [`check`] turns it into this; the
+//! [`PolicySpec`] per policy. `raw.rs` is the file's shape, `check.rs` turns it into this; the
 //! two are never confused. Parsing reads the config file and nothing else: key files,
 //! certificates and models are opened by the layers that use them ([`crate::net`],
 //! [`crate::planner`], [`crate::policy`]). Checks against the engine's real inputs and

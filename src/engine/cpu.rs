@@ -1,4 +1,5 @@
-//! The CPU backend: tract-onnx, pure Rust, the embedded default.
+//! How does policyd run a model without a GPU? The CPU backend: tract-onnx, pure Rust, the embedded
+//! default.
 //!
 //! The model is parsed, typed, optimised and made runnable once at start-up; `run` then makes
 //! no decisions. Input buffers are tract tensors allocated at start-up and handed to tract by

@@ -1,4 +1,5 @@
-//! The engine: one trait for every backend, and the specs the config is checked against.
+//! What runs the policy network? The engine: one trait for every backend, and the specs the config
+//! is checked against.
 //!
 //! A backend loads a model once, reports its real inputs and outputs, allocates host input
 //! buffers in the memory it prefers (tract tensors for the CPU backend; page-locked memory for a

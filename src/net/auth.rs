@@ -1,4 +1,5 @@
-//! API keys, checked in the HTTP handshake before any WebSocket frame is exchanged.
+//! Who may connect? API keys, checked in the HTTP handshake before any WebSocket frame is
+//! exchanged.
 //!
 //! openpi-client sends `Authorization: Api-Key <key>` (`WebsocketClientPolicy(api_key=…)`);
 //! `Bearer <key>` is accepted too, for other clients. Every configured key is compared in

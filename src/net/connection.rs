@@ -1,11 +1,11 @@
-//! One WebSocket connection: metadata frame, then requests, replies and pushes.
+//! What happens on one WebSocket connection? Metadata frame, then requests, replies and pushes.
 //!
-//! The socket task never runs the model: it decodes a frame into a slot, queues the slot with
-//! the [scheduler](crate::runtime::scheduler) and keeps reading the socket (so pings are answered while
-//! the model runs). `infer` requests are answered strictly in order: a frame that arrives
-//! while an `infer` is in flight waits in a one-frame buffer, and past that the task stops
-//! reading, which is back-pressure on the client, not memory growth. `observe` frames go
-//! straight to their session's latest-wins slot; results are pushed when ready.
+//! The socket task never runs the model: it decodes a frame into a slot, queues the slot with the
+//! [scheduler](crate::runtime::scheduler) and keeps reading the socket (so pings are answered while
+//! the model runs). `infer` requests are answered strictly in order: a frame that arrives while an
+//! `infer` is in flight waits in a one-frame buffer, and past that the task stops reading, which is
+//! back-pressure on the client, not memory growth. `observe` frames go straight to their session's
+//! latest-wins slot; results are pushed when ready.
 //!
 //! A finished slot is released at once, or, with `pacing.latency_budget_ms`, held until
 //! `receive time + budget` and released when the [pacing clock](crate::runtime::pacing) wakes the

@@ -1,4 +1,5 @@
-//! The read-side size guard under tungstenite: oversized messages are discarded unread.
+//! What stops an oversized message? The read-side size guard under tungstenite: oversized messages
+//! are discarded unread.
 //!
 //! tungstenite can only refuse a frame over its size limit by failing the connection, because
 //! the payload is still on the socket. The vllm-omni dialect must answer an oversized message

@@ -52,7 +52,7 @@ pub struct Shared {
 }
 
 /// Answers every connection with 503 until `load` completes, then returns its output; the
-/// listener is then handed to [`serve`]. So a supervisor probing `/healthz` while a large
+/// listener is then handed to [`serve_set`](crate::net::listener::serve_set). So a supervisor probing `/healthz` while a large
 /// model loads sees "not ready yet", not a refused connection.
 pub async fn while_loading<T>(
     listener: &TcpListener,

@@ -163,7 +163,8 @@ struct PolicyLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct ErrorLabels2 {
+/// The label of `policyd_config_reload_error`: the refused reload's message.
+struct ReloadErrorLabels {
     error: String,
 }
 
@@ -330,7 +331,7 @@ impl Collector for Live {
                 None,
                 g.metric_type(),
             )?;
-            let labels = ErrorLabels2 {
+            let labels = ReloadErrorLabels {
                 error: label_text(&error),
             };
             let fm = m.encode_family(&labels)?;

@@ -1,4 +1,5 @@
-//! TLS for `wss://` (`[tls] cert` and `key`, PEM files), through rustls with the ring provider.
+//! How is the socket encrypted? TLS for `wss://` (`[tls] cert` and `key`, PEM files), through
+//! rustls with the ring provider.
 //!
 //! The certificate and key are read and checked at start-up (by [`super::Access::load`]), so
 //! a wrong path or a key that does not match fails with the path in the message, never at the

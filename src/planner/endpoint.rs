@@ -1,5 +1,6 @@
-//! The planner's endpoints: OpenAI-compatible servers used round-robin, each probed for
-//! readiness (`GET /v1/models`) with backoff, a failing one skipped until it answers again.
+//! Where does the planner send its calls? The planner's endpoints: OpenAI-compatible servers used
+//! round-robin, each probed for readiness (`GET /v1/models`) with backoff, a failing one skipped
+//! until it answers again.
 
 use std::time::{Duration, Instant};
 

@@ -1,4 +1,4 @@
-//! The task planner: a vision-language model that names the policy's next subtask.
+//! What is the policy's next subtask? The task planner asks a vision-language model.
 //!
 //! Hierarchical setups put a VLM above the policy: from the high-level instruction and the
 //! current camera view it names the next subtask ("pick up the red cup"), and the policy is

@@ -1,4 +1,5 @@
-//! Reading a model's answer: `{"subtask": "...", "done": bool}`, however it is wrapped.
+//! What did the model answer? Reading it: `{"subtask": "...", "done": bool}`, however it is
+//! wrapped.
 //!
 //! Chat models wrap JSON in reasoning (`<think>…</think>`), code fences or prose, even when
 //! asked for JSON only; so the answer is unwrapped step by step, and the first balanced

@@ -1,4 +1,5 @@
-//! `planner.serve_command`: a local model server that policyd starts, watches and stops.
+//! Who runs the planner's model server? `planner.serve_command`: a local model server that policyd
+//! starts, watches and stops.
 //!
 //! Its output goes to policyd's log line by line with a prefix, so one journal holds both;
 //! readiness is a marker line or the endpoint's probe; on shutdown it gets SIGINT (servers

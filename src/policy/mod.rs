@@ -1,4 +1,5 @@
-//! Policies: the named, loaded engines a server serves, and the reload that swaps them safely.
+//! What is served? Policies: the named, loaded engines a server serves, and the reload that swaps
+//! them safely.
 //!
 //! The operator declares the policies (`[[policies]]`); clients only choose among them, by
 //! path (`/policies/<name>`) or a `policy` field. A set is built once at start-up and again on

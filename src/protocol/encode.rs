@@ -1,4 +1,4 @@
-//! Reply encoding: msgpack written into a reused buffer exactly as openpi's
+//! How is a reply written? Reply encoding: msgpack written into a reused buffer exactly as openpi's
 //! `msgpack_numpy.packb` writes it (bin marker keys in openpi order, `dtype.str`, float64 timing
 //! fields), byte for byte.
 

@@ -1,4 +1,5 @@
-//! The OpenPI wire format: msgpack with numpy array markers, decoded in one pass.
+//! What does a request frame say? The OpenPI wire format: msgpack with numpy array markers,
+//! decoded in one pass.
 //!
 //! Decoding walks the frame once and hands each value whose key path a binding names to a
 //! [`Visitor`], as a view into the frame (no copy, no allocation); the visitor converts it

@@ -1,4 +1,5 @@
-//! The pacing clock: wakes a connection at a reply's release time, to well under a millisecond.
+//! When does a reply go out? The pacing clock: wakes a connection at a reply's release time, to
+//! well under a millisecond.
 //!
 //! tokio's timer wheel has millisecond granularity, so a budget-paced reply released by
 //! `tokio::time::sleep_until` would jitter by up to 1 ms. One dedicated thread instead sleeps

@@ -1,4 +1,4 @@
-//! What the engine runs next, and which observations it never needs to see.
+//! What does the engine run next, and which observations does it never need to see?
 //!
 //! Two parts, both plain logic with time passed in (so they are unit-tested with made-up
 //! instants):

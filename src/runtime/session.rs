@@ -1,4 +1,5 @@
-//! Sessions of one connection: a fixed-capacity table keyed by `session_id`.
+//! Which robot episode is a request part of? Sessions of one connection: a fixed-capacity table
+//! keyed by `session_id`.
 //!
 //! vllm-omni clients interleave sessions on one socket; a session's first inference (and the
 //! first after `endpoint: reset`) must reach the engine with `reset = true`. The table never

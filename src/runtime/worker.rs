@@ -1,4 +1,4 @@
-//! The engine worker and the slot pool.
+//! Where does the engine run, and into what? The engine worker and the slot pool.
 //!
 //! A slot is one full set of engine input and output buffers plus a reply buffer, allocated at
 //! start-up. A connection takes a free slot, decodes into it, hands it to the worker thread

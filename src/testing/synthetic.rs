@@ -1,4 +1,5 @@
-//! A synthetic engine: any I/O, a set compute time, scripted failures, no model.
+//! What stands in for a model in tests? A synthetic engine: any I/O, a set compute time, scripted
+//! failures, no model.
 //!
 //! For tests and benchmarks that measure serving rather than a network: it is deterministic,
 //! allocation-free and tells which observation it ran, because every output element is the

@@ -1,5 +1,5 @@
-//! The CUDA side of the TensorRT backend: one context, one stream, memory, copies, events and
-//! CUDA graphs, behind a small trait.
+//! What does the TensorRT backend ask of CUDA? Its CUDA side: one context, one stream, memory,
+//! copies, events and CUDA graphs, behind a small trait.
 //!
 //! The engine works on raw device addresses (TensorRT takes `void*` per tensor), so the trait
 //! speaks addresses rather than typed slices. [`CudaDevice`] implements it with cudarc (built

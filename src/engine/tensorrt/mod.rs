@@ -1,5 +1,5 @@
-//! The TensorRT backend (Jetson): a TensorRT plan run through policyd's C++ shim, with CUDA
-//! owned by cudarc.
+//! How does policyd run a model on the Jetson's GPU? The TensorRT backend: a TensorRT plan run
+//! through policyd's C++ shim, with CUDA owned by cudarc.
 //!
 //! Everything is allocated at load: one device buffer per engine tensor, page-locked host
 //! buffers that the wire decoder writes into directly (one set per slot), and page-locked

@@ -1,4 +1,5 @@
-//! The C ABI of csrc/trt_shim.h, as a table of function pointers, and a safe handle over it.
+//! How does Rust call TensorRT's C++? The C ABI of csrc/trt_shim.h, as a table of function
+//! pointers, and a safe handle over it.
 //!
 //! A table rather than plain `extern` calls so that the same engine code runs against the real
 //! shim (compiled by build.rs with the `tensorrt` feature) and against a stand-in written in

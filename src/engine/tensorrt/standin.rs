@@ -1,6 +1,6 @@
-//! Test stand-ins for the shim's C ABI and for CUDA, so the TensorRT engine's Rust side runs
-//! where there is no GPU: binding tensors, buffer sizes, shape checks, error propagation, and
-//! the graph and no-graph paths.
+//! What stands in for TensorRT and CUDA in tests? Stand-ins for the shim's C ABI and for CUDA, so
+//! the TensorRT engine's Rust side runs where there is no GPU: binding tensors, buffer sizes, shape
+//! checks, error propagation, and the graph and no-graph paths.
 //!
 //! The stand-in "device" is host memory: device addresses are host addresses, copies are
 //! `memcpy`, and the stream runs each operation at once, unless it is capturing, when it
