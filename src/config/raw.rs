@@ -10,7 +10,7 @@ use serde::Deserialize;
 use super::{PacingConfig, Secret};
 
 /// The whole configuration file.
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(super) struct RawConfig {
     #[serde(default)]
@@ -51,7 +51,7 @@ pub(super) struct RawConfig {
 }
 
 /// `[[policies]]`: one named policy.
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(super) struct RawPolicy {
     /// Chosen by clients with the path `/policies/<name>` or a `policy` field.
@@ -79,7 +79,7 @@ pub(super) struct RawPolicy {
 
 /// `[tls]`: serve `wss://` (and `https://` health) with this certificate and key (PEM),
 /// relative to the config file. Both or neither.
-#[derive(Clone, Debug, Default, Deserialize)]
+#[derive(Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub(super) struct RawTls {
     pub(super) cert: Option<PathBuf>,
@@ -90,7 +90,7 @@ pub(super) struct RawTls {
 /// names the policy's next subtask from the instruction and the current camera view. Off by
 /// default; when on, it runs on its own thread at its own rate and the request path only reads
 /// its latest answer (see docs/planner.md).
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub(super) struct RawPlanner {
     pub(super) enabled: bool,
@@ -187,21 +187,9 @@ impl Default for RawAuth {
     }
 }
 
-impl std::fmt::Debug for RawAuth {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RawAuth")
-            .field(
-                "api_keys",
-                &format_args!("[{} redacted]", self.api_keys.len()),
-            )
-            .field("key_file", &self.key_file)
-            .field("protect_metrics", &self.protect_metrics)
-            .finish()
-    }
-}
 
 /// `[server]`: the listener and per-connection limits.
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub(super) struct RawServer {
     pub(super) host: String,
@@ -257,7 +245,7 @@ impl Default for RawServer {
 }
 
 /// `[engine]`: which backend runs which model.
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(super) struct RawEngine {
     /// `cpu` (tract-onnx) or `tensorrt` (builds with the `tensorrt` feature).
@@ -325,7 +313,7 @@ fn default_engine_timeout() -> u64 {
 }
 
 /// `[[inputs]]`: one observation key bound to one engine input.
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(super) struct RawInput {
     /// Observation key; nested maps are joined with `/` (`images/cam_high`).
@@ -365,7 +353,7 @@ fn one() -> f64 {
 }
 
 /// `[[outputs]]`: one engine output sent under one reply key.
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(super) struct RawOutput {
     /// Engine output name.
