@@ -187,7 +187,6 @@ impl Default for RawAuth {
     }
 }
 
-
 /// `[server]`: the listener and per-connection limits.
 #[derive(Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]

@@ -32,7 +32,8 @@ use crate::policy::Policy;
 use crate::protocol::dialect::{Frame, OPENPI_ERROR_REASON};
 use crate::protocol::{self, Dialect, Endpoint, Failure, Timing};
 use crate::runtime::pacing::{Release, ReleaseQueue};
-use crate::runtime::scheduler::{Filters, Kind, SessionKey, SkipReason};
+use crate::runtime::scheduler::{Kind, SessionKey, SkipReason};
+use crate::runtime::session::Filters;
 use crate::runtime::session::Sessions;
 use crate::runtime::worker::{Lease, ReplyPort, Slot, Ticket};
 
@@ -734,7 +735,7 @@ where
                 p.record_latency(latency.as_secs_f64());
                 p.delay_steps(pacing.fps)
             }
-            None => crate::runtime::scheduler::delay_steps(latency.as_secs_f64(), pacing.fps),
+            None => crate::runtime::session::delay_steps(latency.as_secs_f64(), pacing.fps),
         };
         let compute = match &slot.result {
             Some(Ok(s)) => s.compute,

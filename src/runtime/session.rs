@@ -4,10 +4,16 @@
 //! vllm-omni clients interleave sessions on one socket; a session's first inference (and the
 //! first after `endpoint: reset`) must reach the engine with `reset = true`. The table never
 //! grows: past its capacity the least recently used session is evicted.
+//!
+//! Each session keeps its own pacing state ([`SessionPacing`]): the filters that decide which
+//! `observe` frames the engine never needs to see (already-predicted timesteps, optional state
+//! similarity; `must_go` bypasses both) and its window of end-to-end latencies, from which
+//! `delay_steps = ceil(p95 / dt)` is computed. Plain logic, fixed-capacity, tested with
+//! made-up numbers.
 
-use crate::limits::MAX_SESSIONS;
+use crate::limits::{MAX_LATENCY_WINDOW, MAX_SESSIONS, MAX_SIMILARITY_STATE, PREDICTED_MEMORY};
 use crate::protocol::SessionId;
-use crate::runtime::scheduler::SessionPacing;
+use crate::runtime::scheduler::SkipReason;
 
 #[derive(Debug)]
 struct Entry {
@@ -149,6 +155,168 @@ impl Sessions {
     }
 }
 
+/// The filters, as configured.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Filters {
+    pub skip_predicted_timesteps: bool,
+    /// 0 = off.
+    pub similarity_atol: f64,
+}
+
+/// A session's filter memory and latency window.
+#[derive(Clone, Debug)]
+pub struct SessionPacing {
+    /// Timesteps of observations accepted recently (queued, running or done), oldest first.
+    predicted: heapless::Deque<i64, PREDICTED_MEMORY>,
+    /// Raw state of the last accepted observation, for the similarity filter.
+    last_state: heapless::Vec<f64, MAX_SIMILARITY_STATE>,
+    latencies: LatencyWindow,
+    /// When the last `observe` arrived (for the observation-rate metric).
+    last_observed: Option<std::time::Instant>,
+}
+
+impl SessionPacing {
+    pub fn new(window: usize) -> Self {
+        SessionPacing {
+            predicted: heapless::Deque::new(),
+            last_state: heapless::Vec::new(),
+            latencies: LatencyWindow::new(window),
+            last_observed: None,
+        }
+    }
+
+    /// A new session, or `endpoint: reset`: forget everything.
+    pub fn clear(&mut self) {
+        self.predicted.clear();
+        self.last_state.clear();
+        self.latencies.clear();
+        self.last_observed = None;
+    }
+
+    /// Notes an `observe` arriving at `at`; the time since the previous one, if any.
+    pub fn observed(&mut self, at: std::time::Instant) -> Option<std::time::Duration> {
+        let gap = self.last_observed.map(|t| at.saturating_duration_since(t));
+        self.last_observed = Some(at);
+        gap
+    }
+
+    /// Decides whether an `observe` observation goes to the engine, and if so remembers it.
+    /// `state` is its raw state vector (for the similarity filter), if one is configured.
+    pub fn admit(
+        &mut self,
+        filters: &Filters,
+        timestep: i64,
+        must_go: bool,
+        state: Option<&[f64]>,
+    ) -> Result<(), SkipReason> {
+        if !must_go {
+            if filters.skip_predicted_timesteps && self.predicted.iter().any(|&t| t == timestep) {
+                return Err(SkipReason::AlreadyPredicted);
+            }
+            if filters.similarity_atol > 0.0
+                && let Some(s) = state
+                && self.last_state.len() == s.len()
+            {
+                let d2: f64 = s
+                    .iter()
+                    .zip(&self.last_state)
+                    .map(|(a, b)| (a - b) * (a - b))
+                    .sum();
+                if d2.sqrt() < filters.similarity_atol {
+                    return Err(SkipReason::Similar);
+                }
+            }
+        }
+        if self.predicted.is_full() {
+            self.predicted.pop_front();
+        }
+        let _ = self.predicted.push_back(timestep);
+        if let Some(s) = state {
+            self.last_state.clear();
+            let _ = self
+                .last_state
+                .extend_from_slice(&s[..s.len().min(MAX_SIMILARITY_STATE)]);
+        }
+        Ok(())
+    }
+
+    /// An accepted observation was replaced before it ran: its timestep is free again.
+    pub fn forget(&mut self, timestep: i64) {
+        let n = self.predicted.len();
+        for _ in 0..n {
+            if let Some(t) = self.predicted.pop_front()
+                && t != timestep
+            {
+                let _ = self.predicted.push_back(t);
+            }
+        }
+    }
+
+    /// Records one end-to-end latency (receipt to release), in seconds.
+    pub fn record_latency(&mut self, seconds: f64) {
+        self.latencies.push(seconds);
+    }
+
+    /// `ceil(p95 / dt)` over the window; 0 before any sample.
+    pub fn delay_steps(&self, fps: f64) -> u32 {
+        self.latencies.p95().map_or(0, |p| delay_steps(p, fps))
+    }
+}
+
+/// `ceil(latency / dt)` with `dt = 1 / fps`, as LeRobot's RTC computes it.
+pub fn delay_steps(latency_s: f64, fps: f64) -> u32 {
+    let steps = latency_s * fps;
+    // Tolerance (latencies are kept as f32) so that exactly one step is one step, not two.
+    (steps - 1e-4).ceil().clamp(0.0, f64::from(u32::MAX)) as u32
+}
+
+/// The last `n` latencies (seconds), in a fixed ring.
+#[derive(Clone, Debug)]
+pub struct LatencyWindow {
+    ring: [f32; MAX_LATENCY_WINDOW],
+    cap: usize,
+    len: usize,
+    next: usize,
+}
+
+impl LatencyWindow {
+    pub fn new(cap: usize) -> Self {
+        LatencyWindow {
+            ring: [0.0; MAX_LATENCY_WINDOW],
+            cap: cap.clamp(1, MAX_LATENCY_WINDOW),
+            len: 0,
+            next: 0,
+        }
+    }
+
+    pub fn clear(&mut self) {
+        self.len = 0;
+        self.next = 0;
+    }
+
+    /// Adds a sample; negative and non-finite samples are ignored (as LeRobot does).
+    pub fn push(&mut self, seconds: f64) {
+        if !seconds.is_finite() || seconds < 0.0 {
+            return;
+        }
+        self.ring[self.next] = seconds as f32;
+        self.next = (self.next + 1) % self.cap;
+        self.len = (self.len + 1).min(self.cap);
+    }
+
+    /// The 95th percentile (nearest rank), if there are samples.
+    pub fn p95(&self) -> Option<f64> {
+        if self.len == 0 {
+            return None;
+        }
+        let mut v = [0f32; MAX_LATENCY_WINDOW];
+        v[..self.len].copy_from_slice(&self.ring[..self.len]);
+        let rank = ((0.95 * self.len as f64).ceil() as usize).clamp(1, self.len) - 1;
+        let (_, p, _) = v[..self.len].select_nth_unstable_by(rank, f32::total_cmp);
+        Some(f64::from(*p))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -157,6 +325,98 @@ mod tests {
         let mut i = SessionId::new();
         i.push_str(s).unwrap();
         i
+    }
+
+    const ON: Filters = Filters {
+        skip_predicted_timesteps: true,
+        similarity_atol: 0.0,
+    };
+
+    #[test]
+    fn already_predicted_timesteps_are_skipped_unless_must_go() {
+        let mut s = SessionPacing::new(100);
+        assert_eq!(s.admit(&ON, 5, false, None), Ok(()));
+        assert_eq!(
+            s.admit(&ON, 5, false, None),
+            Err(SkipReason::AlreadyPredicted)
+        );
+        assert_eq!(s.admit(&ON, 5, true, None), Ok(()));
+        assert_eq!(s.admit(&ON, 6, false, None), Ok(()));
+        let off = Filters {
+            skip_predicted_timesteps: false,
+            ..ON
+        };
+        assert_eq!(s.admit(&off, 6, false, None), Ok(()));
+        // A superseded observation's timestep may come again.
+        s.forget(6);
+        assert_eq!(s.admit(&ON, 6, false, None), Ok(()));
+        s.clear();
+        assert_eq!(s.admit(&ON, 5, false, None), Ok(()));
+    }
+
+    #[test]
+    fn the_predicted_set_is_bounded() {
+        let mut s = SessionPacing::new(100);
+        for t in 0..1000 {
+            s.admit(&ON, t, false, None).unwrap();
+        }
+        assert_eq!(s.predicted.len(), PREDICTED_MEMORY);
+        assert_eq!(
+            s.admit(&ON, 999, false, None),
+            Err(SkipReason::AlreadyPredicted)
+        );
+        assert_eq!(s.admit(&ON, 0, false, None), Ok(()), "forgotten long ago");
+    }
+
+    #[test]
+    fn similarity_filter_compares_raw_state_by_l2() {
+        let f = Filters {
+            skip_predicted_timesteps: true,
+            similarity_atol: 1.0,
+        };
+        let mut s = SessionPacing::new(100);
+        assert_eq!(s.admit(&f, 0, false, Some(&[0.0, 0.0])), Ok(()));
+        assert_eq!(
+            s.admit(&f, 1, false, Some(&[0.6, 0.6])),
+            Err(SkipReason::Similar)
+        );
+        assert_eq!(s.admit(&f, 2, true, Some(&[0.6, 0.6])), Ok(()), "must_go");
+        assert_eq!(s.admit(&f, 3, false, Some(&[1.7, 0.6])), Ok(()));
+        assert_eq!(
+            s.admit(&f, 4, false, Some(&[1.7, 1.5])),
+            Err(SkipReason::Similar)
+        );
+        assert_eq!(s.admit(&f, 5, false, Some(&[1.7, 1.7])), Ok(()));
+    }
+
+    #[test]
+    fn delay_steps_is_the_ceiling_of_p95_over_dt() {
+        let mut s = SessionPacing::new(100);
+        assert_eq!(s.delay_steps(30.0), 0);
+        for i in 0..100 {
+            // 95 samples of 20 ms, 5 of 200 ms: p95 is 20 ms (rank 95).
+            s.record_latency(if i % 20 == 0 { 0.2 } else { 0.02 });
+        }
+        assert_eq!(s.delay_steps(30.0), 1); // 20 ms at 30 Hz (33 ms steps)
+        assert_eq!(s.delay_steps(100.0), 2); // 10 ms steps
+        s.record_latency(-1.0);
+        s.record_latency(f64::NAN);
+        for _ in 0..10 {
+            s.record_latency(0.2);
+        }
+        // Now 15 of the last 100 are 200 ms: p95 is 200 ms.
+        assert_eq!(s.delay_steps(30.0), 6);
+        assert_eq!(delay_steps(1.0 / 30.0, 30.0), 1);
+        assert_eq!(delay_steps(0.0, 30.0), 0);
+    }
+
+    #[test]
+    fn latency_window_slides() {
+        let mut w = LatencyWindow::new(3);
+        for v in [5.0, 1.0, 1.0, 1.0] {
+            w.push(v);
+        }
+        assert_eq!(w.p95(), Some(1.0), "5.0 slid out");
     }
 
     #[test]
