@@ -115,6 +115,15 @@ fn run_bench(
             .filter(|p| p.is_file())
             .unwrap_or_else(|| PathBuf::from("policyd-bench")),
     };
+    // Checked here, not left to the spawn: under an emulator (qemu-user) a failed exec shows
+    // only as the child's exit status 127.
+    let has_dir = program.parent().is_some_and(|d| !d.as_os_str().is_empty());
+    if has_dir && !program.is_file() {
+        return Err(CliError::Bench {
+            program: program.display().to_string(),
+            source: std::io::Error::new(std::io::ErrorKind::NotFound, "no such file"),
+        });
+    }
     let mut cmd = std::process::Command::new(&program);
     cmd.args(leading);
     if let Some(c) = config {
