@@ -128,9 +128,6 @@ where
     // Key files and the TLS certificate are read before the socket is taken, so that a
     // missing file fails the start with its key's name.
     let access = crate::net::Access::load(&cfg).map_err(ServeError::from)?;
-    if cfg.planner.enabled {
-        crate::planner::api_key(&cfg.planner).map_err(ServeError::from)?;
-    }
     let listener = listen(&cfg).await?;
     let addr = listener.local_addr().map_err(AppError::Addr)?;
     notify(&[NotifyState::Status("loading the engine")]);
@@ -194,6 +191,7 @@ where
     let reloader = reload.map(|r| (r, open.clone()));
     let result = listener::serve_set(
         cfg,
+        access,
         policies,
         stats,
         listener,

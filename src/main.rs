@@ -208,9 +208,6 @@ fn run(cli: Cli) -> Result<(), CliError> {
             let cfg = load_config(Some(file), host.as_deref(), port)?;
             // Fails as serving would: key files and the certificate are read too.
             policyd::net::Access::load(&cfg)?;
-            if cfg.planner.enabled {
-                policyd::planner::api_key(&cfg.planner)?;
-            }
             let report = policyd::policy::build::check(&cfg, &file.display().to_string())?;
             print!("{report}");
             Ok(())

@@ -112,8 +112,10 @@ async fn start(text: &str) -> Server {
         requests,
     };
     let (stop, stopped) = oneshot::channel::<()>();
+    let access = policyd::net::Access::load(&cfg).expect("access");
     tokio::spawn(policyd::net::listener::serve_set(
         cfg,
+        access,
         Arc::new(ArcSwap::from_pointee(set)),
         Arc::new(Stats::new()),
         listener,

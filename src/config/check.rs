@@ -38,6 +38,17 @@ impl Keys {
         }
     }
 
+    /// An integer setting within `lo..=hi`, or an error naming `key`.
+    fn between<T>(&self, key: &str, v: T, lo: T, hi: T) -> Result<(), ConfigError>
+    where
+        T: PartialOrd + std::fmt::Display,
+    {
+        if v < lo || v > hi {
+            return Err(self.invalid(key, format!("must be between {lo} and {hi}, got {v}")));
+        }
+        Ok(())
+    }
+
     fn invalid(&self, key: impl AsRef<str>, message: impl Into<String>) -> ConfigError {
         invalid(
             format!("{}{}", self.prefix, key.as_ref()),
@@ -144,21 +155,13 @@ pub(super) fn server(s: &RawServer) -> Result<ServerConfig, ConfigError> {
     if s.host.trim().is_empty() {
         return Err(cx.invalid("server.host", "must not be empty"));
     }
-    if s.max_connections == 0 || s.max_connections > 4096 {
-        return Err(cx.invalid(
-            "server.max_connections",
-            format!("must be between 1 and 4096, got {}", s.max_connections),
-        ));
-    }
-    if s.max_message_bytes < 1024 || s.max_message_bytes > (1 << 30) {
-        return Err(cx.invalid(
-            "server.max_message_bytes",
-            format!(
-                "must be between 1024 and 1073741824, got {}",
-                s.max_message_bytes
-            ),
-        ));
-    }
+    cx.between("server.max_connections", s.max_connections, 1, 4096)?;
+    cx.between(
+        "server.max_message_bytes",
+        s.max_message_bytes,
+        1024,
+        1 << 30,
+    )?;
     for (key, v, max) in [
         ("server.ping_interval_s", s.ping_interval_s, 86400.0),
         ("server.ping_timeout_s", s.ping_timeout_s, 86400.0),
@@ -182,16 +185,12 @@ pub(super) fn server(s: &RawServer) -> Result<ServerConfig, ConfigError> {
     if s.handshake_timeout_s <= 0.0 {
         return Err(cx.invalid("server.handshake_timeout_s", "must be positive"));
     }
-    if s.max_sessions == 0 || s.max_sessions > crate::limits::MAX_SESSIONS {
-        return Err(cx.invalid(
-            "server.max_sessions",
-            format!(
-                "must be between 1 and {}, got {}",
-                crate::limits::MAX_SESSIONS,
-                s.max_sessions
-            ),
-        ));
-    }
+    cx.between(
+        "server.max_sessions",
+        s.max_sessions,
+        1,
+        crate::limits::MAX_SESSIONS,
+    )?;
     let reset_reply = match s.reset_reply.as_str() {
         "msgpack" => ResetReply::Msgpack,
         "text" => ResetReply::Text,
@@ -202,12 +201,7 @@ pub(super) fn server(s: &RawServer) -> Result<ServerConfig, ConfigError> {
             ));
         }
     };
-    if !(2..=64).contains(&s.max_depth) {
-        return Err(cx.invalid(
-            "server.max_depth",
-            format!("must be between 2 and 64, got {}", s.max_depth),
-        ));
-    }
+    cx.between("server.max_depth", s.max_depth, 2, 64)?;
     if s.memory_budget_mb > 1 << 24 {
         return Err(cx.invalid(
             "server.memory_budget_mb",
@@ -217,12 +211,7 @@ pub(super) fn server(s: &RawServer) -> Result<ServerConfig, ConfigError> {
             ),
         ));
     }
-    if !(8..=1_000_000).contains(&s.max_map_entries) {
-        return Err(cx.invalid(
-            "server.max_map_entries",
-            format!("must be between 8 and 1000000, got {}", s.max_map_entries),
-        ));
-    }
+    cx.between("server.max_map_entries", s.max_map_entries, 8, 1_000_000)?;
 
     Ok(ServerConfig {
         host: s.host.clone(),
@@ -416,12 +405,7 @@ fn engine(
     let Some(model) = &e.model else {
         return Err(cx.invalid("engine.model", "missing: give the path of the ONNX model"));
     };
-    if e.slots == 0 || e.slots > MAX_SLOTS {
-        return Err(cx.invalid(
-            "engine.slots",
-            format!("must be between 1 and {MAX_SLOTS}, got {}", e.slots),
-        ));
-    }
+    cx.between("engine.slots", e.slots, 1, MAX_SLOTS)?;
     if e.timeout_ms != 0 && !(10..=3_600_000).contains(&e.timeout_ms) {
         return Err(cx.invalid(
             "engine.timeout_ms",
@@ -673,15 +657,12 @@ fn pacing(cx: &Keys, p: &PacingConfig, inputs: &[InputConfig]) -> Result<(), Con
             ),
         ));
     }
-    if p.latency_window == 0 || p.latency_window > MAX_LATENCY_WINDOW {
-        return Err(cx.invalid(
-            "pacing.latency_window",
-            format!(
-                "must be between 1 and {MAX_LATENCY_WINDOW}, got {}",
-                p.latency_window
-            ),
-        ));
-    }
+    cx.between(
+        "pacing.latency_window",
+        p.latency_window,
+        1,
+        MAX_LATENCY_WINDOW,
+    )?;
     if p.spin_us > 20_000 {
         return Err(cx.invalid(
             "pacing.spin_us",
@@ -790,12 +771,7 @@ pub(super) fn planner(p: &RawPlanner, base: Option<&Path>) -> Result<PlannerConf
             format!("must be above 0 and at most 50, got {}", p.rate_hz),
         ));
     }
-    if p.max_tokens == 0 || p.max_tokens > 32768 {
-        return Err(cx.invalid(
-            "planner.max_tokens",
-            format!("must be between 1 and 32768, got {}", p.max_tokens),
-        ));
-    }
+    cx.between("planner.max_tokens", p.max_tokens, 1, 32768)?;
     if !(p.temperature.is_finite() && (0.0..=2.0).contains(&p.temperature)) {
         return Err(cx.invalid(
             "planner.temperature",

@@ -809,11 +809,12 @@ where
     }
 }
 
-/// The planner's link, for the default policy whose bindings it fits.
+/// The planner's link, for a policy whose bindings it fits (only the default policy's plan
+/// has a planner tap).
 fn planner_for(shared: &Shared, policy: &Policy) -> Option<Arc<Link>> {
     let link = shared.planner.as_ref()?;
     let tap = policy.plan.planner.as_ref()?;
-    (policy.spec.is_default && tap.fits(link)).then(|| link.clone())
+    tap.fits(link).then(|| link.clone())
 }
 
 /// The error for a message the frame guard dropped for its size.

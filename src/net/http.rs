@@ -34,7 +34,7 @@ pub struct Shared {
     /// The config the server started with (its `[server]`, `[auth]` and `[tls]` hold until a
     /// restart; each policy's own config is in its [`crate::policy::Policy`]).
     pub cfg: Config,
-    /// The keys and TLS acceptor opened from it.
+    /// The secrets opened from it at start-up (API keys, TLS acceptor, planner key).
     pub access: crate::net::Access,
     /// What the task planner feeds, when `[planner]` is on: passed to the decode of the
     /// default policy whose bindings it fits.
@@ -52,8 +52,8 @@ pub struct Shared {
 }
 
 /// Answers every connection with 503 until `load` completes, then returns its output; the
-/// listener is then handed to [`serve_set`](crate::net::listener::serve_set). So a supervisor probing `/healthz` while a large
-/// model loads sees "not ready yet", not a refused connection.
+/// listener is then handed to [`serve_set`](crate::net::listener::serve_set). So a supervisor
+/// probing `/healthz` while a large model loads sees "not ready yet", not a refused connection.
 pub async fn while_loading<T>(
     listener: &TcpListener,
     handshake_timeout: Duration,

@@ -55,8 +55,10 @@ pub async fn serve(
     let stats = loaded.stats.clone();
     let own = cfg.default_policy().clone();
     let set = PolicySet::single(Policy::new(&cfg, own, loaded));
+    let access = crate::net::Access::load(&cfg)?;
     serve_set(
         cfg,
+        access,
         Arc::new(ArcSwap::from_pointee(set)),
         stats,
         listener,
@@ -71,13 +73,13 @@ pub async fn serve(
 /// request re-reads the config and swaps in the new set once it is loaded and warm.
 pub async fn serve_set(
     cfg: Config,
+    access: crate::net::Access,
     policies: Arc<ArcSwap<PolicySet>>,
     stats: Arc<Stats>,
     listener: TcpListener,
     shutdown: impl std::future::Future<Output = ()>,
     reloader: Option<(Reloader, Arc<crate::policy::OpenFn>)>,
 ) -> Result<(), ServeError> {
-    let access = crate::net::Access::load(&cfg)?;
     let (stop_tx, stop_rx) = watch::channel(false);
     let s = &cfg.server;
     let ws_config = WebSocketConfig::default()
@@ -134,6 +136,7 @@ pub async fn serve_set(
             policies: shared.policies.clone(),
             generation: shared.generation.clone(),
             started: shared.cfg.clone(),
+            planner: shared.planner.clone(),
         });
         tokio::spawn(crate::policy::reload::run(served, r, open, reloads))
     });
@@ -142,7 +145,7 @@ pub async fn serve_set(
         Some(link) => Some(
             crate::planner::Planner::start(
                 &shared.cfg.planner,
-                crate::planner::api_key(&shared.cfg.planner)?,
+                shared.access.planner_key.clone(),
                 link,
             )
             .map_err(ServeError::Planner)?,

@@ -12,15 +12,18 @@ pub mod tls;
 
 use crate::config::{Config, ConfigError};
 
-/// What the listener opens from `[auth]` and `[tls]` at start-up: the API keys (read from the
-/// config and `auth.key_file`) and the TLS acceptor (from the PEM files). A wrong path or a
-/// bad key fails here, naming the key, before anything is served.
+/// The secrets the server opens at start-up: the API keys (from the config and
+/// `auth.key_file`), the TLS acceptor (from the PEM files) and, with `[planner]` on, the
+/// planner's API key (`planner.api_key_file`). A wrong path or a bad key fails here, naming
+/// the key, before anything is served; each file is read once.
 #[derive(Clone, Debug)]
 pub struct Access {
     pub keys: auth::ApiKeys,
     /// Whether `/metrics` needs a key too (when keys are configured).
     pub protect_metrics: bool,
     pub tls: Option<tls::Tls>,
+    /// `Authorization: Bearer …` for the planner's endpoints.
+    pub planner_key: Option<crate::config::Secret>,
 }
 
 impl Access {
@@ -30,6 +33,11 @@ impl Access {
             keys: auth::ApiKeys::load(&a.api_keys, a.key_file.as_deref())?,
             protect_metrics: a.protect_metrics,
             tls: cfg.tls.as_ref().map(tls::Tls::open).transpose()?,
+            planner_key: if cfg.planner.enabled {
+                crate::planner::api_key(&cfg.planner)?
+            } else {
+                None
+            },
         })
     }
 }

@@ -47,6 +47,17 @@ pub const BACKENDS: &str = match (cfg!(feature = "cpu"), cfg!(feature = "tensorr
     (false, false) => "none",
 };
 
+/// `e`, said of the policy `name` when the config names its policies.
+fn in_policy(cfg: &Config, name: &str, e: PolicyError) -> PolicyError {
+    if !cfg.named {
+        return e;
+    }
+    PolicyError::Policy {
+        name: name.to_string(),
+        source: Box::new(e),
+    }
+}
+
 /// Fixed shapes (`engine_shape`) for the inputs whose dims the model leaves symbolic.
 #[cfg_attr(not(any(feature = "cpu", feature = "tensorrt")), allow(dead_code))]
 fn shape_hints(spec: &PolicySpec) -> Vec<(String, Vec<usize>)> {
@@ -192,30 +203,9 @@ pub fn build(
             policies.push(old.clone());
             continue;
         }
-        let context = |e: PolicyError| -> PolicyError {
-            if !cfg.named {
-                e
-            } else {
-                PolicyError::Policy {
-                    name: name.clone(),
-                    source: Box::new(e),
-                }
-            }
-        };
+        let context = |e| in_policy(cfg, &name, e);
         let engine = open(c).map_err(context)?;
         let l = load_engine(cfg, c, engine).map_err(context)?;
-        // The planner thread feeds one link for the server's life (see bind::PlannerTap): a
-        // reloaded default policy reads and fills it only if its prompt and camera fit.
-        if let (Some(tap), Some(old)) = (
-            l.plan.planner.as_ref(),
-            current.and_then(|s| s.default_policy().plan.planner.as_ref()),
-        ) && (tap.geometry != old.geometry || tap.max_subtask != old.max_subtask)
-        {
-            log::warn!(
-                "policy \"{name}\": its planner prompt or camera changed; the planner feeds it \
-                 after a restart"
-            );
-        }
         loaded.push(name);
         policies.push(Arc::new(Policy::new(cfg, c.clone(), l)));
     }
@@ -241,16 +231,7 @@ pub fn check(cfg: &Config, origin: &str) -> Result<String, PolicyError> {
     let mut budgets = Vec::new();
     for c in &cfg.policies {
         let name = c.name.clone();
-        let context = |e: PolicyError| {
-            if several {
-                PolicyError::Policy {
-                    name: name.clone(),
-                    source: Box::new(e),
-                }
-            } else {
-                e
-            }
-        };
+        let context = |e| in_policy(cfg, &name, e);
         let engine = open_engine(c).map_err(context)?;
         let plan = Plan::compile(cfg, c, engine.io()).map_err(|e| context(e.into()))?;
         let mut budget = Budget::compute(cfg, c, &plan);

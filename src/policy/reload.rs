@@ -27,6 +27,8 @@ pub struct Served {
     pub generation: watch::Sender<u64>,
     /// The config the server started with (its fixed sections are compared, not reloaded).
     pub started: Config,
+    /// What the planner feeds for the server's life (see [`crate::bind::PlannerTap`]).
+    pub planner: Option<Arc<crate::planner::Link>>,
 }
 
 /// Serves reload requests one at a time: re-read the config, build the new set beside the
@@ -66,6 +68,16 @@ pub async fn run(
             Ok(b) => {
                 for p in &b.set.policies {
                     p.watch();
+                }
+                let default = b.set.default_policy();
+                if let (Some(link), Some(tap)) = (&served.planner, &default.plan.planner)
+                    && !tap.fits(link)
+                {
+                    log::warn!(
+                        "policy \"{}\": its planner prompt or camera changed; the planner feeds \
+                         it after a restart",
+                        default.name
+                    );
                 }
                 let generation = b.set.generation;
                 let summary = format!(
