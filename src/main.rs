@@ -269,25 +269,36 @@ async fn reload_signal(tx: tokio::sync::mpsc::Sender<()>, from_file: bool) {
     }
 }
 
+/// The first `SIGINT` or `SIGTERM` starts a graceful shutdown: no new connections, in-flight
+/// requests answered, connections closed with 1001 (up to 10 s). A second one while that runs
+/// means the operator will not wait (Ctrl-C twice): exit at once, 128 + the signal's number.
 async fn shutdown_signal() {
-    let ctrl_c = tokio::signal::ctrl_c();
     #[cfg(unix)]
     {
-        let mut term =
-            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-                Ok(s) => s,
-                Err(_) => {
-                    let _ = ctrl_c.await;
-                    return;
-                }
+        use tokio::signal::unix::{SignalKind, signal};
+        let (Ok(mut int), Ok(mut term)) = (
+            signal(SignalKind::interrupt()),
+            signal(SignalKind::terminate()),
+        ) else {
+            let _ = tokio::signal::ctrl_c().await;
+            return;
+        };
+        let first = tokio::select! {
+            _ = int.recv() => "SIGINT",
+            _ = term.recv() => "SIGTERM",
+        };
+        log::info!("{first} received: shutting down gracefully (a second signal exits at once)");
+        tokio::spawn(async move {
+            let (name, code) = tokio::select! {
+                _ = int.recv() => ("SIGINT", 128 + libc::SIGINT),
+                _ = term.recv() => ("SIGTERM", 128 + libc::SIGTERM),
             };
-        tokio::select! {
-            _ = ctrl_c => log::info!("SIGINT received"),
-            _ = term.recv() => log::info!("SIGTERM received"),
-        }
+            log::warn!("second signal ({name}): exiting now, without finishing the shutdown");
+            std::process::exit(code);
+        });
     }
     #[cfg(not(unix))]
     {
-        let _ = ctrl_c.await;
+        let _ = tokio::signal::ctrl_c().await;
     }
 }

@@ -55,6 +55,8 @@ pub struct Metrics {
     pub sessions: Gauge,
     /// Handshakes refused for a missing or wrong API key.
     pub auth_failures: Counter,
+    /// Requests refused for NaN or infinity in an input (see `allow_non_finite`).
+    pub non_finite_inputs: Counter,
 }
 
 impl Default for Metrics {
@@ -67,6 +69,7 @@ impl Default for Metrics {
             observe_interval: Histogram::new(exponential_buckets(0.001, 2.0, 14)),
             sessions: Gauge::default(),
             auth_failures: Counter::default(),
+            non_finite_inputs: Counter::default(),
         };
         // Every label combination now, so the request path never inserts.
         for route in Route::ALL {

@@ -350,6 +350,33 @@ pub fn fill_bytes(ty: ElemType, value: f64, dst: &mut [u8]) {
     }
 }
 
+/// Whether every element of a buffer of `ty` in `order` is finite (no NaN, no infinity);
+/// integers always are. Reads only the exponent bits, so it costs a pass over the bytes.
+pub fn all_finite(ty: ElemType, bytes: &[u8], order: ByteOrder) -> bool {
+    fn check<const N: usize>(bytes: &[u8], order: ByteOrder, finite: impl Fn(u64) -> bool) -> bool {
+        bytes.chunks_exact(N).all(|c| {
+            let mut be = [0u8; 8];
+            match order {
+                ByteOrder::Big => be[8 - N..].copy_from_slice(c),
+                ByteOrder::Little => {
+                    for (d, s) in be[8 - N..].iter_mut().zip(c.iter().rev()) {
+                        *d = *s;
+                    }
+                }
+            }
+            finite(u64::from_be_bytes(be))
+        })
+    }
+    match ty {
+        ElemType::F16 => check::<2>(bytes, order, |b| b & 0x7c00 != 0x7c00),
+        ElemType::F32 => check::<4>(bytes, order, |b| b & 0x7f80_0000 != 0x7f80_0000),
+        ElemType::F64 => check::<8>(bytes, order, |b| {
+            b & 0x7ff0_0000_0000_0000 != 0x7ff0_0000_0000_0000
+        }),
+        _ => true,
+    }
+}
+
 /// Reads element `i` of a buffer of `ty` as f64 (for checks such as finiteness).
 pub fn load_f64(ty: ElemType, bytes: &[u8], i: usize) -> f64 {
     let b = &bytes[i * ty.size()..];

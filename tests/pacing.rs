@@ -230,6 +230,99 @@ async fn predicted_timesteps_are_filtered_must_go_bypasses_and_reset_clears() {
     assert_eq!(get(&recv(&mut ws).await, "type").as_str(), Some("actions"));
 }
 
+/// An `observe` of timestep `t` in session `sid` (the current one when `None`).
+fn observe_in(t: i64, sid: Option<&str>) -> Vec<u8> {
+    let ts = t as f64 / 10.0;
+    match sid {
+        Some(s) => request(
+            1.0,
+            &[
+                ("endpoint", &|e| e.str("observe")),
+                ("timestep", &move |e| e.int(t)),
+                ("timestamp", &move |e| e.f64(ts)),
+                ("session_id", &move |e| e.str(s)),
+            ],
+        ),
+        None => observe(1.0, t, ts, false),
+    }
+}
+
+/// Whether the server ran the observation (`actions`) or skipped it as already predicted.
+async fn ran(ws: &mut Ws, frame: Vec<u8>) -> bool {
+    send(ws, frame).await;
+    match get(&recv(ws).await, "type").as_str() {
+        Some("actions") => true,
+        Some("skipped") => false,
+        other => panic!("unexpected reply type {other:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vllm_reset_clears_every_session_of_the_socket_and_unsets_the_current_one() {
+    let srv = start("report_skipped = true", Behaviour::default()).await;
+    let mut ws = connect(&srv, "/v1/realtime/robot/openpi").await;
+    let reset = || request(0.0, &[("endpoint", &|e| e.str("reset"))]);
+    for with_id in [false, true] {
+        assert!(ran(&mut ws, observe_in(1, Some("a"))).await);
+        assert!(ran(&mut ws, observe_in(1, Some("b"))).await);
+        assert!(
+            !ran(&mut ws, observe_in(1, Some("a"))).await,
+            "a predicted 1"
+        );
+        // vllm-omni: a reset (even one naming a session) forgets every session it has seen.
+        let frame = if with_id {
+            request(
+                0.0,
+                &[
+                    ("endpoint", &|e| e.str("reset")),
+                    ("session_id", &|e| e.str("b")),
+                ],
+            )
+        } else {
+            reset()
+        };
+        send(&mut ws, frame).await;
+        assert_eq!(
+            get(&recv(&mut ws).await, "status").as_str(),
+            Some("reset successful")
+        );
+        // The current session is "default" again, not "b".
+        assert!(ran(&mut ws, observe_in(2, None)).await);
+        assert!(
+            ran(&mut ws, observe_in(1, Some("b"))).await,
+            "b starts afresh"
+        );
+        assert!(
+            !ran(&mut ws, observe_in(2, Some("default"))).await,
+            "went to default"
+        );
+        assert!(
+            ran(&mut ws, observe_in(1, Some("a"))).await,
+            "a starts afresh"
+        );
+        send(&mut ws, reset()).await;
+        let _ = recv(&mut ws).await;
+    }
+    // The openpi route resets only the session it names.
+    let mut ws = connect(&srv, "/").await;
+    assert!(ran(&mut ws, observe_in(1, Some("a"))).await);
+    assert!(ran(&mut ws, observe_in(1, Some("b"))).await);
+    send(
+        &mut ws,
+        request(
+            0.0,
+            &[
+                ("endpoint", &|e| e.str("reset")),
+                ("session_id", &|e| e.str("b")),
+            ],
+        ),
+    )
+    .await;
+    let _ = recv(&mut ws).await;
+    assert!(ran(&mut ws, observe_in(1, Some("b"))).await, "b was reset");
+    assert!(!ran(&mut ws, observe_in(1, Some("a"))).await, "a was not");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_observe_requests_get_clear_errors_and_the_socket_stays() {
     let srv = start("", Behaviour::default()).await;

@@ -183,6 +183,7 @@ impl Plan {
                 optional: b.optional,
                 fill: b.fill,
                 text: b.is_text(),
+                check_finite: !b.allow_non_finite && !b.is_text(),
                 scalar: if spec.elements() == 1 && !b.is_text() {
                     let affine = &inputs_affine;
                     crate::dtype::ALL_ELEM_TYPES

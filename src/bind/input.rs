@@ -3,11 +3,11 @@
 //! request left out.
 
 use super::{InputBinding, Plan, PlannerTap};
-use crate::dtype::{ElemType, WireDType};
+use crate::dtype::{ByteOrder, ElemType, WireDType};
 use crate::engine::InputBuffer;
 use crate::planner::Link;
 use crate::protocol::{self, Value, Visitor, WireError};
-use crate::transform::{Affine, load_f64};
+use crate::transform::{Affine, all_finite, load_f64};
 
 impl Plan {
     /// Decodes a request frame straight into one slot's input buffers. Inputs the request
@@ -239,6 +239,18 @@ impl Visitor for SlotWriter<'_> {
                 key: b.key.clone(),
                 reason: "data does not fit the engine input".into(),
             });
+        }
+        // Integer wire data cannot be NaN, and the config's coefficients are finite.
+        if b.check_finite && a.storage.is_float() {
+            if !all_finite(a.storage, a.data, a.order) {
+                return Err(WireError::NonFinite { key: b.key.clone() });
+            }
+            if !all_finite(b.engine_type, dst, ByteOrder::Little) {
+                return Err(WireError::Overflows {
+                    key: b.key.clone(),
+                    engine: b.engine_type.name(),
+                });
+            }
         }
         Ok(())
     }

@@ -35,6 +35,9 @@ pub struct InputBinding {
     pub fill: f64,
     /// A text binding: the string's UTF-8 bytes, one per element, then `fill`.
     pub text: bool,
+    /// Refuse NaN and infinity, on the wire or in the engine buffer after normalisation
+    /// (unless `allow_non_finite`): a sensor's NaN must not become plausible commands.
+    pub check_finite: bool,
     /// For a one-element input: a transform from each storage type (indexed by `ElemType as
     /// usize`), since scalars travel as native msgpack numbers of any type.
     pub scalar: Vec<Transform>,
@@ -209,6 +212,54 @@ tensor = "actions"
         v
     }
 
+    /// `{"state": <f8[2]> holding `state`, "prompt": "p"}`.
+    fn state_frame(state: [f64; 2]) -> Vec<u8> {
+        let mut buf = Vec::new();
+        let mut e = Encoder { buf: &mut buf };
+        e.map(2);
+        e.str("state");
+        e.ndarray(ElemType::F64, &[2], 16, |d| {
+            d[..8].copy_from_slice(&state[0].to_le_bytes());
+            d[8..].copy_from_slice(&state[1].to_le_bytes());
+        });
+        e.str("prompt");
+        e.str("p");
+        buf
+    }
+
+    #[test]
+    fn non_finite_inputs_are_refused_unless_allowed() {
+        let p = plan(CFG).unwrap();
+        for bad in [f64::NAN, f64::INFINITY, f64::NEG_INFINITY] {
+            let e = tokens(&p, &state_frame([0.5, bad])).unwrap_err();
+            assert!(
+                matches!(&e, WireError::NonFinite { key } if key == "state"),
+                "{e}"
+            );
+            assert!(e.is_non_finite() && e.to_string().contains("allow_non_finite"));
+        }
+        // Finite as float64, infinite in the engine's float32: refused as an overflow.
+        for big in [1e308, -1e39] {
+            let e = tokens(&p, &state_frame([big, 0.0])).unwrap_err();
+            assert!(
+                matches!(&e, WireError::Overflows { key, engine: "float32" } if key == "state"),
+                "{e}"
+            );
+        }
+        assert!(tokens(&p, &state_frame([f64::from(f32::MAX), -1.0])).is_ok());
+        // Normalised: float32-max minus the mean, over a std below 1, overflows float32.
+        let norm = CFG.replace(
+            "shape = [2]\n",
+            "shape = [2]\nmean = [0.5, 0.5]\nstd = [0.25, 0.25]\n",
+        );
+        let p = plan(&norm).unwrap();
+        let e = tokens(&p, &state_frame([f64::from(f32::MAX), 0.0])).unwrap_err();
+        assert!(matches!(e, WireError::Overflows { .. }), "{e}");
+        let allowed = CFG.replace("shape = [2]\n", "shape = [2]\nallow_non_finite = true\n");
+        let p = plan(&allowed).unwrap();
+        assert!(tokens(&p, &state_frame([f64::NAN, 1e308])).is_ok());
+    }
+
     #[test]
     fn a_text_binding_receives_the_prompt_bytes_then_fill() {
         let p = plan(CFG).unwrap();
@@ -236,17 +287,43 @@ tensor = "actions"
     }
 
     #[test]
-    fn non_finite_outputs_are_named() {
+    fn non_finite_outputs_are_named_as_sent() {
+        use crate::protocol::dialect::Precision::{Configured, Float32};
         let p = plan(CFG).unwrap();
+        let mut scratch = vec![0u8; p.scratch_bytes];
         let mut out = vec![0u8; 32];
-        assert_eq!(p.non_finite_output(std::slice::from_ref(&out)), None);
-        for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
-            out[12..16].copy_from_slice(&bad.to_le_bytes());
-            assert_eq!(
-                p.non_finite_output(std::slice::from_ref(&out)),
-                Some("actions")
-            );
+        for precision in [Configured, Float32] {
+            let check = |out: &Vec<u8>, scratch: &mut Vec<u8>| {
+                p.non_finite_reply(std::slice::from_ref(out), scratch, precision)
+                    .map(str::to_string)
+            };
+            out.fill(0);
+            assert_eq!(check(&out, &mut scratch), None);
+            for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+                out[12..16].copy_from_slice(&bad.to_le_bytes());
+                assert_eq!(check(&out, &mut scratch).as_deref(), Some("actions"));
+            }
         }
+        // Finite engine output that overflows once un-normalised: 3e38 · (2 + 1e-6) + 0 is
+        // past float32's range, so the float32 reply would carry inf; as float64 it is fine.
+        let wide = CFG.replace(
+            "[[outputs]]\ntensor = \"actions\"\n",
+            "[[outputs]]\ntensor = \"actions\"\ndtype = \"float64\"\nmean = [0, 0]\nstd = [2, 2]\n",
+        );
+        let p = plan(&wide).unwrap();
+        let mut scratch = vec![0u8; p.scratch_bytes];
+        out.fill(0);
+        out[12..16].copy_from_slice(&3e38f32.to_le_bytes());
+        let mut sent = |precision| {
+            p.non_finite_reply(std::slice::from_ref(&out), &mut scratch, precision)
+                .map(str::to_string)
+        };
+        assert_eq!(sent(Configured), None, "float64 holds 6e38");
+        assert_eq!(
+            sent(Float32).as_deref(),
+            Some("actions"),
+            "float32 does not"
+        );
     }
 
     #[test]

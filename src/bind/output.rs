@@ -8,20 +8,28 @@ use crate::dtype::ByteOrder;
 use crate::limits::MAX_RANK;
 use crate::protocol::Encoder;
 use crate::protocol::dialect::{Outputs, Precision};
-use crate::transform::{Transform, load_f64};
+use crate::transform::{Transform, all_finite};
 
 impl Plan {
-    /// Names the first output holding NaN or infinity, if any.
-    pub fn non_finite_output(&self, outputs: &[Vec<u8>]) -> Option<&str> {
+    /// Names the first output that would reach the wire holding NaN or infinity, if any.
+    /// The values are checked as sent in `precision` (after un-normalisation and the cast to
+    /// the reply dtype, in `scratch`), so an overflow there (a large output times a large
+    /// `std`, or a float64 value past float32's range on the vllm-omni route) is caught too.
+    pub fn non_finite_reply(
+        &self,
+        outputs: &[Vec<u8>],
+        scratch: &mut [u8],
+        precision: Precision,
+    ) -> Option<&str> {
         self.outputs.iter().find_map(|o| {
-            let spec = &self.io.outputs[o.index];
-            if !spec.dtype.is_float() {
-                return None;
-            }
-            let buf = &outputs[o.index];
-            (0..spec.elements())
-                .any(|i| !load_f64(spec.dtype, buf, i).is_finite())
-                .then_some(spec.name.as_str())
+            let tr = match precision {
+                Precision::Configured => &o.openpi,
+                Precision::Float32 => &o.vllm,
+            };
+            let sent = scratch.get_mut(..tr.dst_bytes())?;
+            let finite = tr.apply(&outputs[o.index], ByteOrder::Little, sent)
+                && all_finite(tr.dst_type, sent, ByteOrder::Little);
+            (!finite).then_some(self.io.outputs[o.index].name.as_str())
         })
     }
 

@@ -499,10 +499,11 @@ fn inputs(cx: &Keys, inputs: &[RawInput]) -> Result<Vec<InputConfig>, ConfigErro
                 || !b.mean.is_empty()
                 || b.scale != 1.0
                 || b.offset != 0.0
+                || b.allow_non_finite
             {
                 return Err(cx.invalid(
                     k("dtypes"),
-                    "a text binding takes no layout, scale, offset, mean or std",
+                    "a text binding takes no layout, scale, offset, mean, std or allow_non_finite",
                 ));
             }
         }
@@ -590,6 +591,7 @@ fn inputs(cx: &Keys, inputs: &[RawInput]) -> Result<Vec<InputConfig>, ConfigErro
             optional: b.optional,
             fill: b.fill,
             engine_shape: b.engine_shape.clone(),
+            allow_non_finite: b.allow_non_finite,
         });
     }
     Ok(out)
@@ -625,6 +627,27 @@ fn outputs(cx: &Keys, outputs: &[RawOutput]) -> Result<Vec<OutputConfig>, Config
         }
         // Lengths against the action dimension are checked once the engine is known.
         check_norm(cx, &k("mean"), &k("std"), &o.mean, &o.std, &[])?;
+        // Every reply is float32 on the vllm-omni route (and with dtype = "float32"): a
+        // coefficient past its range would put infinity on the wire for any output.
+        let f32_max = f64::from(f32::MAX);
+        if let Some(m) = o.mean.iter().find(|m| m.abs() > f32_max) {
+            return Err(cx.invalid(
+                k("mean"),
+                format!(
+                    "{m} cannot be represented in float32, the dtype replies are sent in on the \
+                     vllm-omni route; un-normalised actions must stay within ±{f32_max:e}"
+                ),
+            ));
+        }
+        if let Some(s) = o.std.iter().find(|s| *s + 1e-6 > f32_max) {
+            return Err(cx.invalid(
+                k("std"),
+                format!(
+                    "{s} cannot be represented in float32, the dtype replies are sent in on the \
+                     vllm-omni route; un-normalised actions must stay within ±{f32_max:e}"
+                ),
+            ));
+        }
         out.push(OutputConfig {
             tensor: o.tensor.clone(),
             key: o.key.clone(),

@@ -384,6 +384,8 @@ pub struct InputConfig {
     pub fill: f64,
     /// Fixed engine shape, for models whose input has symbolic dimensions.
     pub engine_shape: Option<Vec<usize>>,
+    /// Serve NaN and infinity instead of refusing the request (`inputs[i].allow_non_finite`).
+    pub allow_non_finite: bool,
 }
 
 /// What an input binding accepts.
@@ -650,6 +652,33 @@ tensor = "actions"
                 "model = \"m.onnx\"\nbackend = \"gpu\""
             )
             .contains("engine.backend")
+        );
+        // Un-normalisation coefficients past float32 (every vllm-omni reply is float32).
+        let wide = |mean: &str, std: &str| {
+            replace(
+                "tensor = \"actions\"",
+                &format!(
+                    "tensor = \"actions\"\ndtype = \"float64\"\nmean = [{mean}]\nstd = [{std}]"
+                ),
+            )
+        };
+        let e = wide("1e39", "1.0");
+        assert!(
+            e.contains("outputs[0].mean") && e.contains("float32"),
+            "{e}"
+        );
+        let e = wide("0.0", "3.5e38");
+        assert!(e.contains("outputs[0].std") && e.contains("float32"), "{e}");
+        // allow_non_finite is for numeric inputs.
+        let text = format!(
+            "{MIN}\n[[inputs]]\nkey = \"prompt\"\ntensor = \"p\"\ndtypes = [\"text\"]\nshape = [8]\nallow_non_finite = true\n"
+        );
+        let e = Config::parse(&text, "t", Some(Path::new(".")))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("inputs[1].dtypes") && e.contains("allow_non_finite"),
+            "{e}"
         );
         assert!(err("[metadata]\nwhen = 1979-05-27").contains("metadata.when"));
         let dup = format!(

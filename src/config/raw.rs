@@ -345,6 +345,10 @@ pub(super) struct RawInput {
     /// Fixed engine shape, for models whose input has symbolic dimensions.
     #[serde(default)]
     pub(super) engine_shape: Option<Vec<usize>>,
+    /// Serve NaN and infinity (and values that overflow the engine's dtype once normalised)
+    /// instead of refusing the request.
+    #[serde(default)]
+    pub(super) allow_non_finite: bool,
 }
 
 fn one() -> f64 {

@@ -34,6 +34,9 @@ pub enum Verdict {
     Accepted,
     Missing,
     Wrong,
+    /// More than one `Authorization` header: refused whatever they hold, so that a proxy
+    /// that appends its own cannot disagree with policyd about which one counts.
+    Ambiguous,
 }
 
 impl Verdict {
@@ -42,6 +45,7 @@ impl Verdict {
             Verdict::Accepted => "accepted",
             Verdict::Missing => "no API key (Authorization: Api-Key <key>)",
             Verdict::Wrong => "wrong API key",
+            Verdict::Ambiguous => "more than one Authorization header; send exactly one",
         }
     }
 }

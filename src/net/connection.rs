@@ -29,7 +29,7 @@ use crate::net::frame_guard::oversize_marker;
 use crate::net::http::Shared;
 use crate::planner::Link;
 use crate::policy::Policy;
-use crate::protocol::dialect::{Frame, OPENPI_ERROR_REASON};
+use crate::protocol::dialect::{Frame, OPENPI_ERROR_REASON, ResetScope};
 use crate::protocol::{self, Dialect, Endpoint, Failure, Timing};
 use crate::runtime::pacing::{Release, ReleaseQueue};
 use crate::runtime::scheduler::{Kind, SessionKey, SkipReason};
@@ -403,7 +403,14 @@ where
                             while let Ok(Some(_)) = tokio::time::timeout(Duration::from_secs(1), self.ws.next()).await {}
                             return End::Closed(Closed::ByClient);
                         }
-                        Some(Err(e)) => return End::Closed(Closed::Protocol(e.to_string())),
+                        Some(Err(e)) => {
+                            // RFC 6455 §7.1.7: a client that broke the protocol gets a Close
+                            // frame saying so before the socket goes (if it is still there).
+                            if let Some(code) = violation_code(&e) {
+                                close(&mut self.ws, code, "protocol violation").await;
+                            }
+                            return End::Closed(Closed::Protocol(e.to_string()));
+                        }
                     }
                 }
                 _ = ping.tick(), if ping_every.is_some() => {
@@ -458,7 +465,12 @@ where
         let planner = self.planner.as_deref();
         let meta = match plan.decode_with(frame, &mut slot.inputs, &mut slot.seen, planner) {
             Ok(m) => m,
-            Err(e) => return self.fail(Failure::Request(e.to_string())).await,
+            Err(e) => {
+                if e.is_non_finite() {
+                    shared.stats.metrics.non_finite_inputs.inc();
+                }
+                return self.fail(Failure::Request(e.to_string())).await;
+            }
         };
         if let Some(name) = &meta.policy
             && name.as_str() != policy.name
@@ -476,9 +488,17 @@ where
         match meta.endpoint {
             Endpoint::Reset => {
                 drop(lease);
-                self.sessions.reset(meta.session_id.as_ref());
+                match self.dialect.reset_scope() {
+                    ResetScope::Session => {
+                        self.sessions.reset(meta.session_id.as_ref());
+                        self.drop_waiting(&policy);
+                    }
+                    ResetScope::Connection => {
+                        self.sessions.reset_all();
+                        self.drop_all_waiting(&policy);
+                    }
+                }
                 self.count_sessions();
-                self.drop_waiting(&policy);
                 match Dialect::encode_reset(shared.cfg.server.reset_reply, &mut self.out) {
                     Frame::Text(t) => self.send_msg(Message::text(t)).await,
                     Frame::Binary => {
@@ -633,6 +653,17 @@ where
         self.outstanding -= dropped;
     }
 
+    /// Drops every observation of this connection still waiting for the engine (a reset of
+    /// all its sessions).
+    fn drop_all_waiting(&mut self, policy: &Policy) {
+        let mut dropped = 0;
+        policy.worker.scheduler.remove_conn(self.id, |job| {
+            dropped += 1;
+            job.recycle();
+        });
+        self.outstanding -= dropped;
+    }
+
     /// Brings the sessions gauge in line with this connection's table.
     fn count_sessions(&mut self) {
         let now = self.sessions.len() as i64;
@@ -673,11 +704,14 @@ where
         let failure = match slot.result.take() {
             Some(Ok(stats)) => {
                 slot.result = Some(Ok(stats));
-                plan.non_finite_output(&slot.outputs).map(|name| {
-                    Failure::Inference(format!(
-                        "the engine produced NaN or infinity in output '{name}'"
-                    ))
-                })
+                let precision = self.dialect.precision();
+                plan.non_finite_reply(&slot.outputs, &mut slot.scratch, precision)
+                    .map(|name| {
+                        Failure::Inference(format!(
+                            "the engine's output '{name}' holds NaN or infinity as it would be \
+                             sent (after un-normalisation and the cast to the reply dtype)"
+                        ))
+                    })
             }
             Some(Err(e)) => Some(Failure::Inference(e.to_string())),
             None => Some(Failure::Inference("the engine returned no result".into())),
@@ -828,6 +862,26 @@ async fn sleep_until_opt(deadline: Option<Instant>) {
     match deadline {
         Some(d) => tokio::time::sleep_until(d.into()).await,
         None => std::future::pending().await,
+    }
+}
+
+/// The close code for a stream error the client caused: 1007 for text that is not UTF-8,
+/// 1009 for a message over tungstenite's own limits, 1002 for any other protocol violation
+/// (unmasked, reserved bits or opcodes, oversized or fragmented control frames, stray
+/// continuations, a 1-byte close payload). `None` when the client is gone (nobody to tell).
+fn violation_code(e: &tokio_tungstenite::tungstenite::Error) -> Option<CloseCode> {
+    use tokio_tungstenite::tungstenite::Error;
+    use tokio_tungstenite::tungstenite::error::ProtocolError;
+    match e {
+        Error::Utf8(_) => Some(CloseCode::Invalid),
+        Error::Capacity(_) => Some(CloseCode::Size),
+        Error::Protocol(
+            ProtocolError::ResetWithoutClosingHandshake
+            | ProtocolError::ReceivedAfterClosing
+            | ProtocolError::SendAfterClosing,
+        ) => None,
+        Error::Protocol(_) => Some(CloseCode::Protocol),
+        _ => None,
     }
 }
 

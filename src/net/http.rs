@@ -98,11 +98,19 @@ pub async fn while_loading<T>(
 struct Head {
     method: String,
     path: String,
+    /// `HTTP/1.<minor>`.
+    minor: u8,
     upgrade: bool,
+    /// Whether a `Connection` header lists the `upgrade` token.
+    connection_upgrade: bool,
     version: Option<String>,
-    key: Option<String>,
+    /// Every `Sec-WebSocket-Key` value (a valid handshake has exactly one).
+    keys: Vec<String>,
     /// The `Authorization` header (API keys); never logged.
     authorization: Option<String>,
+    /// How many `Authorization` headers came: more than one is refused (a proxy appending
+    /// its own must not disagree with policyd about which one counts).
+    authorizations: usize,
     /// Bytes read past the head (a client's first frame, if it did not wait).
     rest: Vec<u8>,
 }
@@ -156,10 +164,22 @@ async fn read_head<S: Transport>(stream: &mut S) -> Result<Head, HeadError> {
                         .and_then(|h| std::str::from_utf8(h.value).ok())
                         .map(|v| v.trim().to_string())
                 };
-                let upgrade =
-                    find("upgrade").is_some_and(|v| v.to_ascii_lowercase().contains("websocket"));
+                let all = |name: &str| {
+                    req.headers
+                        .iter()
+                        .filter(|h| h.name.eq_ignore_ascii_case(name))
+                        .map(|h| String::from_utf8_lossy(h.value).trim().to_string())
+                        .collect::<Vec<_>>()
+                };
+                // Token lists (`Connection: keep-alive, Upgrade`), over every such header.
+                let has_token = |name: &str, token: &str| {
+                    all(name)
+                        .iter()
+                        .any(|v| v.split(',').any(|t| t.trim().eq_ignore_ascii_case(token)))
+                };
                 return Ok(Head {
                     method: req.method.unwrap_or("").to_string(),
+                    minor: req.version.unwrap_or(0),
                     path: req
                         .path
                         .unwrap_or("/")
@@ -167,10 +187,12 @@ async fn read_head<S: Transport>(stream: &mut S) -> Result<Head, HeadError> {
                         .next()
                         .unwrap_or("/")
                         .to_string(),
-                    upgrade,
+                    upgrade: has_token("upgrade", "websocket"),
+                    connection_upgrade: has_token("connection", "upgrade"),
                     version: find("sec-websocket-version"),
-                    key: find("sec-websocket-key"),
+                    keys: all("sec-websocket-key"),
                     authorization: find("authorization"),
+                    authorizations: all("authorization").len(),
                     rest: buf[end..len].to_vec(),
                 });
             }
@@ -179,6 +201,54 @@ async fn read_head<S: Transport>(stream: &mut S) -> Result<Head, HeadError> {
             Err(_) => return Err(HeadError::Malformed),
         }
     }
+}
+
+/// RFC 6455 §4.2.1: what a server must find in a client's opening handshake (beyond
+/// `Upgrade: websocket`, which routed it here, and the version, answered with 426). A request
+/// that lacks any of it is not a WebSocket handshake and gets 400, not 101. The key, if
+/// it is one.
+fn upgrade_request(head: &Head) -> Result<&str, String> {
+    if head.method != "GET" {
+        return Err(format!(
+            "a WebSocket handshake must be a GET request, got {}",
+            head.method
+        ));
+    }
+    if head.minor < 1 {
+        return Err("a WebSocket handshake needs HTTP/1.1 or later, got HTTP/1.0".into());
+    }
+    if !head.connection_upgrade {
+        return Err(
+            "a WebSocket handshake needs a Connection header with the Upgrade token".into(),
+        );
+    }
+    match head.keys.as_slice() {
+        [] => Err("missing Sec-WebSocket-Key".into()),
+        [key] if is_websocket_key(key) => Ok(key),
+        [_] => Err(
+            "Sec-WebSocket-Key must be 16 random bytes in base64 (24 characters ending in ==)"
+                .into(),
+        ),
+        _ => Err("more than one Sec-WebSocket-Key header".into()),
+    }
+}
+
+/// Whether `key` is the base64 of exactly 16 bytes: 22 characters of the standard alphabet
+/// (the last carrying no bits past the 128th) and `==`.
+fn is_websocket_key(key: &str) -> bool {
+    let b = key.as_bytes();
+    let value = |c: u8| match c {
+        b'A'..=b'Z' => Some(c - b'A'),
+        b'a'..=b'z' => Some(c - b'a' + 26),
+        b'0'..=b'9' => Some(c - b'0' + 52),
+        b'+' => Some(62),
+        b'/' => Some(63),
+        _ => None,
+    };
+    b.len() == 24
+        && b.ends_with(b"==")
+        && b[..22].iter().all(|&c| value(c).is_some())
+        && value(b[21]).is_some_and(|v| v & 0x0f == 0)
 }
 
 async fn respond<S: Transport>(
@@ -300,7 +370,11 @@ pub(crate) async fn handle(
     let auth = &shared.access;
     let is_metrics = head.method == "GET" && head.path == "/metrics" && !head.upgrade;
     if auth.keys.enabled() && (head.upgrade || (is_metrics && auth.protect_metrics)) {
-        let verdict = auth.keys.check(head.authorization.as_deref());
+        let verdict = if head.authorizations > 1 {
+            crate::net::auth::Verdict::Ambiguous
+        } else {
+            auth.keys.check(head.authorization.as_deref())
+        };
         if verdict != crate::net::auth::Verdict::Accepted {
             shared.stats.metrics.auth_failures.inc();
             log::warn!("{peer}: refused {}: {}", head.path, verdict.describe());
@@ -352,6 +426,21 @@ pub(crate) async fn handle(
         }
         return;
     }
+    let key = match upgrade_request(&head) {
+        Ok(key) => key.to_string(),
+        Err(why) => {
+            log::info!("{peer}: refused the WebSocket handshake: {why}");
+            respond(
+                &mut stream,
+                "400 Bad Request",
+                "text/plain; charset=utf-8",
+                &format!("{why}\n"),
+                "",
+            )
+            .await;
+            return;
+        }
+    };
     if head.version.as_deref() != Some("13") {
         respond(
             &mut stream,
@@ -363,17 +452,6 @@ pub(crate) async fn handle(
         .await;
         return;
     }
-    let Some(key) = head.key else {
-        respond(
-            &mut stream,
-            "400 Bad Request",
-            "text/plain; charset=utf-8",
-            "missing Sec-WebSocket-Key\n",
-            "",
-        )
-        .await;
-        return;
-    };
     if *shared.shutdown.borrow() || !healthy {
         respond(
             &mut stream,

@@ -394,6 +394,11 @@ pub fn registry(m: &Metrics, live: Live) -> Registry {
         "handshakes refused for a missing or wrong API key",
         m.auth_failures.clone(),
     );
+    r.register(
+        "policyd_non_finite_inputs",
+        "requests refused for NaN or infinity in an input (inputs[i].allow_non_finite)",
+        m.non_finite_inputs.clone(),
+    );
     r.register_collector(Box::new(live));
     r
 }

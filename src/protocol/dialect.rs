@@ -110,6 +110,15 @@ impl ErrorKind {
     }
 }
 
+/// What `endpoint: reset` clears (see [`Dialect::reset_scope`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ResetScope {
+    /// The session the request names (or the current one).
+    Session,
+    /// Every session of the connection; the current one becomes `"default"`.
+    Connection,
+}
+
 impl Dialect {
     pub const ALL: [Dialect; 2] = [Dialect::Openpi, Dialect::Vllm];
 
@@ -138,10 +147,21 @@ impl Dialect {
         }
     }
 
-    fn precision(self) -> Precision {
+    /// The dtypes a reply on this route is sent in (non-finite checks run on them).
+    pub fn precision(self) -> Precision {
         match self {
             Dialect::Openpi => Precision::Configured,
             Dialect::Vllm => Precision::Float32,
+        }
+    }
+
+    /// What `endpoint: reset` clears. vllm-omni forgets every session the socket has seen
+    /// and unsets the current one (the next request without `session_id` is `"default"`);
+    /// openpi has no reset message of its own, and policyd's resets the current session.
+    pub fn reset_scope(self) -> ResetScope {
+        match self {
+            Dialect::Openpi => ResetScope::Session,
+            Dialect::Vllm => ResetScope::Connection,
         }
     }
 

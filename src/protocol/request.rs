@@ -102,6 +102,17 @@ pub enum WireError {
     BadText { key: String, encoding: &'static str },
     #[error("endpoint 'observe' {problem}")]
     Observe { problem: &'static str },
+    #[error(
+        "key '{key}' holds NaN or infinity; policyd refuses non-finite inputs (check the \
+         sensor, or set allow_non_finite = true on this [[inputs]] binding)"
+    )]
+    NonFinite { key: String },
+    #[error(
+        "key '{key}' holds a value that overflows the engine input ({engine}) once converted \
+         and normalised; policyd refuses non-finite inputs (check the sensor, or set \
+         allow_non_finite = true on this [[inputs]] binding)"
+    )]
+    Overflows { key: String, engine: &'static str },
     #[error("missing required key '{key}'")]
     MissingKey { key: String },
     #[error(
@@ -119,6 +130,16 @@ pub enum WireError {
         expected: &'static str,
         got: String,
     },
+}
+
+impl WireError {
+    /// A refusal of NaN or infinity in an input (counted apart in `/metrics`).
+    pub fn is_non_finite(&self) -> bool {
+        matches!(
+            self,
+            WireError::NonFinite { .. } | WireError::Overflows { .. }
+        )
+    }
 }
 
 impl RequestMeta {
@@ -738,8 +759,16 @@ fn read_marker<'a>(
             ))),
         };
     }
+    // Only bin: openpi (`np.ndarray(buffer=…)`) and vllm-omni (`np.frombuffer`) both fail on a
+    // str, and a str's bytes would have to be valid UTF-8, which array data is not.
     let data = match data {
-        Head::Bin(b) | Head::Str(b) => b,
+        Head::Bin(b) => b,
+        Head::Str(_) => {
+            return Err(bad(
+                "'data' is a msgpack str; array data must be bin (bytes): pack with \
+                 msgpack >= 1.0 or use_bin_type=True",
+            ));
+        }
         other => {
             return Err(bad(&format!(
                 "'data' must be bytes, got {}",
@@ -1082,6 +1111,43 @@ mod tests {
         // and a binding below them is found as a nested key
         let got = collect(&fixture("nd_scalars.msgpack"), &["int64/type"]).unwrap();
         assert!(matches!(&got[0].2, OwnedValue::Text(t) if t == b"<i8"));
+    }
+
+    #[test]
+    fn array_data_must_be_bin_not_str() {
+        // Both markers: openpi's and vllm-omni's `nd`, data as a msgpack str (old msgpack
+        // packs bytes so without use_bin_type).
+        for nd in [false, true] {
+            let mut buf = Vec::new();
+            let mut e = Encoder { buf: &mut buf };
+            e.map(1);
+            e.str("a");
+            if nd {
+                e.map(5);
+                e.str("nd");
+                e.bool(true);
+                e.str("type");
+                e.str("|u1");
+                e.str("kind");
+                e.str("u");
+            } else {
+                e.map(4);
+                e.str("__ndarray__");
+                e.bool(true);
+                e.str("dtype");
+                e.str("|u1");
+            }
+            e.str("shape");
+            e.array(1);
+            e.int(2);
+            e.str("data");
+            e.str("ab");
+            let err = collect(&buf, &["a"]).unwrap_err();
+            assert!(
+                matches!(&err, WireError::BadArray { key, reason } if key == "a" && reason.contains("must be bin")),
+                "{err}"
+            );
+        }
     }
 
     #[test]

@@ -90,6 +90,14 @@ impl Sessions {
         e.pacing.clear();
     }
 
+    /// `endpoint: reset` on the vllm-omni route: every session is forgotten (each one's next
+    /// inference starts afresh) and the current session is `"default"` again.
+    pub fn reset_all(&mut self) {
+        self.entries.clear();
+        self.current.clear();
+        let _ = self.current.push_str("default");
+    }
+
     /// `reset_on_prompt_change`: records the session's prompt (a hash) and, when it differs
     /// from the previous one, resets the session as `endpoint: reset` would. True if it did.
     pub fn prompt_changed(&mut self, id: Option<&SessionId>, prompt: u64) -> bool {

@@ -14,6 +14,7 @@ use crate::config::{Config, PacingConfig, PolicySpec};
 use crate::dtype::ElemType;
 use crate::engine::{InputBuffer, IoSpec, TensorSpec};
 use crate::policy::budget::Budget;
+use crate::protocol::dialect::Precision;
 use crate::protocol::{self, Dialect, Timing};
 use crate::testing::synthetic::HostBuffer;
 
@@ -243,7 +244,11 @@ pub fn decode(data: &[u8]) {
                 *b = frame.get(i % frame.len().max(1)).copied().unwrap_or(0);
             }
         }
-        let _ = c.plan.non_finite_output(&c.outputs);
+        for precision in [Precision::Configured, Precision::Float32] {
+            let _ = c
+                .plan
+                .non_finite_reply(&c.outputs, &mut c.scratch, precision);
+        }
         let delay = u32::from(pick) % 12;
         let mut parts = ReplyParts {
             outputs: &c.outputs,

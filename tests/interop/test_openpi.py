@@ -120,6 +120,9 @@ def test_infer_matches_onnxruntime(server):
         assert reply["policy_timing"]["infer_ms"] > 0
         assert reply["server_timing"]["infer_ms"] >= reply["policy_timing"]["infer_ms"]
         assert ("prev_total_ms" in reply["server_timing"]) == (i > 0)
+        if profile == "droid":
+            # openpi's examples/droid/main.py asserts this shape.
+            assert reply["actions"].shape == (10, 8)
 
 
 def as_policy(profile, default=False):
@@ -189,7 +192,27 @@ def bad_inputs(profile, rng):
     wrong_dtype = dict(good, **{key: good[key].astype(np.int32)})
     missing = {k: v for k, v in good.items() if k != key}
     packed = openpi_mn.packb(good)
+    # A float input (the state): non-finite values are refused by default (issue 21).
+    fkey = next(k for k, v in good.items() if isinstance(v, np.ndarray) and v.dtype.kind == "f")
+    state = good[fkey]
+
+    def with_state(value):
+        bad = state.copy()
+        bad.flat[0] = value
+        return openpi_mn.packb(dict(good, **{fkey: bad}))
+
+    non_finite = {f"state {v}": with_state(v) for v in [np.nan, np.inf, -np.inf]}
+    # 1e308 fits float64 but not the engine's float32; float32-max overflows once normalised
+    # (the profiles' state std is below 1) or is at the engine's limit.
+    non_finite["state 1e308"] = openpi_mn.packb(
+        dict(good, **{fkey: np.full(state.shape, 1e308, np.float64)}))
     return {
+        **non_finite,
+        # msgpack str where numpy data must be bin (both reference servers fail on it).
+        "str data": msgpack.packb({**{k: v for k, v in good.items() if k != fkey},
+                                   fkey: {b"__ndarray__": True, b"data": "0" * state.nbytes,
+                                          b"dtype": state.dtype.str, b"shape": list(state.shape)}},
+                                  default=openpi_mn.pack_array),
         "not msgpack": b"\xc1\xc1\xc1",
         "truncated": packed[:min(1000, len(packed) // 2)],
         "non-map": openpi_mn.packb([1, 2, 3]),
