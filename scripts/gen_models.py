@@ -22,7 +22,7 @@ OUT = ROOT / "models"
 PROFILES = {
     "aloha": (["cam_high", "cam_low", "cam_left_wrist", "cam_right_wrist"], [("state", 14)], 50, 14),
     "droid": (["exterior_image_1_left", "wrist_image_left"],
-              [("joint_position", 7), ("gripper_position", 1)], 15, 8),
+              [("joint_position", 7), ("gripper_position", 1)], 10, 8),
     "libero": (["image", "wrist_image"], [("state", 8)], 10, 7),
     # No cameras: what a request costs to serve with almost no data (`policyd bench --profile tiny`).
     "tiny": ([], [("state", 8)], 10, 7),
