@@ -524,7 +524,6 @@ fn policy_lists_are_checked() {
 /// The running binary: SIGHUP re-reads its config file (what `systemctl reload` does).
 #[test]
 fn sighup_reloads_the_config_file_of_the_running_binary() {
-    use std::io::{Read, Write};
     let dir = std::env::temp_dir().join(format!("policyd-reload-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temp dir");
     let file = dir.join("policyd.toml");
@@ -553,16 +552,7 @@ fn sighup_reloads_the_config_file_of_the_running_binary() {
         .stderr(std::process::Stdio::null())
         .spawn()
         .expect("policyd runs");
-    let get = |path: &str| -> String {
-        let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", port)) else {
-            return String::new();
-        };
-        let _ = s.set_read_timeout(Some(Duration::from_secs(10)));
-        let _ = write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\n\r\n");
-        let mut out = String::new();
-        let _ = s.read_to_string(&mut out);
-        out
-    };
+    let get = |path: &str| common::http_get_blocking(port, path);
     let wait = |what: &str, cond: &dyn Fn(&str) -> bool| {
         let deadline = Instant::now() + Duration::from_secs(120);
         loop {

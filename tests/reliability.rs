@@ -171,11 +171,6 @@ async fn a_reset_while_the_engine_runs_is_answered_after_the_inference() {
     assert!(is_actions(&recv(&mut ws).await));
 }
 
-fn upgrade_request() -> &'static [u8] {
-    b"GET / HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\
-      Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n"
-}
-
 fn rss_kib() -> u64 {
     let s = std::fs::read_to_string("/proc/self/status").unwrap();
     let l = s.lines().find(|l| l.starts_with("VmRSS:")).unwrap();
@@ -191,7 +186,7 @@ async fn ten_times_max_connections_at_once_get_503_beyond_the_limit() {
         let addr = srv.addr;
         tasks.push(tokio::spawn(async move {
             let mut tcp = TcpStream::connect(addr).await.unwrap();
-            tcp.write_all(upgrade_request()).await.unwrap();
+            tcp.write_all(common::UPGRADE).await.unwrap();
             let mut head = [0u8; 12];
             tcp.read_exact(&mut head).await.unwrap();
             (String::from_utf8_lossy(&head).into_owned(), tcp)
@@ -266,7 +261,7 @@ async fn half_sent_frames_are_closed_at_the_frame_timeout_while_others_are_serve
     let mut stalled = Vec::new();
     for _ in 0..10 {
         let mut tcp = TcpStream::connect(srv.addr).await.unwrap();
-        tcp.write_all(upgrade_request()).await.unwrap();
+        tcp.write_all(common::UPGRADE).await.unwrap();
         tcp.write_all(&half).await.unwrap();
         stalled.push(tcp);
     }

@@ -108,6 +108,14 @@ impl Server {
         }
     }
 
+    /// Still healthy; SIGTERM then stops it with exit code 0.
+    fn healthy_then_stopped(&mut self) {
+        assert!(get(self.port, "/healthz").starts_with("HTTP/1.1 200"));
+        self.signal(libc::SIGTERM);
+        let code = self.exit_code(Duration::from_secs(30));
+        assert_eq!(code, Some(0), "{}", self.log());
+    }
+
     /// Resident memory, KiB.
     fn rss_kib(&self) -> u64 {
         let s = std::fs::read_to_string(format!("/proc/{}/status", self.child.id()))
@@ -121,14 +129,7 @@ impl Server {
 }
 
 fn get(port: u16, path: &str) -> String {
-    let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", port)) else {
-        return String::new();
-    };
-    let _ = s.set_read_timeout(Some(Duration::from_secs(10)));
-    let _ = write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\n\r\n");
-    let mut out = String::new();
-    let _ = s.read_to_string(&mut out);
-    out
+    common::http_get_blocking(port, path)
 }
 
 /// A demo config with its model path absolute (it is relative to configs/).
@@ -277,14 +278,7 @@ async fn sighup_five_times_in_a_row_while_clients_send() {
         assert!(!rows.is_empty());
         assert!(rows.iter().all(|&r| r == 4 || r == 10), "{rows:?}");
     }
-    assert!(get(srv.port, "/healthz").starts_with("HTTP/1.1 200"));
-    srv.signal(libc::SIGTERM);
-    assert_eq!(
-        srv.exit_code(Duration::from_secs(30)),
-        Some(0),
-        "{}",
-        srv.log()
-    );
+    srv.healthy_then_stopped();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -352,11 +346,7 @@ async fn sigint_twice_exits_at_once_instead_of_draining() {
     // A client that never answers the closing handshake keeps the drain waiting (2 s).
     let _silent = {
         let mut tcp = std::net::TcpStream::connect(("127.0.0.1", srv.port)).unwrap();
-        tcp.write_all(
-            b"GET / HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\
-              Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n",
-        )
-        .unwrap();
+        tcp.write_all(common::UPGRADE).unwrap();
         let mut head = [0u8; 12];
         tcp.read_exact(&mut head).unwrap();
         assert_eq!(&head[9..12], b"101");
@@ -419,11 +409,7 @@ async fn a_client_sending_libero_frames_without_reading_is_contained() {
     let port = srv.port;
     let hog = std::thread::spawn(move || {
         let mut tcp = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
-        tcp.write_all(
-            b"GET / HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\
-              Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n",
-        )
-        .unwrap();
+        tcp.write_all(common::UPGRADE).unwrap();
         // Never reads again (the 101 and everything after stay in the socket).
         tcp.set_write_timeout(Some(Duration::from_millis(100)))
             .unwrap();
@@ -480,12 +466,5 @@ async fn a_client_sending_libero_frames_without_reading_is_contained() {
         "the other client was starved: {served} replies"
     );
     assert!(grown < 32 * 1024, "RSS grew {grown} KiB");
-    assert!(get(srv.port, "/healthz").starts_with("HTTP/1.1 200"));
-    srv.signal(libc::SIGTERM);
-    assert_eq!(
-        srv.exit_code(Duration::from_secs(30)),
-        Some(0),
-        "{}",
-        srv.log()
-    );
+    srv.healthy_then_stopped();
 }

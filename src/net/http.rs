@@ -266,6 +266,18 @@ async fn respond<S: Transport>(
     let _ = stream.shutdown().await;
 }
 
+/// HTTP 400 saying why.
+async fn bad_request<S: Transport>(stream: &mut S, why: &(dyn std::fmt::Display + Sync)) {
+    respond(
+        stream,
+        "400 Bad Request",
+        "text/plain; charset=utf-8",
+        &format!("{why}\n"),
+        "",
+    )
+    .await;
+}
+
 /// Completes the TLS handshake, if TLS is configured, within the handshake timeout. Boxed,
 /// so one connection path serves plain and TLS clients.
 async fn secure(
@@ -306,14 +318,7 @@ pub(crate) async fn handle(
         Ok(Err(why)) => {
             log::debug!("{peer}: {why}");
             if why.answerable() {
-                respond(
-                    &mut stream,
-                    "400 Bad Request",
-                    "text/plain; charset=utf-8",
-                    &format!("{why}\n"),
-                    "",
-                )
-                .await;
+                bad_request(&mut stream, &why).await;
             }
             return;
         }
@@ -430,14 +435,7 @@ pub(crate) async fn handle(
         Ok(key) => key.to_string(),
         Err(why) => {
             log::info!("{peer}: refused the WebSocket handshake: {why}");
-            respond(
-                &mut stream,
-                "400 Bad Request",
-                "text/plain; charset=utf-8",
-                &format!("{why}\n"),
-                "",
-            )
-            .await;
+            bad_request(&mut stream, &why).await;
             return;
         }
     };

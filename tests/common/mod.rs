@@ -118,6 +118,25 @@ pub async fn http_get(addr: SocketAddr, path: &str, headers: &str) -> String {
     resp
 }
 
+/// A plain HTTP GET to `127.0.0.1:port` from a blocking test (a policyd binary it started);
+/// the whole response, or empty if nothing listens there yet.
+pub fn http_get_blocking(port: u16, path: &str) -> String {
+    use std::io::{Read, Write};
+    let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", port)) else {
+        return String::new();
+    };
+    let _ = s.set_read_timeout(Some(std::time::Duration::from_secs(10)));
+    let _ = write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\n\r\n");
+    let mut out = String::new();
+    let _ = s.read_to_string(&mut out);
+    out
+}
+
+/// A raw WebSocket opening handshake for `/` (RFC 6455's sample key).
+pub const UPGRADE: &[u8] =
+    b"GET / HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\
+      Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n";
+
 /// The command that runs the policyd binary: the binary itself, after the emulator when the
 /// tests run under one (`POLICYD_CROSS_RUNNER`, set by cross/env.sh for qemu-aarch64).
 pub fn policyd_command() -> Vec<std::ffi::OsString> {
