@@ -12,7 +12,11 @@
 
 #include <mutex>
 
+#include "NvInferVersion.h"
 #include "trt_shim.h"
+
+#define POLICYD_STR2(x) #x
+#define POLICYD_STR(x) POLICYD_STR2(x)
 
 namespace {
 using CreateRuntimeFn = void* (*)(void*, int32_t);
@@ -35,7 +39,9 @@ extern "C" int32_t trt_open_library(const char* path, char* err, size_t err_len)
     if (g_lib) {
         return TRT_OK;
     }
-    const char* names[] = {path, "libnvinfer.so.11", "libnvinfer.so.10", "libnvinfer.so.8",
+    // The major the shim was compiled against first: its ABI is the one it speaks.
+    const char* names[] = {path, "libnvinfer.so." POLICYD_STR(NV_TENSORRT_MAJOR),
+                           "libnvinfer.so.11", "libnvinfer.so.10", "libnvinfer.so.8",
                            "libnvinfer.so"};
     char tried[1024] = {0};
     for (const char* name : names) {

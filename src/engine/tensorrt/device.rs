@@ -78,9 +78,15 @@ pub trait Device: Send + Sync {
     fn mark(&self, end: bool) -> Result<(), GpuError>;
     /// Waits for the end event; the device time between the two events.
     fn finish(&self) -> Result<Duration, GpuError>;
+    /// Waits for everything queued on the stream (errors ignored by callers that are
+    /// tearing down).
+    fn synchronize(&self) -> Result<(), GpuError>;
     fn begin_capture(&self) -> Result<(), GpuError>;
     /// Ends a capture and instantiates the graph.
     fn end_capture(&self) -> Result<Graph, GpuError>;
+    /// Ends a capture whose work failed to queue: the partial graph is destroyed without
+    /// being instantiated, so nothing of it runs or leaks (trtexec's `endCaptureOnError`).
+    fn abort_capture(&self);
     fn launch(&self, graph: Graph) -> Result<(), GpuError>;
     /// # Safety
     /// `graph` came from [`Device::end_capture`] and is not launched afterwards.
@@ -273,6 +279,11 @@ mod cuda {
             Ok(Duration::from_secs_f64(f64::from(ms.max(0.0)) / 1000.0))
         }
 
+        fn synchronize(&self) -> Result<(), GpuError> {
+            // SAFETY: live stream of this context.
+            unsafe { result::stream::synchronize(self.stream) }.map_err(err("cuStreamSynchronize"))
+        }
+
         fn begin_capture(&self) -> Result<(), GpuError> {
             // SAFETY: live stream; thread-local mode so other threads' CUDA calls are unaffected.
             unsafe {
@@ -295,8 +306,23 @@ mod cuda {
                 let exec = result::graph::instantiate(graph, sys::CUgraphInstantiate_flags(0));
                 let _ = result::graph::destroy(graph);
                 let exec = exec.map_err(err("cuGraphInstantiate"))?;
-                result::graph::upload(exec, self.stream).map_err(err("cuGraphUpload"))?;
+                if let Err(e) = result::graph::upload(exec, self.stream) {
+                    let _ = result::graph::exec_destroy(exec);
+                    return Err(err("cuGraphUpload")(e));
+                }
                 Ok(Graph(exec as u64))
+            }
+        }
+
+        fn abort_capture(&self) {
+            // SAFETY: live stream; a capture invalidated by the failure still ends (with an
+            // error, and possibly a graph), and whatever graph comes back is destroyed here.
+            unsafe {
+                if let Ok(graph) = result::stream::end_capture(self.stream)
+                    && !graph.is_null()
+                {
+                    let _ = result::graph::destroy(graph);
+                }
             }
         }
 

@@ -157,6 +157,8 @@ pub(crate) struct Counts {
     pub plain: u64,
     pub graph: u64,
     pub captured: u64,
+    /// Throwaway runs after a failed capture.
+    pub settled: u64,
 }
 
 fn load_err(model: &str, reason: impl std::fmt::Display) -> EngineError {
@@ -189,6 +191,10 @@ impl TensorRtEngine {
             ZeroCopy::Auto => device.integrated(),
         };
 
+        // policyd sizes and feeds every tensor as a dense, linear buffer in device memory.
+        for t in &raw {
+            check_layout(t).map_err(|m| load_err(model, m))?;
+        }
         // Inputs first: their shapes decide the outputs' (dynamic-shape engines).
         let mut io = IoSpec::default();
         for t in raw.iter().filter(|t| t.is_input) {
@@ -199,7 +205,12 @@ impl TensorRtEngine {
                 dtype: shim::dtype_name(t.dtype),
             })?;
             let hint = opts.shapes.iter().find(|(n, _)| *n == name).map(|(_, s)| s);
-            let shape = fix_shape(&name, &t.dims, hint, model)?;
+            let profile = if t.dims.iter().any(|&d| d < 0) {
+                handle.profile_range(&t.name)
+            } else {
+                None
+            };
+            let shape = fix_shape(&name, &t.dims, hint, profile.as_ref(), model)?;
             if t.dims.iter().any(|&d| d < 0) {
                 let dims: Vec<i64> = shape.iter().map(|&d| d as i64).collect();
                 handle
@@ -385,6 +396,7 @@ impl TensorRtEngine {
                     log::warn!("tensorrt: CUDA graph capture failed, running without graphs: {e}");
                     self.graphs_failed = true;
                     self.drop_graphs();
+                    self.settle_after_capture(s, addrs);
                     return;
                 }
             }
@@ -403,11 +415,29 @@ impl TensorRtEngine {
         self.device
             .begin_capture()
             .map_err(|e| run_err("capture", e))?;
-        let queued = self.enqueue_slot(slot, addrs);
-        // End the capture whatever happened, so the stream leaves capture mode.
-        let ended = self.device.end_capture();
-        queued?;
-        ended.map_err(|e| run_err("capture", e))
+        if let Err(e) = self.enqueue_slot(slot, addrs) {
+            // The stream leaves capture mode; the partial graph is never instantiated.
+            self.device.abort_capture();
+            return Err(e);
+        }
+        self.device.end_capture().map_err(|e| run_err("capture", e))
+    }
+
+    /// After a failed capture: one ordinary enqueue of `slot` and a sync, whose outcome is only
+    /// logged, so that an error the capture left behind surfaces here rather than in a request
+    /// (trtexec clears it the same way).
+    fn settle_after_capture(&mut self, slot: usize, addrs: &SlotAddrs) {
+        let settled = self
+            .device
+            .mark(false)
+            .map_err(|e| run_err("event", e))
+            .and_then(|_| self.enqueue_slot(slot, addrs))
+            .and_then(|_| self.device.mark(true).map_err(|e| run_err("event", e)))
+            .and_then(|_| self.device.synchronize().map_err(|e| run_err("sync", e)));
+        self.counts.settled += 1;
+        if let Err(e) = settled {
+            log::debug!("tensorrt: the run after a failed capture failed too: {e}");
+        }
     }
 
     fn drop_graphs(&mut self) {
@@ -418,18 +448,54 @@ impl TensorRtEngine {
     }
 }
 
-/// The shape an input runs with: the engine's, with dynamic dims taken from `engine_shape`.
+/// Why policyd cannot feed a tensor, if it cannot: a shape tensor (TensorRT reads it from host
+/// memory), or a vectorised format (e.g. `--inputIOFormats=fp16:chw16` for DLA), whose padded
+/// size differs from the dense buffer policyd would allocate.
+fn check_layout(t: &shim::RawTensor) -> Result<(), String> {
+    let name = t.name.to_string_lossy();
+    let side = if t.is_input { "input" } else { "output" };
+    if t.location != shim::LOCATION_DEVICE {
+        return Err(format!(
+            "{side} '{name}' is a shape tensor that TensorRT reads from host memory (kHOST);              policyd feeds device tensors only: export the model with that shape fixed"
+        ));
+    }
+    if t.format != shim::FORMAT_LINEAR || t.components != 1 {
+        return Err(format!(
+            "{side} '{name}' has the vectorised format {} ({} components per element); policyd              needs dense linear tensors: rebuild the plan with --inputIOFormats/--outputIOFormats              naming a linear format (e.g. fp16:chw or fp32:chw), or none",
+            shim::format_name(t.format),
+            t.components
+        ));
+    }
+    Ok(())
+}
+
+/// The shape an input runs with: the engine's, with dynamic dims taken from `engine_shape`, or
+/// from optimisation profile 0 where its minimum and maximum agree.
 fn fix_shape(
     name: &str,
     dims: &[i64],
     hint: Option<&Vec<usize>>,
+    profile: Option<&(Vec<i64>, Vec<i64>)>,
     model: &str,
 ) -> Result<Vec<usize>, EngineError> {
     let dynamic = dims.iter().any(|&d| d < 0);
+    let from_profile = profile.and_then(|(min, max)| {
+        let fixed = min.len() == dims.len()
+            && min == max
+            && min
+                .iter()
+                .zip(dims)
+                .all(|(&m, &d)| m > 0 && (d < 0 || d == m));
+        fixed.then(|| min.iter().map(|&m| m as usize).collect::<Vec<usize>>())
+    });
     match hint {
+        None if dynamic && from_profile.is_some() => Ok(from_profile.unwrap_or_default()),
         None if dynamic => Err(EngineError::DynamicShape {
             name: name.to_string(),
-            shape: format!("{dims:?}"),
+            shape: match profile {
+                Some((min, max)) => format!("{dims:?} (its profile allows {min:?} to {max:?})"),
+                None => format!("{dims:?}"),
+            },
         }),
         None => Ok(dims.iter().map(|&d| d as usize).collect()),
         Some(h) => {
@@ -569,6 +635,9 @@ impl Engine for TensorRtEngine {
 impl Drop for TensorRtEngine {
     fn drop(&mut self) {
         let _ = self.device.bind();
+        // A failed run may have left work queued that still uses the graphs, the context
+        // and the buffers: let it finish first.
+        let _ = self.device.synchronize();
         self.drop_graphs();
         // The context may still reference the buffers: it goes first.
         self.handle = None;
@@ -772,7 +841,8 @@ mod tests {
             Counts {
                 plain: 6,
                 graph: 0,
-                captured: 0
+                captured: 0,
+                settled: 0
             }
         );
     }
@@ -796,20 +866,28 @@ mod tests {
         let plan = format!("{PLAN}\nno_capture");
         let mut e = open(&plan, &dev, &opts(true, ZeroCopy::Off)).unwrap();
         run_two_slots(&mut e);
+        // One capture tried (enqueue refused while capturing), aborted without instantiating,
+        // then one throwaway run, never counted as a request.
         assert_eq!(
             e.counts,
             Counts {
                 plain: 6,
                 graph: 0,
-                captured: 0
+                captured: 0,
+                settled: 1
             }
         );
+        assert_eq!(*dev.aborted.lock().unwrap(), 1);
+        assert_eq!(*dev.instantiated.lock().unwrap(), 0);
+        assert_eq!(dev.live_graphs(), 0, "no partial graph left behind");
 
         let mut dev = HostDevice::new(false);
         dev.fail_instantiate = true;
         let dev = Arc::new(dev);
         let mut e = open(PLAN, &dev, &opts(true, ZeroCopy::Off)).unwrap();
         run_two_slots(&mut e);
+        assert_eq!(e.counts.settled, 1);
+        assert_eq!(dev.live_graphs(), 0);
         assert_eq!(e.counts.graph, 0);
         assert_eq!(e.counts.plain, 6);
     }
@@ -871,6 +949,80 @@ mod tests {
     }
 
     #[test]
+    fn a_dynamic_dim_fixed_by_the_profile_needs_no_engine_shape() {
+        let dev = Arc::new(HostDevice::new(false));
+        let o = opts(true, ZeroCopy::Off);
+        let plan = "
+            input state 0 -1,14
+            profile state 3,14 3,14
+            output actions 0 -1,5,14
+        ";
+        let e = open(plan, &dev, &o).unwrap();
+        assert_eq!(e.io().inputs[0].shape, vec![3, 14]);
+        assert_eq!(e.io().outputs[0].shape, vec![3, 5, 14]);
+        // A range still needs engine_shape, and the error shows the range.
+        let ranged = plan.replace("profile state 3,14 3,14", "profile state 1,14 8,14");
+        let err = open(&ranged, &dev, &o).err().unwrap().to_string();
+        assert!(
+            err.contains("engine_shape") && err.contains("[1, 14] to [8, 14]"),
+            "{err}"
+        );
+        let mut hinted = o.clone();
+        hinted.shapes = vec![("state".into(), vec![8, 14])];
+        assert_eq!(
+            open(&ranged, &dev, &hinted).unwrap().io().inputs[0].shape,
+            vec![8, 14]
+        );
+    }
+
+    #[test]
+    fn tensors_policyd_cannot_feed_are_refused_by_name() {
+        let dev = Arc::new(HostDevice::new(false));
+        let o = opts(true, ZeroCopy::Off);
+        for (plan, want) in [
+            (
+                "input dims 8 2 host
+input x 0 1,4
+output y 0 1,4",
+                ["input 'dims'", "kHOST"],
+            ),
+            (
+                "input x 1 1,16,8,8 format=4 components=16
+output y 0 1,4",
+                ["input 'x'", "kCHW16"],
+            ),
+            (
+                "input x 0 1,3,8,8 format=8
+output y 0 1,4",
+                ["input 'x'", "kHWC"],
+            ),
+            (
+                "input x 0 1,4
+output y 1 1,4 format=2 components=8",
+                ["output 'y'", "kHWC8"],
+            ),
+        ] {
+            let err = open(plan, &dev, &o).err().unwrap().to_string();
+            assert!(want.iter().all(|w| err.contains(w)), "{plan}: {err}");
+        }
+        assert_eq!(dev.live(), 0, "refused before any buffer is allocated");
+    }
+
+    #[test]
+    fn one_logger_serves_every_engine_of_the_process() {
+        // Loads, a drop, and reloads: the stand-in refuses a load before the process logger
+        // is set, and counts how often it is set (once per process, as TensorRT requires).
+        let dev = Arc::new(HostDevice::new(false));
+        let o = opts(true, ZeroCopy::Off);
+        let a = open(PLAN, &dev, &o).unwrap();
+        let b = open(PLAN, &dev, &o).unwrap();
+        drop(a);
+        let c = open(PLAN, &dev, &o).unwrap();
+        drop((b, c));
+        assert_eq!(*standin::LOGGER_SETS.lock().unwrap(), 1);
+    }
+
+    #[test]
     fn load_errors_name_what_is_wrong() {
         let dev = Arc::new(HostDevice::new(false));
         let o = opts(true, ZeroCopy::Off);
@@ -902,8 +1054,15 @@ mod tests {
             let mut e = open(PLAN, &dev, &opts(true, ZeroCopy::Off)).unwrap();
             run_two_slots(&mut e);
             assert!(dev.live() > 0);
+            assert_eq!(*dev.synced.lock().unwrap(), 0);
         }
         assert_eq!(dev.live(), 0);
+        assert_eq!(dev.live_graphs(), 0);
+        assert_eq!(
+            *dev.synced.lock().unwrap(),
+            1,
+            "the stream drained before teardown"
+        );
         let _ = open(
             "input x 7 1,4\noutput y 0 1,4",
             &dev,

@@ -20,13 +20,13 @@ pub struct ShimApi {
     pub open_library: unsafe extern "C" fn(*const c_char, *mut c_char, usize) -> i32,
     pub library_version: unsafe extern "C" fn() -> i32,
     pub header_version: unsafe extern "C" fn() -> i32,
+    pub set_logger: unsafe extern "C" fn(Option<LogFn>, *mut c_void, i32),
+    pub init_plugins: unsafe extern "C" fn(*mut c_char, usize) -> i32,
     #[allow(clippy::type_complexity)]
     pub engine_load: unsafe extern "C" fn(
         *const c_void,
         usize,
         i32,
-        Option<LogFn>,
-        *mut c_void,
         *mut *mut RawEngine,
         *mut c_char,
         usize,
@@ -40,6 +40,19 @@ pub struct ShimApi {
         *mut *const c_char,
         *mut i32,
         *mut i32,
+        *mut i64,
+        *mut i32,
+        *mut i32,
+        *mut i32,
+        *mut i32,
+        *mut c_char,
+        usize,
+    ) -> i32,
+    #[allow(clippy::type_complexity)]
+    pub profile_shape: unsafe extern "C" fn(
+        *const RawEngine,
+        *const c_char,
+        i32,
         *mut i64,
         *mut i32,
         *mut c_char,
@@ -65,6 +78,8 @@ pub struct ShimApi {
     pub set_tensor_address:
         unsafe extern "C" fn(*mut RawEngine, *const c_char, *mut c_void, *mut c_char, usize) -> i32,
     pub enqueue: unsafe extern "C" fn(*mut RawEngine, *mut c_void, *mut c_char, usize) -> i32,
+    /// The logger and plugins are set up once per table (see `init_process`).
+    pub init: std::sync::Once,
 }
 
 pub const OK: i32 = 0;
@@ -81,6 +96,34 @@ pub const TRT_INT32: i32 = 3;
 pub const TRT_BOOL: i32 = 4;
 pub const TRT_UINT8: i32 = 5;
 pub const TRT_INT64: i32 = 8;
+
+/// nvinfer1::TensorLocation::kDEVICE (kHOST = 1: shape tensors, read by TensorRT on the CPU).
+pub const LOCATION_DEVICE: i32 = 0;
+/// nvinfer1::TensorFormat::kLINEAR: dense row-major, the only layout policyd sizes for.
+pub const FORMAT_LINEAR: i32 = 0;
+
+/// TensorRT's name for a tensor format, for messages.
+pub fn format_name(code: i32) -> String {
+    const NAMES: [&str; 13] = [
+        "kLINEAR",
+        "kCHW2",
+        "kHWC8",
+        "kCHW4",
+        "kCHW16",
+        "kCHW32",
+        "kDHWC8",
+        "kCDHW32",
+        "kHWC",
+        "kDLA_LINEAR",
+        "kDLA_HWC4",
+        "kHWC16",
+        "kDHWC",
+    ];
+    usize::try_from(code)
+        .ok()
+        .and_then(|i| NAMES.get(i))
+        .map_or_else(|| format!("TensorFormat({code})"), |n| (*n).to_string())
+}
 
 /// TensorRT's name for a data type, for messages.
 pub fn dtype_name(code: i32) -> String {
@@ -112,6 +155,37 @@ fn call(f: impl FnOnce(*mut c_char, usize) -> i32) -> Result<(), String> {
     } else {
         msg.into_owned()
     })
+}
+
+/// The most verbose TensorRT severity worth passing on at the current log level (TensorRT's
+/// INFO goes to debug, VERBOSE to trace; see [`log_message`]).
+fn max_severity() -> i32 {
+    match log::max_level() {
+        log::LevelFilter::Off => -1,
+        log::LevelFilter::Error => 1,
+        log::LevelFilter::Warn | log::LevelFilter::Info => 2,
+        log::LevelFilter::Debug => 3,
+        log::LevelFilter::Trace => 4,
+    }
+}
+
+/// Sets the shim's process-wide logger and initialises TensorRT's plugin library, once per
+/// shim (the first engine load; a reload reuses both).
+fn init_process(api: &ShimApi) {
+    api.init.call_once(|| {
+        // SAFETY: a static function; the shim keeps the pointer for the process's life.
+        unsafe { (api.set_logger)(Some(log_message), std::ptr::null_mut(), max_severity()) };
+        let mut msg = [0 as c_char; ERR_LEN];
+        // SAFETY: the buffer is sized as passed and starts zeroed.
+        let r = unsafe { (api.init_plugins)(msg.as_mut_ptr(), ERR_LEN) };
+        // SAFETY: the shim NUL-terminates within ERR_LEN.
+        let msg = unsafe { CStr::from_ptr(msg.as_ptr()) }.to_string_lossy();
+        match r {
+            1 => log::info!("tensorrt: {msg}"),
+            0 => log::info!("tensorrt: {msg} (plans with plugin layers will not load)"),
+            _ => log::warn!("tensorrt: {msg} (plans with plugin layers will not load)"),
+        }
+    });
 }
 
 /// TensorRT's log messages, to `log` under the target `tensorrt`. TensorRT's INFO is
@@ -167,6 +241,12 @@ pub struct RawTensor {
     pub dtype: i32,
     /// -1 for a dynamic dimension.
     pub dims: Vec<i64>,
+    /// nvinfer1::TensorLocation ([`LOCATION_DEVICE`] or host).
+    pub location: i32,
+    /// nvinfer1::TensorFormat ([`FORMAT_LINEAR`] or a vectorised one).
+    pub format: i32,
+    /// Components per element (1 unless vectorised).
+    pub components: i32,
 }
 
 /// A deserialized engine with its execution context.
@@ -181,20 +261,12 @@ unsafe impl Send for Handle {}
 
 impl Handle {
     pub fn load(api: &'static ShimApi, plan: &[u8], dla_core: Option<u32>) -> Result<Self, String> {
+        init_process(api);
         let mut raw: *mut RawEngine = std::ptr::null_mut();
         let dla = dla_core.map_or(-1, |d| d as i32);
         // SAFETY: `plan` is valid for its length; `raw` receives the engine on success.
         call(|e, n| unsafe {
-            (api.engine_load)(
-                plan.as_ptr().cast(),
-                plan.len(),
-                dla,
-                Some(log_message),
-                std::ptr::null_mut(),
-                &mut raw,
-                e,
-                n,
-            )
+            (api.engine_load)(plan.as_ptr().cast(), plan.len(), dla, &mut raw, e, n)
         })?;
         if raw.is_null() {
             return Err("the shim returned no engine".into());
@@ -209,6 +281,7 @@ impl Handle {
         for i in 0..n {
             let mut name: *const c_char = std::ptr::null();
             let (mut is_input, mut dtype, mut nb) = (0i32, 0i32, 0i32);
+            let (mut location, mut format, mut components) = (0i32, 0i32, 1i32);
             let mut dims = [0i64; MAX_DIMS];
             // SAFETY: every out-pointer is valid; `dims` holds MAX_DIMS entries.
             call(|e, len| unsafe {
@@ -220,6 +293,9 @@ impl Handle {
                     &mut dtype,
                     dims.as_mut_ptr(),
                     &mut nb,
+                    &mut location,
+                    &mut format,
+                    &mut components,
                     e,
                     len,
                 )
@@ -237,9 +313,36 @@ impl Handle {
                 is_input: is_input != 0,
                 dtype,
                 dims: dims[..nb as usize].to_vec(),
+                location,
+                format,
+                components,
             });
         }
         Ok(v)
+    }
+
+    /// An input's minimum and maximum shape in optimisation profile 0, if it has one.
+    pub fn profile_range(&self, name: &CStr) -> Option<(Vec<i64>, Vec<i64>)> {
+        let shape = |which: i32| {
+            let mut dims = [0i64; MAX_DIMS];
+            let mut nb = 0i32;
+            // SAFETY: valid name and out-pointers; `dims` holds MAX_DIMS entries.
+            call(|e, n| unsafe {
+                (self.api.profile_shape)(
+                    self.raw,
+                    name.as_ptr(),
+                    which,
+                    dims.as_mut_ptr(),
+                    &mut nb,
+                    e,
+                    n,
+                )
+            })
+            .ok()
+            .filter(|_| (0..=MAX_DIMS as i32).contains(&nb))
+            .map(|_| dims[..nb as usize].to_vec())
+        };
+        Some((shape(0)?, shape(2)?))
     }
 
     pub fn context_shape(&self, name: &CStr) -> Result<Vec<i64>, String> {
@@ -305,12 +408,12 @@ pub mod linked {
         fn trt_open_library(path: *const c_char, err: *mut c_char, n: usize) -> i32;
         fn trt_library_version() -> i32;
         fn trt_header_version() -> i32;
+        fn trt_set_logger(log: Option<LogFn>, user: *mut c_void, max_severity: i32);
+        fn trt_init_plugins(msg: *mut c_char, n: usize) -> i32;
         fn trt_engine_load(
             plan: *const c_void,
             len: usize,
             dla: i32,
-            log: Option<LogFn>,
-            user: *mut c_void,
             out: *mut *mut RawEngine,
             err: *mut c_char,
             n: usize,
@@ -323,6 +426,18 @@ pub mod linked {
             name: *mut *const c_char,
             is_input: *mut i32,
             dtype: *mut i32,
+            dims: *mut i64,
+            nb: *mut i32,
+            location: *mut i32,
+            format: *mut i32,
+            components: *mut i32,
+            err: *mut c_char,
+            n: usize,
+        ) -> i32;
+        fn trt_profile_shape(
+            e: *const RawEngine,
+            name: *const c_char,
+            which: i32,
             dims: *mut i64,
             nb: *mut i32,
             err: *mut c_char,
@@ -359,14 +474,18 @@ pub mod linked {
         open_library: trt_open_library,
         library_version: trt_library_version,
         header_version: trt_header_version,
+        set_logger: trt_set_logger,
+        init_plugins: trt_init_plugins,
         engine_load: trt_engine_load,
         engine_free: trt_engine_free,
         num_io: trt_num_io,
         io_info: trt_io_info,
+        profile_shape: trt_profile_shape,
         context_shape: trt_context_shape,
         scratch_size: trt_scratch_size,
         set_input_shape: trt_set_input_shape,
         set_tensor_address: trt_set_tensor_address,
         enqueue: trt_enqueue,
+        init: std::sync::Once::new(),
     };
 }

@@ -8,11 +8,16 @@
 //! stand-in "TensorRT" reads a plan written as text:
 //!
 //! ```text
-//! input <name> <nvinfer1::DataType> <dims, -1 = dynamic>
-//! output <name> <DataType> <dims; -1 = the first input's first dim>
+//! input <name> <nvinfer1::DataType> <dims, -1 = dynamic> [host] [format=<TensorFormat>]
+//!       [components=<n>]
+//! output <name> <DataType> <dims; -1 = the first input's first dim> [format=…] [components=…]
+//! profile <name> <min dims> <max dims>   # optimisation profile 0 of a dynamic input
 //! fail_enqueue <n>      # the n-th enqueue fails
 //! no_capture            # enqueue refuses to run while the stream captures
 //! ```
+//!
+//! Like TensorRT, it logs through one process-wide logger (`set_logger`), which must be set
+//! before the first engine is loaded.
 //!
 //! and computes, for every float32 output element k, `x0 + k / 1000`, where x0 is the first
 //! input's first element (float32 or uint8): so a test sees which observation ran.
@@ -59,6 +64,10 @@ pub struct HostDevice {
     /// Operations run (not recorded), and of those the copies, for tests.
     pub executed: Mutex<u64>,
     pub copies: Mutex<u64>,
+    /// Graphs instantiated, captures aborted, stream synchronisations.
+    pub instantiated: Mutex<u64>,
+    pub aborted: Mutex<u64>,
+    pub synced: Mutex<u64>,
 }
 
 impl HostDevice {
@@ -70,7 +79,16 @@ impl HostDevice {
             stream: Mutex::new(Stream::default()),
             executed: Mutex::new(0),
             copies: Mutex::new(0),
+            instantiated: Mutex::new(0),
+            aborted: Mutex::new(0),
+            synced: Mutex::new(0),
         }
+    }
+
+    /// Graphs instantiated and not destroyed.
+    pub fn live_graphs(&self) -> usize {
+        let s = self.stream.lock().unwrap();
+        s.graphs.iter().filter(|g| g.is_some()).count()
     }
 
     /// Allocations not yet freed.
@@ -203,6 +221,10 @@ impl Device for HostDevice {
     fn finish(&self) -> Result<Duration, GpuError> {
         Ok(Duration::from_micros(250))
     }
+    fn synchronize(&self) -> Result<(), GpuError> {
+        *self.synced.lock().unwrap() += 1;
+        Ok(())
+    }
     fn begin_capture(&self) -> Result<(), GpuError> {
         let mut s = self.stream.lock().unwrap();
         if s.capturing.is_some() {
@@ -220,8 +242,17 @@ impl Device for HostDevice {
         if self.fail_instantiate {
             return Err(GpuError::new("cuGraphInstantiate", "stand-in refuses"));
         }
+        *self.instantiated.lock().unwrap() += 1;
         s.graphs.push(Some(ops));
         Ok(Graph(s.graphs.len() as u64 - 1))
+    }
+    fn abort_capture(&self) {
+        let mut s = self.stream.lock().unwrap();
+        assert!(
+            s.capturing.take().is_some(),
+            "abort_capture while not capturing"
+        );
+        *self.aborted.lock().unwrap() += 1;
     }
     fn launch(&self, graph: Graph) -> Result<(), GpuError> {
         let ops = self.stream.lock().unwrap().graphs[graph.0 as usize]
@@ -248,6 +279,12 @@ struct Tensor {
     dims: Vec<i64>,
     shape_set: Option<Vec<i64>>,
     addr: usize,
+    /// TensorLocation, TensorFormat, components per element.
+    location: i32,
+    format: i32,
+    components: i32,
+    /// Optimisation profile 0: (min, max).
+    profile: Option<(Vec<i64>, Vec<i64>)>,
 }
 
 /// A stand-in for TensorRT's engine + execution context.
@@ -280,20 +317,45 @@ impl StandinEngine {
         let mut tensors = Vec::new();
         let mut fail_enqueue = None;
         let mut no_capture = false;
+        let dims = |d: &str, line: &str| -> Result<Vec<i64>, String> {
+            d.split(',')
+                .map(|d| d.parse().map_err(|_| format!("bad dims in {line}")))
+                .collect()
+        };
         for line in plan.lines().map(str::trim).filter(|l| !l.is_empty()) {
             let w: Vec<&str> = line.split_whitespace().collect();
             match w.as_slice() {
-                [io @ ("input" | "output"), name, dtype, dims] => tensors.push(Tensor {
-                    name: CString::new(*name).map_err(|e| e.to_string())?,
-                    input: *io == "input",
-                    dtype: dtype.parse().map_err(|_| format!("bad dtype in {line}"))?,
-                    dims: dims
-                        .split(',')
-                        .map(|d| d.parse().map_err(|_| format!("bad dims in {line}")))
-                        .collect::<Result<_, _>>()?,
-                    shape_set: None,
-                    addr: 0,
-                }),
+                [io @ ("input" | "output"), name, dtype, d, flags @ ..] => {
+                    let mut t = Tensor {
+                        name: CString::new(*name).map_err(|e| e.to_string())?,
+                        input: *io == "input",
+                        dtype: dtype.parse().map_err(|_| format!("bad dtype in {line}"))?,
+                        dims: dims(d, line)?,
+                        shape_set: None,
+                        addr: 0,
+                        location: 0,
+                        format: 0,
+                        components: 1,
+                        profile: None,
+                    };
+                    for f in flags {
+                        let num = |v: &str| v.parse().map_err(|_| format!("bad flag in {line}"));
+                        match f.split_once('=') {
+                            None if *f == "host" => t.location = 1,
+                            Some(("format", v)) => t.format = num(v)?,
+                            Some(("components", v)) => t.components = num(v)?,
+                            _ => return Err(format!("bad flag in {line}")),
+                        }
+                    }
+                    tensors.push(t);
+                }
+                ["profile", name, min, max] => {
+                    let t = tensors
+                        .iter_mut()
+                        .find(|t: &&mut Tensor| t.name.to_str() == Ok(*name))
+                        .ok_or_else(|| format!("profile of an unknown tensor: {line}"))?;
+                    t.profile = Some((dims(min, line)?, dims(max, line)?));
+                }
                 ["fail_enqueue", n] => fail_enqueue = n.parse().ok(),
                 ["no_capture"] => no_capture = true,
                 _ => return Err(format!("not a plan line: {line}")),
@@ -361,17 +423,54 @@ unsafe extern "C" fn library_version() -> i32 {
 unsafe extern "C" fn header_version() -> i32 {
     100300
 }
-#[allow(clippy::too_many_arguments)]
+/// The process-wide logger (function, user pointer as an address, max severity) and how
+/// often it was set, as TensorRT holds it.
+static LOGGER: Mutex<Option<(LogFn, usize, i32)>> = Mutex::new(None);
+pub static LOGGER_SETS: Mutex<u64> = Mutex::new(0);
+
+unsafe extern "C" fn set_logger(log: Option<LogFn>, user: *mut c_void, max: i32) {
+    *LOGGER_SETS.lock().unwrap() += 1;
+    let mut l = LOGGER.lock().unwrap();
+    match (l.as_mut(), log) {
+        // Later calls change the severity only, as the shim's do.
+        (Some(current), _) => current.2 = max,
+        (None, Some(f)) => *l = Some((f, user as usize, max)),
+        (None, None) => {}
+    }
+}
+
+/// Logs through the process logger, if the severity passes.
+fn log(severity: i32, msg: &str) {
+    let l = *LOGGER.lock().unwrap();
+    if let Some((f, user, max)) = l
+        && severity <= max
+    {
+        let msg = CString::new(msg).unwrap();
+        // SAFETY: a valid message for the call; `f` is the static the caller registered.
+        unsafe { f(severity, msg.as_ptr(), user as *mut c_void) };
+    }
+}
+
+unsafe extern "C" fn init_plugins(msg: *mut c_char, n: usize) -> i32 {
+    put(
+        msg,
+        n,
+        "no plugin library: libnvinfer_plugin.so.10: cannot open shared object file",
+    );
+    0
+}
+
 unsafe extern "C" fn engine_load(
     plan: *const c_void,
     len: usize,
     dla: i32,
-    log: Option<LogFn>,
-    user: *mut c_void,
     out: *mut *mut RawEngine,
     err: *mut c_char,
     n: usize,
 ) -> i32 {
+    if LOGGER.lock().unwrap().is_none() {
+        return put(err, n, "no process logger set before the first runtime");
+    }
     // SAFETY: the caller passes a valid plan buffer.
     let plan = unsafe { std::slice::from_raw_parts(plan.cast::<u8>(), len) };
     if dla > 1 {
@@ -386,11 +485,8 @@ unsafe extern "C" fn engine_load(
         .and_then(StandinEngine::parse);
     match parsed {
         Ok(e) => {
-            if let Some(log) = log {
-                let msg = CString::new("stand-in engine deserialized").unwrap();
-                // SAFETY: a valid message for the call.
-                unsafe { log(3, msg.as_ptr(), user) };
-            }
+            log(3, "stand-in engine deserialized");
+            log(4, "stand-in verbose detail");
             // SAFETY: `out` is valid.
             unsafe { *out = Box::into_raw(Box::new(e)).cast() };
             OK
@@ -414,6 +510,9 @@ unsafe extern "C" fn io_info(
     dtype: *mut i32,
     dims: *mut i64,
     nb: *mut i32,
+    location: *mut i32,
+    format: *mut i32,
+    components: *mut i32,
     err: *mut c_char,
     n: usize,
 ) -> i32 {
@@ -428,6 +527,36 @@ unsafe extern "C" fn io_info(
         *dtype = t.dtype;
         *nb = t.dims.len() as i32;
         std::ptr::copy_nonoverlapping(t.dims.as_ptr(), dims, t.dims.len());
+        *location = t.location;
+        *format = t.format;
+        *components = t.components;
+    }
+    OK
+}
+unsafe extern "C" fn profile_shape(
+    e: *const RawEngine,
+    name: *const c_char,
+    which: i32,
+    dims: *mut i64,
+    nb: *mut i32,
+    err: *mut c_char,
+    n: usize,
+) -> i32 {
+    // SAFETY: a valid C string.
+    let name = unsafe { CStr::from_ptr(name) };
+    let ts = engine(e).tensors.lock().unwrap();
+    let Some((min, max)) = ts
+        .iter()
+        .find(|t| t.name.as_c_str() == name)
+        .and_then(|t| t.profile.as_ref())
+    else {
+        return put(err, n, "the input has no profile shape");
+    };
+    let d = if which == 0 { min } else { max };
+    // SAFETY: out-pointers are valid; `dims` holds 8 entries.
+    unsafe {
+        *nb = d.len() as i32;
+        std::ptr::copy_nonoverlapping(d.as_ptr(), dims, d.len());
     }
     OK
 }
@@ -477,9 +606,16 @@ unsafe extern "C" fn set_input_shape(
     let Some(t) = ts.iter_mut().find(|t| t.name.as_c_str() == name && t.input) else {
         return put(err, n, "no such input");
     };
+    let in_profile = match &t.profile {
+        Some((min, max)) => dims
+            .iter()
+            .zip(min.iter().zip(max))
+            .all(|(d, (lo, hi))| (lo..=hi).contains(&d)),
+        None => dims.iter().all(|&d| (1..=64).contains(&d)),
+    };
     let fits = t.dims.len() == dims.len()
         && t.dims.iter().zip(dims).all(|(&a, &b)| a < 0 || a == b)
-        && dims.iter().all(|&d| (1..=64).contains(&d));
+        && in_profile;
     if !fits {
         return put(
             err,
@@ -554,13 +690,17 @@ pub static API: ShimApi = ShimApi {
     open_library,
     library_version,
     header_version,
+    set_logger,
+    init_plugins,
     engine_load,
     engine_free,
     num_io,
     io_info,
+    profile_shape,
     context_shape,
     scratch_size,
     set_input_shape,
     set_tensor_address,
     enqueue,
+    init: std::sync::Once::new(),
 };
