@@ -1,4 +1,5 @@
-//! Compiles the TensorRT shim (csrc/) when the `tensorrt` feature is on; nothing otherwise.
+//! Bakes a firmware image's config into the binary when `POLICYD_EMBED_CONFIG` names one (see
+//! [`bake`]), and compiles the TensorRT shim (csrc/) when the `tensorrt` feature is on.
 //!
 //! TensorRT's headers are found through `TENSORRT_INCLUDE_DIR`, `TENSORRT_ROOT/include`, or
 //! JetPack's and NVIDIA's standard install paths. CUDA's `cuda_runtime_api.h` comes from
@@ -8,8 +9,124 @@
 
 fn main() {
     println!("cargo:rerun-if-changed=build.rs");
+    bake::generate();
     #[cfg(feature = "tensorrt")]
     tensorrt::build();
+}
+
+/// A firmware image: `POLICYD_EMBED_CONFIG=configs/libero.toml cargo build --release` builds
+/// that config and every model or plan it names into the binary, so `policyd` with no arguments
+/// serves it with no files on the board. Writes `$OUT_DIR/baked.rs` (`BAKED`, `None` without
+/// the variable), which src/demo.rs includes.
+///
+/// Checked here: the file is TOML, every `engine.model` (top level and each `[[policies]]`)
+/// exists, and key files (`auth.key_file`, `tls.cert`/`tls.key`, `planner.api_key_file`), which
+/// stay on the board and are never built in, are absolute paths. The full validation runs when
+/// the binary starts (and in `policyd check-config`).
+mod bake {
+    use std::env;
+    use std::path::{Path, PathBuf};
+
+    const VAR: &str = "POLICYD_EMBED_CONFIG";
+
+    pub fn generate() {
+        println!("cargo:rerun-if-env-changed={VAR}");
+        let out = PathBuf::from(env::var_os("OUT_DIR").expect("cargo sets OUT_DIR"));
+        let code = match env::var_os(VAR).filter(|v| !v.is_empty()) {
+            None => "pub const BAKED: Option<Baked> = None;\n".to_string(),
+            Some(p) => match code(Path::new(&p)) {
+                Ok(code) => code,
+                Err(why) => {
+                    eprintln!("{VAR}: {why}");
+                    std::process::exit(1);
+                }
+            },
+        };
+        std::fs::write(out.join("baked.rs"), code).expect("OUT_DIR is writable");
+    }
+
+    fn code(given: &Path) -> Result<String, String> {
+        // Relative to the repository root (where cargo runs build scripts).
+        let root = PathBuf::from(env::var_os("CARGO_MANIFEST_DIR").expect("cargo sets it"));
+        let path = root.join(given);
+        let abs = path
+            .canonicalize()
+            .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+        println!("cargo:rerun-if-changed={}", abs.display());
+        let text = std::fs::read_to_string(&abs)
+            .map_err(|e| format!("cannot read {}: {e}", abs.display()))?;
+        let table: toml::Table = text
+            .parse()
+            .map_err(|e| format!("{} is not valid TOML: {e}", abs.display()))?;
+        let dir = abs.parent().unwrap_or(Path::new("/"));
+        let get = |t: &toml::Table, keys: &[&str]| -> Option<String> {
+            let mut v = t.get(keys[0])?;
+            for k in &keys[1..] {
+                v = v.get(k)?;
+            }
+            v.as_str().map(str::to_string)
+        };
+        let mut models: Vec<(String, String)> = Vec::new();
+        let mut tables = vec![("engine.model".to_string(), table.clone())];
+        if let Some(list) = table.get("policies").and_then(|p| p.as_array()) {
+            for (i, p) in list.iter().enumerate() {
+                if let Some(t) = p.as_table() {
+                    tables.push((format!("policies[{i}].engine.model"), t.clone()));
+                }
+            }
+        }
+        for (key, t) in &tables {
+            let Some(model) = get(t, &["engine", "model"]) else {
+                continue;
+            };
+            if models.iter().any(|(m, _)| *m == model) {
+                continue;
+            }
+            let file = dir.join(&model);
+            let file = file
+                .canonicalize()
+                .map_err(|e| format!("{key} = \"{model}\": cannot read {}: {e}", file.display()))?;
+            println!("cargo:rerun-if-changed={}", file.display());
+            models.push((model, file.display().to_string()));
+        }
+        if models.is_empty() {
+            return Err(format!("{} names no engine.model", abs.display()));
+        }
+        for keys in [
+            &["auth", "key_file"][..],
+            &["tls", "cert"],
+            &["tls", "key"],
+            &["planner", "api_key_file"],
+        ] {
+            if let Some(f) = get(&table, keys)
+                && !Path::new(&f).is_absolute()
+            {
+                return Err(format!(
+                    "{} = \"{f}\" must be an absolute path in a baked config: key files stay on \
+                     the board and are never built in",
+                    keys.join(".")
+                ));
+            }
+        }
+        let mut code = format!(
+            "pub const BAKED: Option<Baked> = Some(Baked {{\n    source: {:?},\n    config: \
+             include_str!({:?}),\n    models: &[\n",
+            given.display().to_string(),
+            abs.display().to_string()
+        );
+        for (written, file) in &models {
+            let name = Path::new(file)
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default();
+            code += &format!(
+                "        BakedModel {{ path: {written:?}, name: {name:?}, bytes: \
+                 include_bytes!({file:?}) }},\n"
+            );
+        }
+        code += "    ],\n});\n";
+        Ok(code)
+    }
 }
 
 #[cfg(feature = "tensorrt")]

@@ -201,7 +201,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
     let (host, port) = (cli.host.clone(), cli.port);
     match &cli.command {
         Some(Command::PrintDefaultConfig) => {
-            print!("{}", policyd::demo::CONFIG);
+            print!("{}", policyd::demo::config_text());
             Ok(())
         }
         Some(Command::CheckConfig { file }) => {

@@ -92,13 +92,6 @@ pub fn open_engine(spec: &PolicySpec) -> Result<Box<dyn Engine>, PolicyError> {
         )?)),
         #[cfg(feature = "tensorrt")]
         Backend::Tensorrt => {
-            let ModelSource::File(path) = &spec.model else {
-                return Err(crate::config::invalid(
-                    "engine.model",
-                    "the tensorrt backend needs a plan file (built with trtexec on the device)",
-                )
-                .into());
-            };
             let e = &spec.engine;
             let opts = crate::engine::tensorrt::Options {
                 model: spec.model.describe(),
@@ -108,7 +101,7 @@ pub fn open_engine(spec: &PolicySpec) -> Result<Box<dyn Engine>, PolicyError> {
                 shapes: shape_hints(spec),
             };
             Ok(Box::new(crate::engine::tensorrt::open(
-                path,
+                &spec.model,
                 e.device,
                 e.tensorrt_library.as_deref(),
                 &opts,

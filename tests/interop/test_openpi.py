@@ -125,6 +125,41 @@ def test_infer_matches_onnxruntime(server):
             assert reply["actions"].shape == (10, 8)
 
 
+BAKED = os.environ.get("POLICYD_BAKED_BIN")
+
+
+def test_firmware_image_serves_its_baked_config_from_an_empty_directory(tmp_path):
+    """A binary built with POLICYD_EMBED_CONFIG=configs/libero.toml (scripts/test builds it)
+    serves LIBERO with no arguments and no files, exactly as the same config from files."""
+    if not BAKED:
+        if os.environ.get("CI"):
+            pytest.fail("CI must set POLICYD_BAKED_BIN (scripts/test builds the baked binary)")
+        pytest.skip("set POLICYD_BAKED_BIN to a binary built with POLICYD_EMBED_CONFIG=configs/libero.toml")
+    text = subprocess.run([BAKED, "print-default-config"], cwd=tmp_path, capture_output=True,
+                          text=True, check=True).stdout
+    assert text == (ROOT / "configs/libero.toml").read_text()
+    port_b, port_f = free_port(), free_port()
+    baked = wait_healthy(subprocess.Popen([BAKED, "--port", str(port_b)], cwd=tmp_path,
+                                          stderr=subprocess.PIPE), port_b, "the baked policyd")
+    files = start_policyd(ROOT / "configs/libero.toml", port_f)
+    try:
+        rng = np.random.default_rng(7)
+        a = wcp.WebsocketClientPolicy("127.0.0.1", port_b)
+        b = wcp.WebsocketClientPolicy("127.0.0.1", port_f)
+        assert a.get_server_metadata() == b.get_server_metadata()
+        for _ in range(3):
+            obs = observation("libero", rng)
+            got, want = a.infer(obs)["actions"], b.infer(obs)["actions"]
+            assert got.shape == (10, 7)
+            np.testing.assert_array_equal(got, want)
+        assert list(tmp_path.iterdir()) == [], "nothing is read from or written to the directory"
+    finally:
+        for p in (baked, files):
+            p.terminate()
+            p.wait(timeout=15)
+    assert b"serving <embedded libero.onnx>" in baked.stderr.read()
+
+
 def as_policy(profile, default=False):
     """A demo profile's config rewritten as one `[[policies]]` entry."""
     text = (ROOT / f"configs/{profile}.toml").read_text()

@@ -658,7 +658,7 @@ impl Drop for TensorRtEngine {
 /// without libcuda), then loads the plan on the device.
 #[cfg(feature = "tensorrt")]
 pub fn open(
-    plan_path: &std::path::Path,
+    model: &crate::config::ModelSource,
     ordinal: u32,
     library: Option<&std::path::Path>,
     opts: &Options,
@@ -668,7 +668,8 @@ pub fn open(
     if !device::driver_present() {
         missing.push(
             "no CUDA driver: libcuda.so.1 cannot be opened (on a Jetson it comes with JetPack's \
-             L4T driver in /usr/lib/aarch64-linux-gnu/tegra; elsewhere with the NVIDIA driver)"
+             L4T driver, in /usr/lib/aarch64-linux-gnu/nvidia on JetPack 6 and \
+             /usr/lib/aarch64-linux-gnu/tegra on JetPack 5; elsewhere with the NVIDIA driver)"
                 .to_string(),
         );
     }
@@ -708,16 +709,24 @@ pub fn open(
         backend: "tensorrt",
         reason: format!("CUDA device {ordinal} cannot be used: {e}"),
     })?;
-    let plan = std::fs::read(plan_path).map_err(|source| EngineError::ReadModel {
-        path: plan_path.display().to_string(),
-        source,
-    })?;
+    let file;
+    let plan: &[u8] = match model {
+        crate::config::ModelSource::File(p) => {
+            file = std::fs::read(p).map_err(|source| EngineError::ReadModel {
+                path: p.display().to_string(),
+                source,
+            })?;
+            &file
+        }
+        // A firmware image's plan, built into the binary.
+        crate::config::ModelSource::Embedded { bytes, .. } => bytes,
+    };
     log::info!(
         "tensorrt: TensorRT {} (compiled against {})",
         shim::version_string(lib_version.unwrap_or(-1)),
         shim::version_string(header)
     );
-    TensorRtEngine::new(api, Arc::new(dev), &plan, opts)
+    TensorRtEngine::new(api, Arc::new(dev), plan, opts)
 }
 
 #[cfg(test)]
