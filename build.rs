@@ -67,11 +67,11 @@ mod bake {
             v.as_str().map(str::to_string)
         };
         let mut models: Vec<(String, String)> = Vec::new();
-        let mut tables = vec![("engine.model".to_string(), table.clone())];
+        let mut tables = vec![("engine.model".to_string(), &table)];
         if let Some(list) = table.get("policies").and_then(|p| p.as_array()) {
             for (i, p) in list.iter().enumerate() {
                 if let Some(t) = p.as_table() {
-                    tables.push((format!("policies[{i}].engine.model"), t.clone()));
+                    tables.push((format!("policies[{i}].engine.model"), t));
                 }
             }
         }

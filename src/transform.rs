@@ -351,28 +351,17 @@ pub fn fill_bytes(ty: ElemType, value: f64, dst: &mut [u8]) {
 }
 
 /// Whether every element of a buffer of `ty` in `order` is finite (no NaN, no infinity);
-/// integers always are. Reads only the exponent bits, so it costs a pass over the bytes.
+/// integers always are.
 pub fn all_finite(ty: ElemType, bytes: &[u8], order: ByteOrder) -> bool {
-    fn check<const N: usize>(bytes: &[u8], order: ByteOrder, finite: impl Fn(u64) -> bool) -> bool {
-        bytes.chunks_exact(N).all(|c| {
-            let mut be = [0u8; 8];
-            match order {
-                ByteOrder::Big => be[8 - N..].copy_from_slice(c),
-                ByteOrder::Little => {
-                    for (d, s) in be[8 - N..].iter_mut().zip(c.iter().rev()) {
-                        *d = *s;
-                    }
-                }
-            }
-            finite(u64::from_be_bytes(be))
-        })
+    fn check<T: Elem>(bytes: &[u8], order: ByteOrder) -> bool {
+        bytes
+            .chunks_exact(T::SIZE)
+            .all(|c| T::load(c, order).to_f64().is_finite())
     }
     match ty {
-        ElemType::F16 => check::<2>(bytes, order, |b| b & 0x7c00 != 0x7c00),
-        ElemType::F32 => check::<4>(bytes, order, |b| b & 0x7f80_0000 != 0x7f80_0000),
-        ElemType::F64 => check::<8>(bytes, order, |b| {
-            b & 0x7ff0_0000_0000_0000 != 0x7ff0_0000_0000_0000
-        }),
+        ElemType::F16 => check::<F16>(bytes, order),
+        ElemType::F32 => check::<f32>(bytes, order),
+        ElemType::F64 => check::<f64>(bytes, order),
         _ => true,
     }
 }

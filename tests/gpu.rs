@@ -14,7 +14,10 @@ use policyd::engine::tensorrt::device::{CudaDevice, Device, HostAlloc, driver_pr
 const MIB: usize = 1 << 20;
 
 fn device() -> CudaDevice {
-    assert!(driver_present(), "no CUDA driver (libcuda.so.1) on this machine");
+    assert!(
+        driver_present(),
+        "no CUDA driver (libcuda.so.1) on this machine"
+    );
     CudaDevice::open(0).expect("CUDA device 0 opens")
 }
 
@@ -65,7 +68,10 @@ fn mapped_host_memory_has_a_device_pointer_the_gpu_reads() {
     let dev = device();
     let n = MIB;
     let mapped = dev.alloc_host(n, true).expect("cuMemHostAlloc(DEVICEMAP)");
-    assert_ne!(mapped.device, 0, "cuMemHostGetDevicePointer resolved an address");
+    assert_ne!(
+        mapped.device, 0,
+        "cuMemHostGetDevicePointer resolved an address"
+    );
     let out = dev.alloc_host(n, false).unwrap();
     fill(&mapped, 11);
     // The GPU copies from the mapped buffer through its device address (what TensorRT does
@@ -111,7 +117,8 @@ fn copies_captured_into_a_graph_replay_with_fresh_data() {
     // An aborted capture leaves the stream usable and nothing behind.
     dev.begin_capture().unwrap();
     dev.abort_capture();
-    dev.synchronize().expect("the stream works after an aborted capture");
+    dev.synchronize()
+        .expect("the stream works after an aborted capture");
     // SAFETY: captured above, destroyed once; buffers freed once.
     unsafe {
         dev.destroy_graph(graph);

@@ -629,24 +629,19 @@ fn outputs(cx: &Keys, outputs: &[RawOutput]) -> Result<Vec<OutputConfig>, Config
         check_norm(cx, &k("mean"), &k("std"), &o.mean, &o.std, &[])?;
         // Every reply is float32 on the vllm-omni route (and with dtype = "float32"): a
         // coefficient past its range would put infinity on the wire for any output.
+        // (`std` enters as `std + 1e-6`.)
         let f32_max = f64::from(f32::MAX);
-        if let Some(m) = o.mean.iter().find(|m| m.abs() > f32_max) {
-            return Err(cx.invalid(
-                k("mean"),
-                format!(
-                    "{m} cannot be represented in float32, the dtype replies are sent in on the \
-                     vllm-omni route; un-normalised actions must stay within ±{f32_max:e}"
-                ),
-            ));
-        }
-        if let Some(s) = o.std.iter().find(|s| *s + 1e-6 > f32_max) {
-            return Err(cx.invalid(
-                k("std"),
-                format!(
-                    "{s} cannot be represented in float32, the dtype replies are sent in on the \
-                     vllm-omni route; un-normalised actions must stay within ±{f32_max:e}"
-                ),
-            ));
+        for (key, values, pad) in [("mean", &o.mean, 0.0), ("std", &o.std, 1e-6)] {
+            if let Some(v) = values.iter().find(|v| (*v + pad).abs() > f32_max) {
+                return Err(cx.invalid(
+                    k(key),
+                    format!(
+                        "{v} cannot be represented in float32, the dtype replies are sent in on \
+                         the vllm-omni route; un-normalised actions must stay within \
+                         ±{f32_max:e}"
+                    ),
+                ));
+            }
         }
         out.push(OutputConfig {
             tensor: o.tensor.clone(),

@@ -73,17 +73,8 @@ impl CpuEngine {
         model: &ModelSource,
         shape_hints: &[(String, Vec<usize>)],
     ) -> Result<Self, EngineError> {
-        let bytes: Vec<u8>;
-        let mut reader: &[u8] = match model {
-            ModelSource::File(p) => {
-                bytes = std::fs::read(p).map_err(|source| EngineError::ReadModel {
-                    path: p.display().to_string(),
-                    source,
-                })?;
-                &bytes
-            }
-            ModelSource::Embedded { bytes, .. } => bytes,
-        };
+        let bytes = super::model_bytes(model)?;
+        let mut reader: &[u8] = &bytes;
         let mut inf = tract_onnx::onnx()
             .model_for_read(&mut reader)
             .map_err(|e| load_err(model, e))?;

@@ -10,8 +10,10 @@ pub mod cpu;
 pub mod tensorrt;
 
 use std::any::Any;
+use std::borrow::Cow;
 use std::time::Duration;
 
+use crate::config::ModelSource;
 use crate::dtype::ElemType;
 
 /// One engine input or output, as the model declares it.
@@ -72,6 +74,22 @@ pub trait InputBuffer: Send {
 pub struct RunStats {
     /// Engine execution time (for a GPU backend, after a device sync).
     pub compute: Duration,
+}
+
+/// A model's bytes: read from its file, or borrowed from the binary (the embedded demo, a
+/// firmware image).
+pub fn model_bytes(model: &ModelSource) -> Result<Cow<'static, [u8]>, EngineError> {
+    match model {
+        ModelSource::File(p) => {
+            std::fs::read(p)
+                .map(Cow::Owned)
+                .map_err(|source| EngineError::ReadModel {
+                    path: p.display().to_string(),
+                    source,
+                })
+        }
+        ModelSource::Embedded { bytes, .. } => Ok(Cow::Borrowed(bytes)),
+    }
 }
 
 #[derive(Debug, thiserror::Error)]

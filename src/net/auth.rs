@@ -108,6 +108,16 @@ impl ApiKeys {
         !self.keys.is_empty()
     }
 
+    /// Checks every `Authorization` header a request carried: more than one is refused
+    /// ([`Verdict::Ambiguous`]) whatever they hold.
+    pub fn check_all(&self, headers: &[String]) -> Verdict {
+        match headers {
+            [] => self.check(None),
+            [one] => self.check(Some(one)),
+            _ => Verdict::Ambiguous,
+        }
+    }
+
     /// Checks an `Authorization` header value.
     pub fn check(&self, header: Option<&str>) -> Verdict {
         let Some(value) = header else {

@@ -106,11 +106,8 @@ struct Head {
     version: Option<String>,
     /// Every `Sec-WebSocket-Key` value (a valid handshake has exactly one).
     keys: Vec<String>,
-    /// The `Authorization` header (API keys); never logged.
-    authorization: Option<String>,
-    /// How many `Authorization` headers came: more than one is refused (a proxy appending
-    /// its own must not disagree with policyd about which one counts).
-    authorizations: usize,
+    /// Every `Authorization` header (API keys; more than one is refused); never logged.
+    authorizations: Vec<String>,
     /// Bytes read past the head (a client's first frame, if it did not wait).
     rest: Vec<u8>,
 }
@@ -191,8 +188,7 @@ async fn read_head<S: Transport>(stream: &mut S) -> Result<Head, HeadError> {
                     connection_upgrade: has_token("connection", "upgrade"),
                     version: find("sec-websocket-version"),
                     keys: all("sec-websocket-key"),
-                    authorization: find("authorization"),
-                    authorizations: all("authorization").len(),
+                    authorizations: all("authorization"),
                     rest: buf[end..len].to_vec(),
                 });
             }
@@ -375,11 +371,7 @@ pub(crate) async fn handle(
     let auth = &shared.access;
     let is_metrics = head.method == "GET" && head.path == "/metrics" && !head.upgrade;
     if auth.keys.enabled() && (head.upgrade || (is_metrics && auth.protect_metrics)) {
-        let verdict = if head.authorizations > 1 {
-            crate::net::auth::Verdict::Ambiguous
-        } else {
-            auth.keys.check(head.authorization.as_deref())
-        };
+        let verdict = auth.keys.check_all(&head.authorizations);
         if verdict != crate::net::auth::Verdict::Accepted {
             shared.stats.metrics.auth_failures.inc();
             log::warn!("{peer}: refused {}: {}", head.path, verdict.describe());

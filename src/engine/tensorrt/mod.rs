@@ -489,8 +489,7 @@ fn fix_shape(
         fixed.then(|| min.iter().map(|&m| m as usize).collect::<Vec<usize>>())
     });
     match hint {
-        None if dynamic && from_profile.is_some() => Ok(from_profile.unwrap_or_default()),
-        None if dynamic => Err(EngineError::DynamicShape {
+        None if dynamic => from_profile.ok_or_else(|| EngineError::DynamicShape {
             name: name.to_string(),
             shape: match profile {
                 Some((min, max)) => format!("{dims:?} (its profile allows {min:?} to {max:?})"),
@@ -709,24 +708,13 @@ pub fn open(
         backend: "tensorrt",
         reason: format!("CUDA device {ordinal} cannot be used: {e}"),
     })?;
-    let file;
-    let plan: &[u8] = match model {
-        crate::config::ModelSource::File(p) => {
-            file = std::fs::read(p).map_err(|source| EngineError::ReadModel {
-                path: p.display().to_string(),
-                source,
-            })?;
-            &file
-        }
-        // A firmware image's plan, built into the binary.
-        crate::config::ModelSource::Embedded { bytes, .. } => bytes,
-    };
+    let plan = crate::engine::model_bytes(model)?;
     log::info!(
         "tensorrt: TensorRT {} (compiled against {})",
         shim::version_string(lib_version.unwrap_or(-1)),
         shim::version_string(header)
     );
-    TensorRtEngine::new(api, Arc::new(dev), plan, opts)
+    TensorRtEngine::new(api, Arc::new(dev), &plan, opts)
 }
 
 #[cfg(test)]
