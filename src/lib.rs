@@ -5,7 +5,8 @@
 //!
 //! ```text
 //! limits, dtype, service   caps and element types; systemd (notify, watchdog, sockets)
-//! transform, protocol      element conversion; the wire format and its two dialects
+//! transform, protocol,     element conversion; the wire format and its two dialects;
+//!   tokenizer              prompts to token ids (openpi's formats)
 //! config                   the file's raw form, its checks, the resolved Config
 //! engine, planner, demo    backends; the task planner; the embedded default
 //! bind                     bindings compiled against an engine: frame → inputs, outputs → reply
@@ -39,4 +40,5 @@ pub mod runtime;
 pub mod service;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;
+pub mod tokenizer;
 pub mod transform;

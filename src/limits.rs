@@ -9,6 +9,12 @@ pub const MAX_PATH: usize = 256;
 pub const MAX_SESSION_ID: usize = 64;
 /// Longest policy name (it travels in paths, requests and messages).
 pub const MAX_POLICY_NAME: usize = 64;
+/// Largest `tokenizer.max_tokens` (openpi's pi0.5 uses 200).
+pub const MAX_TOKENS: usize = 4096;
+/// Largest `tokenizer.max_prompt_bytes`: the prompt bytes one request may have tokenized.
+pub const MAX_PROMPT_BYTES: usize = 1 << 20;
+/// Largest state a pi0.5 prompt carries, in values.
+pub const MAX_PROMPT_STATE: usize = 256;
 /// Most policies one config may declare.
 pub const MAX_POLICIES: usize = 16;
 /// Largest `engine.slots` (the scheduler's queue is a fixed array of this size).

@@ -82,6 +82,24 @@ enum Command {
     },
     /// Print the embedded default config (a starting point for your own).
     PrintDefaultConfig,
+    /// Tokenize prompts as an `[inputs.tokenizer]` binding does, to check a tokenizer file
+    /// against openpi's: JSON lines in (`{"prompt": "…", "state": [normalised values]}`), JSON
+    /// lines out (`{"ids": […], "mask": […], "tokens": untruncated count}`).
+    Tokenize {
+        /// The SentencePiece `.model` or `tokenizer.json`.
+        #[arg(long)]
+        tokenizer: PathBuf,
+        /// `pi0`, `pi05` or `plain`.
+        #[arg(long, default_value = "pi0")]
+        format: String,
+        #[arg(long, default_value_t = 48)]
+        max_tokens: usize,
+        #[arg(long, default_value_t = 0)]
+        pad_id: i64,
+        /// A tokenizer.json's BOS token.
+        #[arg(long)]
+        bos: Option<String>,
+    },
     /// Measure an OpenPI-protocol server (policyd or another): latency percentiles, throughput,
     /// server CPU per request; against a second server or the transport floor. Runs
     /// `policyd-bench` (see `policyd-bench --help` and docs/benchmarks.md).
@@ -190,6 +208,8 @@ enum CliError {
         program: String,
         source: std::io::Error,
     },
+    #[error("tokenize: {0}")]
+    Tokenize(String),
     #[error("{program} was killed ({status})")]
     BenchKilled {
         program: String,
@@ -212,6 +232,13 @@ fn run(cli: Cli) -> Result<(), CliError> {
             print!("{report}");
             Ok(())
         }
+        Some(Command::Tokenize {
+            tokenizer,
+            format,
+            max_tokens,
+            pad_id,
+            bos,
+        }) => tokenize(tokenizer, format, *max_tokens, *pad_id, bos.as_deref()),
         Some(Command::Bench { args }) => run_bench(&[], cli.config.as_ref(), args),
         Some(Command::BenchFloor { args }) => run_bench(&["floor"], None, args),
         Some(Command::Serve) | None => {
@@ -224,6 +251,53 @@ fn run(cli: Cli) -> Result<(), CliError> {
             serve(cfg, reload)
         }
     }
+}
+
+/// `policyd tokenize`: stdin's prompts through the tokenizer, padded and cut as a binding does.
+fn tokenize(
+    file: &PathBuf,
+    format: &str,
+    max_tokens: usize,
+    pad_id: i64,
+    bos: Option<&str>,
+) -> Result<(), CliError> {
+    use policyd::tokenizer::{Format, Tokenizer, state_bin};
+    use std::io::{BufRead, Write};
+    let usage = |m: String| CliError::Tokenize(m);
+    let format = Format::from_name(format)
+        .ok_or_else(|| usage(format!("--format must be pi0, pi05 or plain, got {format}")))?;
+    let bytes =
+        std::fs::read(file).map_err(|e| usage(format!("cannot read {}: {e}", file.display())))?;
+    let tok =
+        Tokenizer::load(&bytes, bos).map_err(|e| usage(format!("{}: {e}", file.display())))?;
+    let stdout = std::io::stdout();
+    let mut out = std::io::BufWriter::new(stdout.lock());
+    let mut ids = Vec::new();
+    for (n, line) in std::io::stdin().lock().lines().enumerate() {
+        let line = line.map_err(|e| usage(format!("stdin: {e}")))?;
+        let bad = |m: &str| usage(format!("line {}: {m}", n + 1));
+        let v: serde_json::Value = serde_json::from_str(&line).map_err(|e| bad(&e.to_string()))?;
+        let prompt = v["prompt"]
+            .as_str()
+            .ok_or_else(|| bad("no \"prompt\" string"))?;
+        let bins: Vec<i16> = match v.get("state").and_then(|s| s.as_array()) {
+            Some(s) => s
+                .iter()
+                .map(|x| state_bin(x.as_f64().unwrap_or(f64::NAN)))
+                .collect(),
+            None => Vec::new(),
+        };
+        tok.tokenize(format, prompt, &bins, &mut ids)
+            .map_err(|e| bad(&e.to_string()))?;
+        let padded: Vec<i64> = (0..max_tokens)
+            .map(|k| ids.get(k).map_or(pad_id, |&i| i64::from(i)))
+            .collect();
+        let mask: Vec<bool> = (0..max_tokens).map(|k| k < ids.len()).collect();
+        let line = serde_json::json!({"ids": padded, "mask": mask, "tokens": ids.len()});
+        writeln!(out, "{line}").map_err(|e| usage(format!("stdout: {e}")))?;
+    }
+    out.flush().map_err(|e| usage(format!("stdout: {e}")))?;
+    Ok(())
 }
 
 fn serve(

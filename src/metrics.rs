@@ -57,6 +57,10 @@ pub struct Metrics {
     pub auth_failures: Counter,
     /// Requests refused for NaN or infinity in an input (see `allow_non_finite`).
     pub non_finite_inputs: Counter,
+    /// Prompts tokenized (a session's prompt, or its pi0.5 state bins, changed).
+    pub prompts_tokenized: Counter,
+    /// Requests whose prompt was past `tokenizer.max_tokens` and truncated.
+    pub prompts_truncated: Counter,
 }
 
 impl Default for Metrics {
@@ -70,6 +74,8 @@ impl Default for Metrics {
             sessions: Gauge::default(),
             auth_failures: Counter::default(),
             non_finite_inputs: Counter::default(),
+            prompts_tokenized: Counter::default(),
+            prompts_truncated: Counter::default(),
         };
         // Every label combination now, so the request path never inserts.
         for route in Route::ALL {

@@ -5,16 +5,12 @@
 use super::{InputBinding, OutputBinding, Plan, PlannerTap};
 use crate::config::{Config, ConfigError, PolicySpec, invalid};
 use crate::dtype::ElemType;
-use crate::engine::IoSpec;
+use crate::engine::{IoSpec, TensorSpec};
 use crate::protocol::{self, Encoder, Limits};
 use crate::transform::{Affine, Transform};
 
 /// Checks `[planner]`'s bindings against the compiled inputs.
-fn planner_tap(
-    cfg: &Config,
-    inputs: &[InputBinding],
-    io: &IoSpec,
-) -> Result<Option<PlannerTap>, ConfigError> {
+fn planner_tap(cfg: &Config, inputs: &[InputBinding]) -> Result<Option<PlannerTap>, ConfigError> {
     let p = &cfg.planner;
     if !p.enabled {
         return Ok(None);
@@ -48,7 +44,8 @@ fn planner_tap(
             ),
         ));
     }
-    let max_subtask = io.inputs[inputs[prompt].index].elements();
+    // The text binding's bytes (for a tokenized prompt, its host buffer's).
+    let max_subtask = inputs[prompt].shape.iter().product();
     let (camera, geometry) = match &p.camera {
         None => (None, None),
         Some(key) => {
@@ -88,7 +85,7 @@ fn planner_tap(
 }
 
 /// Drops leading size-1 axes while more than `min_rank` remain.
-fn squeeze_to(shape: &[usize], min_rank: usize) -> &[usize] {
+pub(super) fn squeeze_to(shape: &[usize], min_rank: usize) -> &[usize] {
     let mut s = shape;
     while s.len() > min_rank && s.first() == Some(&1) {
         s = &s[1..];
@@ -109,23 +106,66 @@ impl Plan {
         };
         io.check_sizes().map_err(|m| invalid("engine.model", m))?;
         let mut inputs = Vec::new();
+        let mut host_buffers = Vec::new();
+        let mut tokens = None;
+        // Slot buffers past the engine's inputs, each with the spec the binding checks against.
+        let mut host_spec = |bytes: usize, spec: TensorSpec| {
+            host_buffers.push(bytes);
+            (io.inputs.len() + host_buffers.len() - 1, spec)
+        };
         for (i, b) in policy.inputs.iter().enumerate() {
             let k = |f: &str| format!("inputs[{i}].{f}");
-            let index = io
-                .inputs
-                .iter()
-                .position(|s| s.name == b.tensor)
-                .ok_or_else(|| {
-                    invalid(
-                        k("tensor"),
-                        format!(
-                            "the model has no input '{}'; its inputs are: {}",
-                            b.tensor,
-                            names(&io.inputs)
-                        ),
+            let tensor_index = |name: &str| {
+                io.inputs
+                    .iter()
+                    .position(|s| s.name == name)
+                    .ok_or_else(|| {
+                        invalid(
+                            k("tensor"),
+                            format!(
+                                "the model has no input '{name}'; its inputs are: {}",
+                                names(&io.inputs)
+                            ),
+                        )
+                    })
+            };
+            let mut token_binding = None;
+            let (index, spec) = match (&b.tensor, b.tokenizer()) {
+                (Some(name), Some(t)) => {
+                    let ids = tensor_index(name)?;
+                    let state = t
+                        .state_key
+                        .as_ref()
+                        .and_then(|key| policy.inputs.iter().position(|s| &s.key == key));
+                    let tb = super::tokens::compile(i, t, &io.inputs, ids, state)?;
+                    let bytes = tb.prompt_bytes;
+                    token_binding = Some(tb);
+                    tokens = Some(i);
+                    host_spec(
+                        bytes,
+                        TensorSpec {
+                            name: format!("{} (prompt text)", b.key),
+                            dtype: ElemType::U8,
+                            shape: vec![bytes],
+                        },
                     )
-                })?;
-            let spec = &io.inputs[index];
+                }
+                (Some(name), None) => {
+                    let index = tensor_index(name)?;
+                    (index, io.inputs[index].clone())
+                }
+                // A pi0.5 state only the prompt reads: normalised into float32, as openpi
+                // discretises it.
+                (None, _) => host_spec(
+                    b.shape.iter().product::<usize>() * 4,
+                    TensorSpec {
+                        name: format!("{} (prompt state)", b.key),
+                        dtype: ElemType::F32,
+                        shape: b.shape.clone(),
+                    },
+                ),
+            };
+            let spec = &spec;
             let rank = b.shape.len();
             let mut perm: Vec<usize> = (0..rank).collect();
             if let Some(p) = b.layout.perm() {
@@ -134,7 +174,8 @@ impl Plan {
                 }
             }
             let seen_by_engine: Vec<usize> = perm.iter().map(|&p| b.shape[p]).collect();
-            if squeeze_to(&spec.shape, rank) != seen_by_engine.as_slice() {
+            if token_binding.is_none() && squeeze_to(&spec.shape, rank) != seen_by_engine.as_slice()
+            {
                 return Err(invalid(
                     k("shape"),
                     format!(
@@ -177,12 +218,17 @@ impl Plan {
                 key: b.key.clone(),
                 index,
                 accepted,
-                shape: b.shape.clone(),
+                shape: if token_binding.is_some() {
+                    spec.shape.clone()
+                } else {
+                    b.shape.clone()
+                },
                 engine_type: spec.dtype,
                 affine,
                 optional: b.optional,
-                fill: b.fill,
+                fill: if token_binding.is_some() { 0.0 } else { b.fill },
                 text: b.is_text(),
+                tokens: token_binding,
                 check_finite: !b.allow_non_finite && !b.is_text(),
                 scalar: if spec.elements() == 1 && !b.is_text() {
                     let affine = &inputs_affine;
@@ -196,7 +242,11 @@ impl Plan {
             });
         }
         for spec in &io.inputs {
-            if !policy.inputs.iter().any(|b| b.tensor == spec.name) {
+            let bound = policy.inputs.iter().any(|b| {
+                b.tensor.as_deref() == Some(spec.name.as_str())
+                    || b.tokenizer().is_some_and(|t| t.mask_tensor == spec.name)
+            });
+            if !bound {
                 return Err(invalid(
                     "inputs",
                     format!(
@@ -305,7 +355,7 @@ impl Plan {
                 })
                 .sum::<usize>();
         let planner = if policy.is_default {
-            planner_tap(cfg, &inputs, io)?
+            planner_tap(cfg, &inputs)?
         } else {
             None
         };
@@ -330,9 +380,15 @@ impl Plan {
                 })
                 .flatten(),
             planner,
+            host_buffers,
+            tokens,
+            id: NEXT_PLAN.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
         })
     }
 }
+
+/// The next [`Plan::id`] (0 is never one: an empty token cache holds it).
+static NEXT_PLAN: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
 /// vllm-omni clients build their loop from `action_horizon`, `action_dim` and `action_keys`:
 /// where the metadata gives them, they must match the outputs.

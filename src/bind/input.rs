@@ -267,6 +267,9 @@ fn write_text(
 ) -> Result<(), WireError> {
     let size = b.engine_type.size();
     let max = dst.len() / size;
+    // A prompt to tokenize and truncate is cut at a character boundary: what lies past
+    // `max_prompt_bytes` cannot reach the first `max_tokens` tokens (see `bind::tokens`).
+    let cut = b.tokens.as_ref().is_some_and(|t| !t.refuse_overflow);
     let too_long = |got| WireError::TextTooLong {
         key: b.key.clone(),
         max,
@@ -284,6 +287,7 @@ fn write_text(
     match dtype {
         Some(WireDType::Unicode(_, order)) => {
             let mut utf8 = [0u8; 4];
+            let mut written = 0usize;
             for unit in data.chunks_exact(4) {
                 let raw = [unit[0], unit[1], unit[2], unit[3]];
                 let cp = match order {
@@ -297,6 +301,10 @@ fn write_text(
                     key: b.key.clone(),
                     encoding: "UTF-32",
                 })?;
+                written += c.len_utf8();
+                if cut && written > max {
+                    break;
+                }
                 for &byte in c.encode_utf8(&mut utf8).as_bytes() {
                     put(byte, dst).map_err(|_| too_long(n_utf8_total(data, order)))?;
                 }
@@ -308,12 +316,19 @@ fn write_text(
             } else {
                 data.len()
             };
-            let text = &data[..end];
+            let mut text = &data[..end];
             if std::str::from_utf8(text).is_err() {
                 return Err(WireError::BadText {
                     key: b.key.clone(),
                     encoding: "UTF-8",
                 });
+            }
+            if cut && text.len() > max {
+                let mut at = max;
+                while at > 0 && (text[at] & 0xc0) == 0x80 {
+                    at -= 1;
+                }
+                text = &text[..at];
             }
             if text.len() > max {
                 return Err(too_long(text.len()));

@@ -10,8 +10,10 @@
 mod compile;
 mod input;
 mod output;
+mod tokens;
 
 pub use output::{Chunk, Reply, ReplyParts};
+pub use tokens::{PromptCache, TokenBinding, Tokenized};
 
 use crate::dtype::ElemType;
 use crate::engine::IoSpec;
@@ -23,7 +25,8 @@ use crate::transform::{Affine, Transform};
 #[derive(Debug)]
 pub struct InputBinding {
     pub key: String,
-    /// Index into the engine's inputs.
+    /// Index into a slot's input buffers: the engine's inputs, then the host buffers
+    /// ([`Plan::host_buffers`]) that only the request path reads.
     pub index: usize,
     /// Accepted wire dtypes, each with its compiled transform.
     pub accepted: Vec<(ElemType, Transform)>,
@@ -33,8 +36,11 @@ pub struct InputBinding {
     pub affine: Affine,
     pub optional: bool,
     pub fill: f64,
-    /// A text binding: the string's UTF-8 bytes, one per element, then `fill`.
+    /// A text binding: the string's UTF-8 bytes, one per element, then `fill`. A tokenized
+    /// prompt is one too: its text lands in a host buffer, tokenized after the decode.
     pub text: bool,
+    /// A tokenized prompt: where its ids and mask go.
+    pub tokens: Option<TokenBinding>,
     /// Refuse NaN and infinity, on the wire or in the engine buffer after normalisation
     /// (unless `allow_non_finite`): a sensor's NaN must not become plausible commands.
     pub check_finite: bool,
@@ -75,6 +81,13 @@ pub struct Plan {
     pub similarity_input: Option<usize>,
     /// Where the request path meets the task planner, when `[planner]` is on.
     pub planner: Option<PlannerTap>,
+    /// Bytes of each host buffer a slot has after the engine's inputs: a tokenized prompt's
+    /// text, a pi0.5 state the engine does not take.
+    pub host_buffers: Vec<usize>,
+    /// The binding of the tokenized prompt, if any.
+    pub tokens: Option<usize>,
+    /// This plan, among every plan compiled (a session's token cache is valid for one).
+    pub id: u64,
 }
 
 /// The request path's side of the planner: which bindings it reads and fills. Indices

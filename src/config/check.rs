@@ -319,7 +319,7 @@ fn policy(
     base: Option<&Path>,
 ) -> Result<PolicySpec, ConfigError> {
     let (engine, model) = engine(cx, p.engine, base)?;
-    let inputs = inputs(cx, p.inputs)?;
+    let inputs = inputs(cx, p.inputs, base)?;
     pacing(pacing_keys, &p.pacing, &inputs)?;
     let outputs = outputs(cx, p.outputs)?;
     for (key, v) in p.metadata {
@@ -441,8 +441,82 @@ fn is_text(b: &RawInput) -> bool {
     b.dtypes.iter().any(|d| d == "text")
 }
 
+/// `[inputs.tokenizer]` of binding `i` (the file is read when the plan is compiled).
+fn tokenizer(
+    cx: &Keys,
+    i: usize,
+    t: &super::raw::RawTokenizer,
+    base: Option<&Path>,
+) -> Result<TokenizerConfig, ConfigError> {
+    let k = |f: &str| format!("inputs[{i}].tokenizer.{f}");
+    let format = crate::tokenizer::Format::from_name(&t.format).ok_or_else(|| {
+        cx.invalid(
+            k("format"),
+            format!(
+                "must be \"pi0\", \"pi05\" or \"plain\", got \"{}\"",
+                t.format
+            ),
+        )
+    })?;
+    cx.between(&k("max_tokens"), t.max_tokens, 1, crate::limits::MAX_TOKENS)?;
+    let refuse_overflow = match t.overflow.as_deref() {
+        None | Some("truncate") => false,
+        Some("refuse") => true,
+        Some(o) => {
+            return Err(cx.invalid(
+                k("overflow"),
+                format!("must be \"truncate\" or \"refuse\", got \"{o}\""),
+            ));
+        }
+    };
+    match (format, &t.state_key) {
+        (crate::tokenizer::Format::Pi05, None) => {
+            return Err(cx.invalid(
+                k("state_key"),
+                "format \"pi05\" puts the discretised state in the prompt: name the state's input key",
+            ));
+        }
+        (crate::tokenizer::Format::Pi0 | crate::tokenizer::Format::Plain, Some(_)) => {
+            return Err(cx.invalid(
+                k("state_key"),
+                "only format \"pi05\" puts the state in the prompt",
+            ));
+        }
+        _ => {}
+    }
+    if let Some(n) = t.max_prompt_bytes {
+        cx.between(
+            &k("max_prompt_bytes"),
+            n,
+            1,
+            crate::limits::MAX_PROMPT_BYTES,
+        )?;
+    }
+    if t.file.as_os_str().is_empty() {
+        return Err(cx.invalid(k("file"), "name the tokenizer's .model or tokenizer.json"));
+    }
+    if t.mask_tensor.is_empty() {
+        return Err(cx.invalid(k("mask_tensor"), "name the engine input of the mask"));
+    }
+    Ok(TokenizerConfig {
+        file: ModelSource::File(path(base, &t.file)),
+        format,
+        max_tokens: t.max_tokens,
+        mask_tensor: t.mask_tensor.clone(),
+        pad_id: t.pad_id,
+        refuse_overflow,
+        state_key: t.state_key.clone(),
+        bos: t.bos.clone(),
+        max_prompt_bytes: t.max_prompt_bytes,
+    })
+}
+
 /// `[[inputs]]`: each binding on its own and against the others.
-fn inputs(cx: &Keys, inputs: &[RawInput]) -> Result<Vec<InputConfig>, ConfigError> {
+fn inputs(
+    cx: &Keys,
+    inputs: &[RawInput],
+    base: Option<&Path>,
+) -> Result<Vec<InputConfig>, ConfigError> {
     let mut out = Vec::with_capacity(inputs.len());
     if inputs.is_empty() {
         return Err(cx.invalid("inputs", "at least one [[inputs]] binding is needed"));
@@ -470,15 +544,68 @@ fn inputs(cx: &Keys, inputs: &[RawInput]) -> Result<Vec<InputConfig>, ConfigErro
                 format!("\"{}\" is already bound by inputs[{j}]", b.key),
             ));
         }
-        if let Some(j) = inputs[..i].iter().position(|o| o.tensor == b.tensor) {
-            return Err(cx.invalid(
-                k("tensor"),
-                format!(
-                    "engine input \"{}\" is already bound by inputs[{j}]",
-                    b.tensor
-                ),
-            ));
+        let engine_inputs = |o: &RawInput| {
+            let mask = o.tokenizer.as_ref().map(|t| t.mask_tensor.clone());
+            o.tensor.clone().into_iter().chain(mask)
+        };
+        for t in engine_inputs(b) {
+            let earlier = inputs[..i]
+                .iter()
+                .position(|o| engine_inputs(o).any(|n| n == t));
+            let twice = b.tensor.as_deref() == Some(t.as_str())
+                && b.tokenizer.as_ref().is_some_and(|m| m.mask_tensor == t);
+            if let Some(j) = earlier.filter(|_| !twice) {
+                return Err(cx.invalid(
+                    k("tensor"),
+                    format!("engine input \"{t}\" is already bound by inputs[{j}]"),
+                ));
+            }
+            if twice {
+                return Err(cx.invalid(
+                    k("tokenizer.mask_tensor"),
+                    format!("\"{t}\" is the ids' tensor too; the mask needs its own input"),
+                ));
+            }
         }
+        let tokens = match &b.tokenizer {
+            None => None,
+            Some(t) => {
+                if !is_text(b) || b.dtypes.len() != 1 {
+                    return Err(cx.invalid(
+                        k("dtypes"),
+                        "a tokenized prompt is text on the wire: dtypes = [\"text\"]",
+                    ));
+                }
+                if b.shape.is_some() {
+                    return Err(cx.invalid(
+                        k("shape"),
+                        "a tokenized prompt's length is tokenizer.max_tokens; leave shape out",
+                    ));
+                }
+                Some(tokenizer(cx, i, t, base)?)
+            }
+        };
+        if b.tensor.is_none() {
+            let is_state = inputs.iter().any(|o| {
+                o.tokenizer
+                    .as_ref()
+                    .is_some_and(|t| t.state_key.as_deref() == Some(b.key.as_str()))
+            });
+            if !is_state || tokens.is_some() || is_text(b) {
+                return Err(cx.invalid(
+                    k("tensor"),
+                    "name the engine input this key feeds (only a pi05 tokenizer's state_key may \
+                     have none)",
+                ));
+            }
+        }
+        let shape = match (&b.shape, &tokens) {
+            (Some(s), _) => s.clone(),
+            (None, Some(t)) => vec![t.max_tokens],
+            (None, None) => {
+                return Err(cx.invalid(k("shape"), "missing: give the expected wire shape"));
+            }
+        };
         if b.dtypes.is_empty() {
             return Err(cx.invalid(
                 k("dtypes"),
@@ -489,7 +616,7 @@ fn inputs(cx: &Keys, inputs: &[RawInput]) -> Result<Vec<InputConfig>, ConfigErro
             if b.dtypes.len() != 1 {
                 return Err(cx.invalid(k("dtypes"), "\"text\" cannot be mixed with numeric dtypes"));
             }
-            if b.shape.len() != 1 {
+            if shape.len() != 1 {
                 return Err(cx.invalid(
                     k("shape"),
                     "a text binding's shape is [max_bytes]: the UTF-8 bytes, one per element",
@@ -520,16 +647,16 @@ fn inputs(cx: &Keys, inputs: &[RawInput]) -> Result<Vec<InputConfig>, ConfigErro
                 ));
             }
         }
-        if b.shape.len() > crate::limits::MAX_RANK {
+        if shape.len() > crate::limits::MAX_RANK {
             return Err(cx.invalid(
                 k("shape"),
-                format!("rank {} exceeds {}", b.shape.len(), crate::limits::MAX_RANK),
+                format!("rank {} exceeds {}", shape.len(), crate::limits::MAX_RANK),
             ));
         }
-        if b.shape.contains(&0) {
+        if shape.contains(&0) {
             return Err(cx.invalid(k("shape"), "dimensions must be positive"));
         }
-        let count = elements(cx, &k("shape"), &b.shape)?;
+        let count = elements(cx, &k("shape"), &shape)?;
         if let Some(es) = &b.engine_shape {
             if es.is_empty() || es.len() > crate::limits::MAX_RANK || es.contains(&0) {
                 return Err(cx.invalid(
@@ -560,7 +687,7 @@ fn inputs(cx: &Keys, inputs: &[RawInput]) -> Result<Vec<InputConfig>, ConfigErro
             Some("chw_to_hwc") => Layout::ChwToHwc,
             _ => Layout::None,
         };
-        if layout.perm().is_some() && b.shape.len() < 3 {
+        if layout.perm().is_some() && shape.len() < 3 {
             return Err(cx.invalid(k("layout"), "needs a shape of rank 3 or more"));
         }
         if !b.scale.is_finite() || !b.offset.is_finite() || !b.fill.is_finite() {
@@ -572,17 +699,17 @@ fn inputs(cx: &Keys, inputs: &[RawInput]) -> Result<Vec<InputConfig>, ConfigErro
             &k("std"),
             &b.mean,
             &b.std,
-            &[1, *b.shape.last().unwrap_or(&1), count],
+            &[1, *shape.last().unwrap_or(&1), count],
         )?;
         out.push(InputConfig {
             key: b.key.clone(),
             tensor: b.tensor.clone(),
-            kind: if is_text(b) {
-                InputKind::Text
-            } else {
-                InputKind::Numeric(dtypes)
+            kind: match tokens {
+                Some(t) => InputKind::Tokens(Box::new(t)),
+                None if is_text(b) => InputKind::Text,
+                None => InputKind::Numeric(dtypes),
             },
-            shape: b.shape.clone(),
+            shape,
             layout,
             scale: b.scale,
             offset: b.offset,
@@ -593,6 +720,35 @@ fn inputs(cx: &Keys, inputs: &[RawInput]) -> Result<Vec<InputConfig>, ConfigErro
             engine_shape: b.engine_shape.clone(),
             allow_non_finite: b.allow_non_finite,
         });
+    }
+    let mut tokenized = out
+        .iter()
+        .enumerate()
+        .filter(|(_, b)| b.tokenizer().is_some());
+    if let (Some(_), Some((j, _))) = (tokenized.next(), tokenized.next()) {
+        return Err(cx.invalid(
+            format!("inputs[{j}].tokenizer"),
+            "one tokenized prompt per policy: bind the other strings as text",
+        ));
+    }
+    for (i, b) in out.iter().enumerate() {
+        let Some(key) = b.tokenizer().and_then(|t| t.state_key.as_ref()) else {
+            continue;
+        };
+        let k = format!("inputs[{i}].tokenizer.state_key");
+        let Some(state) = out.iter().find(|s| &s.key == key) else {
+            return Err(cx.invalid(k, format!("names no [[inputs]] key (got \"{key}\")")));
+        };
+        let n = element_count(&state.shape).unwrap_or(usize::MAX);
+        if state.is_text() || n > crate::limits::MAX_PROMPT_STATE {
+            return Err(cx.invalid(
+                k,
+                format!(
+                    "must name a numeric input of at most {} values; '{key}' has {n}",
+                    crate::limits::MAX_PROMPT_STATE
+                ),
+            ));
+        }
     }
     Ok(out)
 }

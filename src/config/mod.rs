@@ -366,9 +366,10 @@ impl ModelSource {
 pub struct InputConfig {
     /// Observation key; nested maps are joined with `/` (`images/cam_high`).
     pub key: String,
-    /// Engine input name.
-    pub tensor: String,
-    /// Numbers in the accepted wire dtypes, or text.
+    /// Engine input name; `None` only for a pi0.5 state the engine does not take (its
+    /// normalised values then live in a host buffer, for the prompt alone).
+    pub tensor: Option<String>,
+    /// Numbers in the accepted wire dtypes, text, or a tokenized prompt.
     pub kind: InputKind,
     /// Expected wire shape.
     pub shape: Vec<usize>,
@@ -389,25 +390,55 @@ pub struct InputConfig {
 }
 
 /// What an input binding accepts.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub enum InputKind {
     /// Arrays in these wire dtypes, converted to the engine's.
     Numeric(Vec<ElemType>),
     /// A string (`dtypes = ["text"]`) whose UTF-8 bytes fill a `[max_bytes]` input.
     Text,
+    /// A string tokenized into ids (`tensor`) and a mask (`[inputs.tokenizer]`).
+    Tokens(Box<TokenizerConfig>),
+}
+
+/// `[inputs.tokenizer]`: a prompt tokenized as openpi's `PaligemmaTokenizer` does.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenizerConfig {
+    /// The SentencePiece `.model` or `tokenizer.json`.
+    pub file: ModelSource,
+    pub format: crate::tokenizer::Format,
+    /// Length of the ids and the mask.
+    pub max_tokens: usize,
+    pub mask_tensor: String,
+    pub pad_id: i64,
+    /// Refuse a prompt past `max_tokens` instead of truncating it.
+    pub refuse_overflow: bool,
+    /// `pi05`: the binding whose normalised values are discretised.
+    pub state_key: Option<String>,
+    /// A tokenizer.json's BOS token.
+    pub bos: Option<String>,
+    /// The most prompt bytes read (`None`: sized from the tokenizer when it is loaded).
+    pub max_prompt_bytes: Option<usize>,
 }
 
 impl InputConfig {
-    /// A text binding: a string's UTF-8 bytes, one per element.
+    /// A binding that takes a string on the wire: text or a tokenized prompt.
     pub fn is_text(&self) -> bool {
-        self.kind == InputKind::Text
+        matches!(self.kind, InputKind::Text | InputKind::Tokens(_))
+    }
+
+    /// The tokenizer of a tokenized prompt.
+    pub fn tokenizer(&self) -> Option<&TokenizerConfig> {
+        match &self.kind {
+            InputKind::Tokens(t) => Some(t),
+            _ => None,
+        }
     }
 
     /// The accepted wire dtypes (none for text).
     pub fn dtypes(&self) -> &[ElemType] {
         match &self.kind {
             InputKind::Numeric(d) => d,
-            InputKind::Text => &[],
+            InputKind::Text | InputKind::Tokens(_) => &[],
         }
     }
 }

@@ -317,13 +317,16 @@ fn default_engine_timeout() -> u64 {
 pub(super) struct RawInput {
     /// Observation key; nested maps are joined with `/` (`images/cam_high`).
     pub(super) key: String,
-    /// Engine input name.
-    pub(super) tensor: String,
+    /// Engine input name (the token ids, for a tokenized prompt). Only a pi0.5 state that the
+    /// engine does not take may leave it out.
+    #[serde(default)]
+    pub(super) tensor: Option<String>,
     /// Accepted wire dtypes (`uint8`, `float32`, `float64`, …), converted to the engine's; or
     /// `["text"]` for a string such as `prompt`, whose UTF-8 bytes fill a `[max_bytes]` input.
     pub(super) dtypes: Vec<String>,
-    /// Expected wire shape.
-    pub(super) shape: Vec<usize>,
+    /// Expected wire shape (a tokenized prompt has none: its length is `max_tokens`).
+    #[serde(default)]
+    pub(super) shape: Option<Vec<usize>>,
     /// `hwc_to_chw`, `chw_to_hwc` or `none`.
     #[serde(default)]
     pub(super) layout: Option<String>,
@@ -349,6 +352,39 @@ pub(super) struct RawInput {
     /// instead of refusing the request.
     #[serde(default)]
     pub(super) allow_non_finite: bool,
+    /// A prompt tokenized into token ids (`tensor`) and a mask.
+    #[serde(default)]
+    pub(super) tokenizer: Option<RawTokenizer>,
+}
+
+/// `[inputs.tokenizer]`: how a prompt becomes token ids and a mask (openpi's formats).
+#[derive(Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawTokenizer {
+    /// A SentencePiece `.model` or a Hugging Face `tokenizer.json`, relative to the config file.
+    pub(super) file: PathBuf,
+    /// `pi0`, `pi05` or `plain`.
+    pub(super) format: String,
+    /// Length of the ids and mask inputs (openpi's `max_token_len`: 48 for pi0, 200 for pi0.5).
+    pub(super) max_tokens: usize,
+    /// Engine input for the mask (true for a token, false for padding).
+    pub(super) mask_tensor: String,
+    /// Id written after the last token.
+    #[serde(default)]
+    pub(super) pad_id: i64,
+    /// `truncate` (openpi's behaviour) or `refuse`.
+    #[serde(default)]
+    pub(super) overflow: Option<String>,
+    /// `pi05`: the input binding whose normalised values are discretised into the prompt.
+    #[serde(default)]
+    pub(super) state_key: Option<String>,
+    /// A tokenizer.json's BOS token, by its text (SentencePiece models name their own).
+    #[serde(default)]
+    pub(super) bos: Option<String>,
+    /// The most prompt bytes read before tokenizing (default: enough for `max_tokens` of the
+    /// tokenizer's longest piece).
+    #[serde(default)]
+    pub(super) max_prompt_bytes: Option<usize>,
 }
 
 fn one() -> f64 {

@@ -69,6 +69,20 @@ pub trait InputBuffer: Send {
     fn as_any_mut(&mut self) -> &mut dyn Any;
 }
 
+/// A plain host buffer: the synthetic engine's inputs, and the request path's own buffers in a
+/// slot (a prompt's text before it is tokenized).
+#[derive(Debug)]
+pub struct HostBuffer(pub Vec<u8>);
+
+impl InputBuffer for HostBuffer {
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        &mut self.0
+    }
+    fn as_any_mut(&mut self) -> &mut dyn Any {
+        self
+    }
+}
+
 /// What one run measured.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct RunStats {

@@ -479,6 +479,13 @@ where
             drop(lease);
             return self.switch_to(name, frame, received).await;
         }
+        if plan.tokens.is_some() && meta.endpoint != Endpoint::Reset {
+            let cache = self.sessions.prompt_cache(meta.session_id.as_ref());
+            match plan.tokenize(&mut slot.inputs, cache) {
+                Ok(t) => self.tokenized(&policy, t),
+                Err(e) => return self.fail(Failure::Request(e.to_string())).await,
+            }
+        }
         if meta.endpoint != Endpoint::Reset && *policy.worker.state.stalled.borrow() {
             drop(lease);
             return self.fail(self.stall_failure()).await;
@@ -638,6 +645,30 @@ where
             log::debug!(
                 "session {}: new prompt, session reset",
                 self.sessions.current()
+            );
+        }
+    }
+
+    /// Counts a truncated prompt, and says so once per session (openpi logs every one).
+    fn tokenized(&self, policy: &Policy, t: crate::bind::Tokenized) {
+        let metrics = &self.shared.stats.metrics;
+        if t.encoded {
+            metrics.prompts_tokenized.inc();
+        }
+        let Some(n) = t.truncated else {
+            return;
+        };
+        metrics.prompts_truncated.inc();
+        if t.first_truncation {
+            let max = policy
+                .plan
+                .tokens
+                .and_then(|i| policy.plan.inputs[i].tokens.as_ref());
+            log::warn!(
+                "session {}: the prompt is {n} tokens, truncated to {} (tokenizer.max_tokens; \
+                 said once per session)",
+                self.sessions.current(),
+                max.map_or(0, |t| t.max_tokens)
             );
         }
     }

@@ -399,6 +399,16 @@ pub fn registry(m: &Metrics, live: Live) -> Registry {
         "requests refused for NaN or infinity in an input (inputs[i].allow_non_finite)",
         m.non_finite_inputs.clone(),
     );
+    r.register(
+        "policyd_prompts_tokenized",
+        "prompts tokenized: a session's prompt (or its pi0.5 state bins) changed",
+        m.prompts_tokenized.clone(),
+    );
+    r.register(
+        "policyd_prompts_truncated",
+        "requests whose prompt was past tokenizer.max_tokens and truncated",
+        m.prompts_truncated.clone(),
+    );
     r.register_collector(Box::new(live));
     r
 }

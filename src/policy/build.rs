@@ -63,7 +63,7 @@ fn in_policy(cfg: &Config, name: &str, e: PolicyError) -> PolicyError {
 fn shape_hints(spec: &PolicySpec) -> Vec<(String, Vec<usize>)> {
     spec.inputs
         .iter()
-        .filter_map(|b| b.engine_shape.clone().map(|s| (b.tensor.clone(), s)))
+        .filter_map(|b| Some((b.tensor.clone()?, b.engine_shape.clone()?)))
         .collect()
 }
 

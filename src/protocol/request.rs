@@ -93,9 +93,16 @@ pub enum WireError {
         got: Vec<usize>,
     },
     #[error(
-        "key '{key}': the text is {got} bytes of UTF-8; the binding holds at most {max} (its shape)"
+        "key '{key}': the text is {got} bytes of UTF-8; the binding holds at most {max} (its shape; for a tokenized prompt, tokenizer.max_prompt_bytes)"
     )]
     TextTooLong { key: String, max: usize, got: usize },
+    #[error(
+        "key '{key}': the prompt is {got} tokens; the policy takes at most {max} \
+         (tokenizer.max_tokens, overflow = \"refuse\"): shorten it"
+    )]
+    TooManyTokens { key: String, max: usize, got: usize },
+    #[error("key '{key}': {reason}")]
+    Tokenize { key: String, reason: String },
     #[error("key '{key}': expected text (a str), got an array of {got}")]
     ExpectedText { key: String, got: String },
     #[error("key '{key}': the text is not valid {encoding}")]

@@ -26,6 +26,8 @@ struct Entry {
     pacing: SessionPacing,
     /// A hash of the session's last prompt (`reset_on_prompt_change`).
     prompt: Option<u64>,
+    /// The session's last tokenized prompt.
+    tokens: crate::bind::PromptCache,
 }
 
 /// Sessions of one connection.
@@ -116,6 +118,16 @@ impl Sessions {
         changed
     }
 
+    /// The token cache of `id` (or the current session), which becomes the current session.
+    pub fn prompt_cache(&mut self, id: Option<&SessionId>) -> &mut crate::bind::PromptCache {
+        if let Some(id) = id {
+            self.current.clone_from(id);
+        }
+        self.tick += 1;
+        let tick = self.tick;
+        &mut self.entry(tick).tokens
+    }
+
     /// The session requests without `session_id` go to.
     pub fn current(&self) -> &SessionId {
         &self.current
@@ -157,6 +169,7 @@ impl Sessions {
             count: 0,
             pacing: SessionPacing::new(self.window),
             prompt: None,
+            tokens: crate::bind::PromptCache::default(),
         });
         let last = self.entries.len() - 1;
         &mut self.entries[last]

@@ -91,7 +91,13 @@ impl SlotPool {
         let mut free = Vec::with_capacity(n);
         for _ in 0..n {
             free.push(Box::new(Slot {
-                inputs: engine.alloc_inputs()?,
+                inputs: {
+                    let mut bufs = engine.alloc_inputs()?;
+                    for &bytes in &plan.host_buffers {
+                        bufs.push(Box::new(crate::engine::HostBuffer(vec![0; bytes])));
+                    }
+                    bufs
+                },
                 outputs: plan
                     .io
                     .outputs
@@ -333,6 +339,8 @@ impl WorkerHandle {
         warmup: usize,
     ) -> Result<(WorkerHandle, Duration), EngineError> {
         let pool = SlotPool::new(slots, engine.as_ref(), plan)?;
+        // A slot's buffers past these are the request path's own (`Plan::host_buffers`).
+        let engine_inputs = plan.io.inputs.len();
         let t0 = std::time::Instant::now();
         {
             let mut lease = pool
@@ -341,7 +349,7 @@ impl WorkerHandle {
             let slot = lease.slot();
             plan.fill_all(&mut slot.inputs);
             for _ in 0..warmup {
-                engine.run(&mut slot.inputs, &mut slot.outputs, true)?;
+                engine.run(&mut slot.inputs[..engine_inputs], &mut slot.outputs, true)?;
             }
         }
         let warm = t0.elapsed();
@@ -364,7 +372,11 @@ impl WorkerHandle {
                         let slot = &mut *job.slot;
                         *st.running_since.lock().unwrap_or_else(|e| e.into_inner()) =
                             Some(Instant::now());
-                        let result = engine.run(&mut slot.inputs, &mut slot.outputs, slot.reset);
+                        let result = engine.run(
+                            &mut slot.inputs[..engine_inputs],
+                            &mut slot.outputs,
+                            slot.reset,
+                        );
                         let took = st
                             .running_since
                             .lock()

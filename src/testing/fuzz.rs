@@ -130,7 +130,23 @@ key = "aux"
 pub fn io_for(policy: &PolicySpec) -> IoSpec {
     let mut inputs: Vec<TensorSpec> = Vec::new();
     for b in &policy.inputs {
-        if inputs.iter().any(|t| t.name == b.tensor) {
+        let Some(tensor) = b.tensor.clone() else {
+            continue;
+        };
+        if inputs.iter().any(|t| t.name == tensor) {
+            continue;
+        }
+        if let Some(t) = b.tokenizer() {
+            for (name, dtype) in [
+                (tensor, ElemType::I64),
+                (t.mask_tensor.clone(), ElemType::Bool),
+            ] {
+                inputs.push(TensorSpec {
+                    name,
+                    dtype,
+                    shape: vec![1, t.max_tokens],
+                });
+            }
             continue;
         }
         let mut shape = b.engine_shape.clone().unwrap_or_else(|| {
@@ -153,7 +169,7 @@ pub fn io_for(policy: &PolicySpec) -> IoSpec {
             ElemType::F32
         };
         inputs.push(TensorSpec {
-            name: b.tensor.clone(),
+            name: tensor,
             dtype,
             shape,
         });

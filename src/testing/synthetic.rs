@@ -31,16 +31,7 @@ pub struct SyntheticEngine {
 }
 
 /// A plain host buffer (also what tests decode into).
-pub struct HostBuffer(pub Vec<u8>);
-
-impl InputBuffer for HostBuffer {
-    fn bytes_mut(&mut self) -> &mut [u8] {
-        &mut self.0
-    }
-    fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
-        self
-    }
-}
+pub use crate::engine::HostBuffer;
 
 impl SyntheticEngine {
     pub fn new(io: IoSpec, behaviour: Behaviour) -> Self {

@@ -1,0 +1,345 @@
+//! What token ids does a prompt become? openpi's `PaligemmaTokenizer.tokenize`, in Rust: the
+//! prompt cleaned as openpi cleans it, laid out in the policy's format (`pi0`, `pi05` with the
+//! discretised state, or `plain`), encoded by a SentencePiece `.model` or a Hugging Face
+//! `tokenizer.json` through kitoken (pure Rust, so the aarch64 build needs no C++ SentencePiece),
+//! then cut to the engine's length. The bindings (`bind`) cache the result per session; this
+//! module is the pure function they call when a prompt changes.
+
+use kitoken::{Definition, Kitoken, SpecialTokenKind};
+
+/// Bins of the pi0.5 state: openpi's `np.linspace(-1, 1, 256 + 1)[:-1]`.
+pub const STATE_BINS: usize = 256;
+
+/// How the prompt is laid out before encoding.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Format {
+    /// openpi pi0: `encode(cleaned, add_bos=True) + encode("\n")`.
+    Pi0,
+    /// openpi pi0.5: `encode(f"Task: {cleaned}, State: {bins};\nAction: ", add_bos=True)`.
+    Pi05,
+    /// BOS (if the tokenizer has one) + `encode(prompt)`, the prompt as sent.
+    Plain,
+}
+
+impl Format {
+    pub fn from_name(s: &str) -> Option<Format> {
+        match s {
+            "pi0" => Some(Format::Pi0),
+            "pi05" => Some(Format::Pi05),
+            "plain" => Some(Format::Plain),
+            _ => None,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Format::Pi0 => "pi0",
+            Format::Pi05 => "pi05",
+            Format::Plain => "plain",
+        }
+    }
+}
+
+/// Why a tokenizer file could not be used, or a prompt not encoded.
+#[derive(Debug, thiserror::Error)]
+pub enum TokenizerError {
+    #[error(
+        "is neither a SentencePiece model nor a Hugging Face tokenizer.json ({sentencepiece}; {json})"
+    )]
+    Unreadable { sentencepiece: String, json: String },
+    #[error("is a tokenizer.json, which has no BOS of its own: {0}")]
+    Bos(String),
+    #[error("cannot encode the prompt: {0}")]
+    Encode(String),
+}
+
+/// A loaded tokenizer.
+#[derive(Debug)]
+pub struct Tokenizer {
+    inner: Kitoken,
+    /// The id put first (openpi's `add_bos=True`), if any.
+    bos: Option<u32>,
+    /// `encode("\n")`, pi0's "start of answer".
+    newline: Vec<u32>,
+    /// The `▁` piece, when the model adds a dummy prefix (see [`Tokenizer::encode`]).
+    space: Option<u32>,
+    /// One past the largest id it can produce.
+    vocab: usize,
+    /// Bytes of the longest piece (a token never covers more prompt bytes than this).
+    longest_piece: usize,
+    /// `"sentencepiece"` or `"tokenizer.json"`.
+    kind: &'static str,
+    /// The special tokens matched in prompt text.
+    matched: &'static [SpecialTokenKind],
+}
+
+/// The special tokens matched in prompt text. SentencePiece: its user-defined symbols, none of
+/// its control or unknown ones (`<s>` typed in a prompt is text, as in `sentencepiece`).
+const SENTENCEPIECE_MATCHED: &[SpecialTokenKind] = &[SpecialTokenKind::Priority];
+/// tokenizer.json: every added token, as `tokenizers` matches them even without
+/// `add_special_tokens`.
+const JSON_MATCHED: &[SpecialTokenKind] = &[
+    SpecialTokenKind::Control,
+    SpecialTokenKind::Priority,
+    SpecialTokenKind::Unknown,
+];
+
+impl Tokenizer {
+    /// Loads a SentencePiece `.model` (protobuf) or a Hugging Face `tokenizer.json` (JSON, by
+    /// its first byte). `bos` names the BOS token of a tokenizer.json (SentencePiece models
+    /// carry theirs).
+    pub fn load(bytes: &[u8], bos: Option<&str>) -> Result<Tokenizer, TokenizerError> {
+        let is_json = bytes
+            .iter()
+            .find(|b| !b.is_ascii_whitespace())
+            .is_some_and(|&b| b == b'{');
+        let mut dummy_prefix = false;
+        let (def, kind) = if is_json {
+            let def = Definition::from_tokenizers_slice(bytes).map_err(|e| {
+                TokenizerError::Unreadable {
+                    sentencepiece: "it is JSON".into(),
+                    json: e.to_string(),
+                }
+            })?;
+            (def, "tokenizer.json")
+        } else {
+            let unreadable = |e: String| TokenizerError::Unreadable {
+                sentencepiece: e,
+                json: "it is not JSON".into(),
+            };
+            let mut proto = sentencepiece_model::SentencePieceModel::from_slice(bytes)
+                .map_err(|e| unreadable(e.to_string()))?
+                .model()
+                .clone();
+            // SentencePiece normalises with the model's precompiled character map whatever
+            // the normaliser's name; kitoken re-implements the named ones (its `nmt_nfkc`
+            // leaves tabs alone), so hand it the map itself.
+            if let Some(n) = proto.normalizer_spec.as_mut()
+                && !n.precompiled_charsmap().is_empty()
+            {
+                n.name = Some("user_defined".into());
+            }
+            dummy_prefix = proto
+                .normalizer_spec
+                .as_ref()
+                .is_some_and(|n| n.add_dummy_prefix());
+            let def = Definition::from_sentencepiece_slice(&prost::Message::encode_to_vec(&proto))
+                .map_err(|e| unreadable(e.to_string()))?;
+            (def, "sentencepiece")
+        };
+        // SentencePiece encodes text that normalises to nothing (whitespace, with whitespace
+        // folded) as no tokens; kitoken adds the dummy prefix anyway.
+        let space = def
+            .model
+            .vocab()
+            .iter()
+            .find(|t| t.bytes == "\u{2581}".as_bytes())
+            .map(|t| t.id)
+            .filter(|_| dummy_prefix);
+        let vocab = def
+            .model
+            .vocab()
+            .iter()
+            .map(|t| t.id as usize + 1)
+            .chain(def.specials.iter().map(|s| s.id as usize + 1))
+            .max()
+            .unwrap_or(0);
+        let longest_piece = def
+            .model
+            .vocab()
+            .iter()
+            .map(|t| t.bytes.len())
+            .max()
+            .unwrap_or(1)
+            .max(1);
+        let bos = match (kind, bos) {
+            // `encode(add_bos=True)` adds the trainer's bos_id unless it is -1.
+            ("sentencepiece", None) => sentencepiece_model::SentencePieceModel::from_slice(bytes)
+                .ok()
+                .and_then(|m| m.trainer().map(|t| t.bos_id()))
+                .and_then(|id| u32::try_from(id).ok()),
+            (_, None) => None,
+            (_, Some(name)) => {
+                let found = def
+                    .specials
+                    .iter()
+                    .find(|s| s.bytes == name.as_bytes())
+                    .map(|s| s.id)
+                    .or_else(|| {
+                        def.model
+                            .vocab()
+                            .iter()
+                            .find(|t| t.bytes == name.as_bytes())
+                            .map(|t| t.id)
+                    });
+                Some(
+                    found.ok_or_else(|| {
+                        TokenizerError::Bos(format!("it has no token \"{name}\""))
+                    })?,
+                )
+            }
+        };
+        let inner = Kitoken::from_definition(def).map_err(|e| TokenizerError::Unreadable {
+            sentencepiece: e.to_string(),
+            json: e.to_string(),
+        })?;
+        let mut tokenizer = Tokenizer {
+            inner,
+            bos,
+            newline: Vec::new(),
+            space,
+            vocab,
+            longest_piece,
+            kind,
+            matched: if is_json {
+                JSON_MATCHED
+            } else {
+                SENTENCEPIECE_MATCHED
+            },
+        };
+        tokenizer.newline = tokenizer.encode("\n")?;
+        Ok(tokenizer)
+    }
+
+    /// `encode(text)` as SentencePiece (or `tokenizers`) gives it, without BOS.
+    fn encode(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
+        let mut ids = self
+            .inner
+            .encode(text, self.matched)
+            .map_err(|e| TokenizerError::Encode(e.to_string()))?;
+        if ids.len() == 1 && Some(ids[0]) == self.space {
+            let mut normalized = std::borrow::Cow::Borrowed(text);
+            self.inner
+                .config()
+                .normalize(&mut normalized, 0..usize::MAX);
+            if normalized == "\u{2581}" {
+                ids.clear();
+            }
+        }
+        Ok(ids)
+    }
+
+    /// One past the largest token id.
+    pub fn vocab_size(&self) -> usize {
+        self.vocab
+    }
+
+    /// Bytes of the longest piece in the vocabulary.
+    pub fn longest_piece(&self) -> usize {
+        self.longest_piece
+    }
+
+    /// `"sentencepiece"` or `"tokenizer.json"`.
+    pub fn kind(&self) -> &'static str {
+        self.kind
+    }
+
+    /// The BOS id, if the tokenizer adds one.
+    pub fn bos(&self) -> Option<u32> {
+        self.bos
+    }
+
+    /// Encodes `prompt` in `format` into `out` (cleared first), untruncated. `bins` is the
+    /// discretised state, for `pi05`.
+    pub fn tokenize(
+        &self,
+        format: Format,
+        prompt: &str,
+        bins: &[i16],
+        out: &mut Vec<u32>,
+    ) -> Result<(), TokenizerError> {
+        out.clear();
+        out.extend(self.bos);
+        let encode = |text: &str, out: &mut Vec<u32>| {
+            out.extend_from_slice(&self.encode(text)?);
+            Ok::<(), TokenizerError>(())
+        };
+        match format {
+            Format::Pi0 => {
+                encode(&clean(prompt), out)?;
+                out.extend_from_slice(&self.newline);
+            }
+            Format::Pi05 => {
+                use std::fmt::Write;
+                let mut text = String::with_capacity(prompt.len() + 32 + 4 * bins.len());
+                let _ = write!(text, "Task: {}, State: ", clean(prompt));
+                for (i, b) in bins.iter().enumerate() {
+                    let sep = if i == 0 { "" } else { " " };
+                    let _ = write!(text, "{sep}{b}");
+                }
+                text.push_str(";\nAction: ");
+                encode(&text, out)?;
+            }
+            Format::Plain => encode(prompt, out)?,
+        }
+        Ok(())
+    }
+}
+
+/// openpi's `prompt.strip().replace("_", " ").replace("\n", " ")`. Python's `strip()` removes
+/// what `str.isspace` calls whitespace: Unicode's White_Space plus the separators U+001C..U+001F.
+pub fn clean(prompt: &str) -> String {
+    let space = |c: char| c.is_whitespace() || ('\u{1c}'..='\u{1f}').contains(&c);
+    prompt
+        .trim_matches(space)
+        .chars()
+        .map(|c| if c == '_' || c == '\n' { ' ' } else { c })
+        .collect()
+}
+
+/// The pi0.5 bin of one normalised state value: `np.digitize(x, np.linspace(-1, 1, 257)[:-1])
+/// - 1`, so -1 below -1 and 255 from 1 - 1/128 up. The edges -1 + i/128 are exact in binary,
+/// so counting them is exact too.
+pub fn state_bin(x: f64) -> i16 {
+    if x.is_nan() {
+        // numpy: NaN compares false with every edge and sorts past them all.
+        return STATE_BINS as i16 - 1;
+    }
+    let below = (0..STATE_BINS)
+        .map(|i| -1.0 + i as f64 / 128.0)
+        .take_while(|&edge| edge <= x)
+        .count();
+    below as i16 - 1
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn state_bins_follow_numpy_digitize() {
+        assert_eq!(state_bin(-1.5), -1);
+        assert_eq!(state_bin(-1.0), 0);
+        assert_eq!(state_bin(-1.0 + 1.0 / 128.0 - 1e-12), 0);
+        assert_eq!(state_bin(-1.0 + 1.0 / 128.0), 1);
+        assert_eq!(state_bin(0.0), 128);
+        assert_eq!(state_bin(1.0 - 1.0 / 128.0), 255);
+        assert_eq!(state_bin(1.0), 255);
+        assert_eq!(state_bin(7.0), 255);
+        assert_eq!(state_bin(f64::NAN), 255);
+        assert_eq!(state_bin(f64::NEG_INFINITY), -1);
+    }
+
+    #[test]
+    fn prompts_are_cleaned_as_python_strips_them() {
+        assert_eq!(clean("  pick_up\nthe block \t"), "pick up the block");
+        assert_eq!(clean("\u{1c}\u{85}\u{a0}x\u{3000}"), "x");
+        assert_eq!(
+            clean("a\u{200b}"),
+            "a\u{200b}",
+            "U+200B is not whitespace to Python"
+        );
+        assert_eq!(clean(""), "");
+    }
+
+    #[test]
+    fn garbage_is_not_a_tokenizer() {
+        for bad in [&b"not a model"[..], b"{\"model\": 3}", b""] {
+            let e = Tokenizer::load(bad, None).unwrap_err().to_string();
+            assert!(
+                e.contains("SentencePiece") && e.contains("tokenizer.json"),
+                "{e}"
+            );
+        }
+    }
+}
