@@ -86,6 +86,58 @@ def build(name, cams, states, horizon, dim, rng):
     return model
 
 
+def build_prompted(rng, vocab=4000, max_tokens=48, emb=32, horizon=10, dim=7):
+    """A policy that reads its task as token ids and a mask, as pi0-class models do: the
+    masked mean of the tokens' embeddings joins an MLP of the state, so every token the mask
+    keeps changes the actions and a padded one does not."""
+    def w(shape, fan_in):
+        return (rng.standard_normal(shape) / np.sqrt(fan_in)).astype(np.float32)
+
+    inits = []
+
+    def const(nm, arr):
+        inits.append(numpy_helper.from_array(arr, nm))
+        return nm
+
+    inputs = [
+        helper.make_tensor_value_info("state", TensorProto.FLOAT, [1, 8]),
+        helper.make_tensor_value_info("tokenized_prompt", TensorProto.INT32, [1, max_tokens]),
+        helper.make_tensor_value_info("tokenized_prompt_mask", TensorProto.BOOL, [1, max_tokens]),
+    ]
+    table = const("embedding", w((vocab, emb), 1))
+    nodes = [
+        helper.make_node("Gather", [table, "tokenized_prompt"], ["tok_e"], axis=0),
+        helper.make_node("Cast", ["tokenized_prompt_mask"], ["mask_f"], to=TensorProto.FLOAT),
+        helper.make_node("Unsqueeze", ["mask_f", const("ax2", np.array([2], np.int64))], ["mask_u"]),
+        helper.make_node("Mul", ["tok_e", "mask_u"], ["tok_m"]),
+        helper.make_node("ReduceSum", ["tok_m", const("ax1", np.array([1], np.int64))], ["tok_s"],
+                         keepdims=0),
+        helper.make_node("ReduceSum", ["mask_f", const("ax1b", np.array([1], np.int64))],
+                         ["count"], keepdims=1),
+        helper.make_node("Max", ["count", const("one", np.array([1.0], np.float32))], ["count1"]),
+        helper.make_node("Div", ["tok_s", "count1"], ["prompt_f"]),
+        helper.make_node("Gemm", ["state", const("state_w", w((8, 64), 8)),
+                                  const("state_b", w((64,), 1) * 0.1)], ["state_g"]),
+        helper.make_node("Relu", ["state_g"], ["state_f"]),
+        helper.make_node("Concat", ["state_f", "prompt_f"], ["features"], axis=1),
+        helper.make_node("Gemm", ["features", const("head_w1", w((64 + emb, HIDDEN), 64 + emb) * 2.0),
+                                  const("head_b1", w((HIDDEN,), 1) * 0.1)], ["h1"]),
+        helper.make_node("Relu", ["h1"], ["h1r"]),
+        helper.make_node("Gemm", ["h1r", const("head_w2", w((HIDDEN, horizon * dim), HIDDEN) * 1.5),
+                                  const("head_b2", w((horizon * dim,), 1) * 0.1)], ["h2"]),
+        helper.make_node("Tanh", ["h2"], ["h2t"]),
+        helper.make_node("Reshape", ["h2t", const("out_shape", np.array([1, horizon, dim], np.int64))],
+                         ["actions"]),
+    ]
+    out = helper.make_tensor_value_info("actions", TensorProto.FLOAT, [1, horizon, dim])
+    graph = helper.make_graph(nodes, "policyd_demo_prompted", inputs, [out], initializer=inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)],
+                              producer_name="policyd scripts/gen_models.py")
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    return model
+
+
 def main():
     OUT.mkdir(exist_ok=True)
     for i, (name, spec) in enumerate(PROFILES.items()):
@@ -93,6 +145,10 @@ def main():
         path = OUT / f"{name}.onnx"
         path.write_bytes(model.SerializeToString())
         print(f"wrote {path.relative_to(ROOT)} ({path.stat().st_size} bytes)")
+    # Its own seed, after the others, so that adding it left them byte-identical.
+    path = OUT / "prompted.onnx"
+    path.write_bytes(build_prompted(np.random.default_rng(4321)).SerializeToString())
+    print(f"wrote {path.relative_to(ROOT)} ({path.stat().st_size} bytes)")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,17 @@ use kitoken::{Definition, Kitoken, SpecialTokenKind};
 /// Bins of the pi0.5 state: openpi's `np.linspace(-1, 1, 256 + 1)[:-1]`.
 pub const STATE_BINS: usize = 256;
 
+/// openpi's example prompts (LIBERO, DROID, ALOHA), which `check-config` tokenizes to show
+/// how much of `max_tokens` a typical prompt takes.
+pub const SAMPLE_PROMPTS: &[&str] = &[
+    "put both the alphabet soup and the tomato sauce in the basket",
+    "put the black bowl in the bottom drawer of the cabinet and close it",
+    "pick up the book and place it in the back compartment of the caddy",
+    "turn on the stove and put the moka pot on it",
+    "Put the marker in the cup",
+    "fold the towel",
+];
+
 /// How the prompt is laid out before encoding.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Format {
@@ -140,8 +151,11 @@ impl Tokenizer {
             .model
             .vocab()
             .iter()
-            .map(|t| t.id as usize + 1)
-            .chain(def.specials.iter().map(|s| s.id as usize + 1))
+            .map(|t| t.id)
+            .chain(def.specials.iter().map(|s| s.id))
+            // kitoken's placeholder for "no id".
+            .filter(|&id| id != u32::MAX)
+            .map(|id| id as usize + 1)
             .max()
             .unwrap_or(0);
         let longest_piece = def

@@ -31,6 +31,8 @@ pub struct TokenBinding {
     pub state: Option<usize>,
     /// Bytes of prompt text read (the host buffer's size).
     pub prompt_bytes: usize,
+    /// The tokenizer file's size (for the memory budget).
+    pub file_size: u64,
 }
 
 /// One session's last tokenized prompt.
@@ -167,6 +169,7 @@ pub(super) fn compile(
         refuse_overflow: t.refuse_overflow,
         state,
         prompt_bytes,
+        file_size: bytes.len() as u64,
     })
 }
 

@@ -28,7 +28,9 @@ impl Budget {
             plan.scratch_bytes,
             plan.metadata.len(),
         );
-        let inputs: u64 = io.inputs.iter().map(|s| s.bytes() as u64).sum();
+        // The engine's inputs and the request path's own host buffers (a prompt's text).
+        let inputs: u64 = io.inputs.iter().map(|s| s.bytes() as u64).sum::<u64>()
+            + plan.host_buffers.iter().map(|&b| b as u64).sum::<u64>();
         let outputs: u64 = io.outputs.iter().map(|s| s.bytes() as u64).sum();
         let reply = reply as u64;
         let scratch = scratch as u64;
@@ -55,6 +57,21 @@ impl Budget {
             ("model        weights as stored".to_string(), model),
         ];
         let mut lines = lines;
+        if let Some(t) = plan.tokens.and_then(|i| plan.inputs[i].tokens.as_ref()) {
+            // A session's cache: the prompt's text, its ids before truncation (at most one a
+            // byte, plus BOS and the pi0 newline), the state's bins. Allocated at the
+            // session's first prompt, never past this.
+            let state = t
+                .state
+                .map_or(0, |s| plan.inputs[s].shape.iter().product::<usize>());
+            let per_session = (t.prompt_bytes + 4 * (t.prompt_bytes + 16) + 2 * state) as u64;
+            let sessions = cfg.server.max_sessions as u64;
+            lines.push((
+                format!("prompts      {conns} × {sessions} sessions × token cache {per_session}"),
+                conns * sessions * per_session,
+            ));
+            lines.push(("tokenizer    file as stored".to_string(), t.file_size));
+        }
         if let Some(g) = plan.planner.as_ref().and_then(|t| t.geometry) {
             lines.push((
                 "planner      camera frame handed to the planner".to_string(),

@@ -217,6 +217,54 @@ pub fn build(
 
 /// `policyd check-config`: opens each policy's engine and compiles its bindings (no slots, no
 /// warm-up), and reports what it found and the memory budget; fails as serving would.
+/// `check-config`'s lines on a tokenized prompt: the tokenizer, and the longest of openpi's
+/// example prompts in tokens (pi0.5 with a zero state), against `max_tokens`.
+fn tokenizer_report(plan: &Plan) -> Option<String> {
+    let b = &plan.inputs[plan.tokens?];
+    let t = b.tokens.as_ref()?;
+    let bins = vec![
+        crate::tokenizer::state_bin(0.0);
+        t.state.map_or(0, |s| plan.inputs[s].shape.iter().product())
+    ];
+    let mut ids = Vec::new();
+    let (longest, prompt) = crate::tokenizer::SAMPLE_PROMPTS
+        .iter()
+        .filter_map(|p| {
+            t.tokenizer.tokenize(t.format, p, &bins, &mut ids).ok()?;
+            Some((ids.len(), *p))
+        })
+        .max()?;
+    let io = &plan.io.inputs;
+    Some(format!(
+        "  prompt '{}': {} tokenizer, {} tokens{}, format {}; ids '{}' {} and mask '{}' {} of {}; \
+         overflow {}; reads at most {} prompt bytes\n  prompt '{}': longest sample prompt is {} \
+         tokens of {} (\"{}\")\n",
+        b.key,
+        t.tokenizer.kind(),
+        t.tokenizer.vocab_size(),
+        t.tokenizer
+            .bos()
+            .map(|id| format!(", BOS {id}"))
+            .unwrap_or_default(),
+        t.format.name(),
+        io[t.ids].name,
+        t.ids_type,
+        io[t.mask].name,
+        t.mask_type,
+        t.max_tokens,
+        if t.refuse_overflow {
+            "refused"
+        } else {
+            "truncated"
+        },
+        t.prompt_bytes,
+        b.key,
+        longest,
+        t.max_tokens,
+        prompt
+    ))
+}
+
 pub fn check(cfg: &Config, origin: &str) -> Result<String, PolicyError> {
     use std::fmt::Write;
     let mut out = String::new();
@@ -264,6 +312,9 @@ pub fn check(cfg: &Config, origin: &str) -> Result<String, PolicyError> {
                 p.precedence,
                 p.camera.as_deref().unwrap_or("none (text only)")
             );
+        }
+        if let Some(line) = tokenizer_report(&plan) {
+            out.push_str(&line);
         }
         out.push_str(&budget.render());
         budgets.push((name, budget));

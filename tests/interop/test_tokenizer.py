@@ -174,3 +174,92 @@ def test_tokenizer_json_matches_tokenizers(fmt):
     items = [{"prompt": p} for p in PROMPTS]
     got = policyd_tokenize(TOK / "bytelevel.json", fmt, 64, items, bos="<s>")
     compare(HfReference(TOK / "bytelevel.json", 64, "<s>"), got, items, fmt)
+
+
+# End to end: the prompted demo (configs/prompted.toml) through the unchanged openpi-client,
+# its actions checked against onnxruntime fed the reference's ids and mask.
+
+import msgpack
+import msgpack_numpy
+import onnxruntime as ort
+import urllib.request
+import websockets.sync.client as wsc
+from openpi_client import msgpack_numpy as openpi_mn
+from openpi_client import websocket_client_policy as wcp
+from test_openpi import free_port, start_policyd
+
+
+@pytest.fixture(scope="module")
+def prompted():
+    port = free_port()
+    proc = start_policyd(ROOT / "configs/prompted.toml", port)
+    yield port
+    proc.terminate()
+    proc.wait(timeout=15)
+
+
+SESSION = ort.InferenceSession(str(ROOT / "models/prompted.onnx"))
+REF = PaligemmaReference(TOK / "bpe.model", 48)
+
+
+def reference_actions(state, prompt):
+    ids, mask, _ = REF.tokenize(prompt)
+    return SESSION.run(None, {
+        "state": state[None].astype(np.float32),
+        "tokenized_prompt": np.array([ids], dtype=np.int32),
+        "tokenized_prompt_mask": np.array([mask], dtype=bool),
+    })[0][0]
+
+
+def test_prompts_are_tokenized_as_openpi_does(prompted):
+    client = wcp.WebsocketClientPolicy("127.0.0.1", prompted)
+    state = np.linspace(-1, 1, 8).astype(np.float32)
+    seen = {}
+    for prompt in OPENPI_PROMPTS[:6] + ["  pick_up the\nred block  ", "日本語 🤖 café"]:
+        got = client.infer({"observation/state": state, "prompt": prompt})["actions"]
+        assert np.max(np.abs(got - reference_actions(state, prompt))) <= 1e-5, prompt
+        seen[prompt] = got
+        again = client.infer({"observation/state": state, "prompt": prompt})["actions"]
+        assert np.array_equal(got, again), "the same prompt gives the same actions"
+    values = list(seen.values())
+    assert all(not np.array_equal(a, b) for i, a in enumerate(values) for b in values[i + 1:]), \
+        "different prompts give different actions"
+    # openpi-client sends np.str_ prompts too (as numpy "<U" arrays).
+    got = client.infer({"observation/state": state, "prompt": np.array("fold the towel")})["actions"]
+    assert np.max(np.abs(got - reference_actions(state, "fold the towel"))) <= 1e-5
+
+
+def metric(port, name):
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+    raise AssertionError(f"no {name}")
+
+
+def test_long_and_empty_prompts_match_openpi_on_the_vllm_route(prompted):
+    """Past max_tokens a prompt is truncated as openpi truncates it (a 1 MiB prompt too: the
+    server reads only its first max_prompt_bytes), counted; an empty one is BOS + "\\n"."""
+    state = np.zeros(8, dtype=np.float32)
+    long = " ".join(["pick up the red block and put it in the basket"] * 20)
+    huge = ("put the bowl on the plate " * 40400)[: 1 << 20]
+    before = metric(prompted, "policyd_prompts_truncated_total")
+    with wsc.connect(f"ws://127.0.0.1:{prompted}/v1/realtime/robot/openpi", compression=None,
+                     max_size=None) as ws:
+        msgpack.unpackb(ws.recv())
+        for prompt in [long, huge, "", "   "]:
+            obs = {"observation/state": state, "prompt": prompt}
+            ws.send(msgpack.packb(obs, default=msgpack_numpy.encode))
+            arr = openpi_mn.unpackb(ws.recv(timeout=10))
+            assert np.max(np.abs(arr - reference_actions(state, prompt))) <= 1e-5, prompt[:40]
+        # Not text, not UTF-8: an error map naming the key; the socket still serves.
+        for bad in [np.arange(4, dtype=np.float32), b"\xff\xfe"]:
+            ws.send(msgpack.packb({"observation/state": state, "prompt": bad},
+                                  default=msgpack_numpy.encode))
+            err = msgpack.unpackb(ws.recv(timeout=10))
+            assert err["type"] == "error" and "'prompt'" in err["detail"], err
+        ws.send(msgpack.packb({"observation/state": state, "prompt": "fold the towel"},
+                              default=msgpack_numpy.encode))
+        arr = openpi_mn.unpackb(ws.recv(timeout=10))
+        assert np.max(np.abs(arr - reference_actions(state, "fold the towel"))) <= 1e-5
+    assert metric(prompted, "policyd_prompts_truncated_total") >= before + 2
