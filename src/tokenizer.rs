@@ -301,9 +301,9 @@ pub fn clean(prompt: &str) -> String {
         .collect()
 }
 
-/// The pi0.5 bin of one normalised state value: `np.digitize(x, np.linspace(-1, 1, 257)[:-1])
-/// - 1`, so -1 below -1 and 255 from 1 - 1/128 up. The edges -1 + i/128 are exact in binary,
-/// so counting them is exact too.
+/// The pi0.5 bin of one normalised state value, openpi's
+/// `np.digitize(x, np.linspace(-1, 1, 257)[:-1]) - 1`: -1 below -1, 255 from 1 - 1/128 up.
+/// The edges -1 + i/128 are exact in binary, so counting them is exact too.
 pub fn state_bin(x: f64) -> i16 {
     if x.is_nan() {
         // numpy: NaN compares false with every edge and sorts past them all.

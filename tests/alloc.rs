@@ -328,6 +328,21 @@ async fn server_per_request(n: u64) -> f64 {
     per
 }
 
+/// The engine thread's first loop allocates its thread-locals: lets it pass first.
+fn wait_for_engine_thread(loaded: &policyd::policy::build::Loaded) {
+    let t0 = Instant::now();
+    while loaded
+        .worker
+        .state
+        .beats
+        .load(std::sync::atomic::Ordering::Relaxed)
+        < 2
+        && t0.elapsed() < Duration::from_secs(5)
+    {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
 /// Decoding with the task planner on: the subtask fills the prompt (a pointer load) and a
 /// camera frame is copied into the planner's preallocated buffer whenever it asks.
 fn planner_path(n: usize) -> u64 {
@@ -368,18 +383,7 @@ camera = "cam"
     let engine = Box::new(SyntheticEngine::new(io, Behaviour::default()));
     let loaded = policyd::policy::build::load_engine(&cfg, cfg.default_policy(), engine).unwrap();
     let plan = &loaded.plan;
-    // The engine thread's first loop allocates its thread-locals: let it pass first.
-    let t0 = Instant::now();
-    while loaded
-        .worker
-        .state
-        .beats
-        .load(std::sync::atomic::Ordering::Relaxed)
-        < 2
-        && t0.elapsed() < Duration::from_secs(5)
-    {
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    wait_for_engine_thread(&loaded);
     let link = plan.planner.as_ref().unwrap().link(&cfg.planner);
     link.publish(&policyd::planner::reply::Answer {
         subtask: "pick up the red cup".into(),
@@ -405,6 +409,96 @@ camera = "cam"
     allocs() - before
 }
 
+/// Decoding and tokenizing a prompt that stays the same (the session's token cache answers):
+/// pi0, and pi0.5 with a state that moves within its bins and has no engine input of its own.
+/// Returns the allocations and how many times the prompt was really tokenized.
+fn prompt_path(n: usize, pi05: bool) -> (u64, usize) {
+    let format = if pi05 {
+        "format = \"pi05\"\nstate_key = \"state\""
+    } else {
+        "format = \"pi0\""
+    };
+    let state_tensor = if pi05 { "" } else { "tensor = \"state\"" };
+    let text = format!(
+        r#"
+[engine]
+model = "synthetic"
+[[inputs]]
+key = "state"
+{state_tensor}
+dtypes = ["float64"]
+shape = [8]
+[[inputs]]
+key = "prompt"
+tensor = "ids"
+dtypes = ["text"]
+[inputs.tokenizer]
+file = "models/tokenizer/bpe.model"
+max_tokens = 48
+mask_tensor = "mask"
+{format}
+[[outputs]]
+tensor = "actions"
+"#
+    );
+    let cfg = Config::parse(&text, "test", None).unwrap();
+    let t = |name: &str, dtype, shape: &[usize]| TensorSpec {
+        name: name.into(),
+        dtype,
+        shape: shape.to_vec(),
+    };
+    let mut inputs = vec![
+        t("ids", ElemType::I32, &[1, 48]),
+        t("mask", ElemType::Bool, &[1, 48]),
+    ];
+    if !pi05 {
+        inputs.push(t("state", ElemType::F32, &[1, 8]));
+    }
+    let io = IoSpec {
+        inputs,
+        outputs: vec![t("actions", ElemType::F32, &[1, 10, 7])],
+    };
+    let engine = Box::new(SyntheticEngine::new(io, Behaviour::default()));
+    let loaded = policyd::policy::build::load_engine(&cfg, cfg.default_policy(), engine).unwrap();
+    let plan = &loaded.plan;
+    wait_for_engine_thread(&loaded);
+    // State values that stay in their pi0.5 bins (width 1/128) as they move.
+    let frames: Vec<Vec<u8>> = (0..4)
+        .map(|i| {
+            let mut buf = Vec::new();
+            let mut e = Encoder { buf: &mut buf };
+            e.map(2);
+            e.str("state");
+            e.ndarray(ElemType::F64, &[8], 64, |d| {
+                for (k, c) in d.chunks_exact_mut(8).enumerate() {
+                    // Bin 16k + 0, 0.4 to 0.6 of the way across it.
+                    let v = -1.0 + (16.0 * k as f64 + 0.4) / 128.0 + i as f64 * 0.0005;
+                    c.copy_from_slice(&v.to_le_bytes());
+                }
+            });
+            e.str("prompt");
+            e.str("put the black bowl in the bottom drawer of the cabinet and close it");
+            buf
+        })
+        .collect();
+    let mut cache = policyd::bind::PromptCache::default();
+    let mut lease = loaded.worker.pool.try_acquire().unwrap();
+    let slot = lease.slot();
+    let mut encoded = 0;
+    let mut step = |i: usize| {
+        plan.decode(&frames[i % frames.len()], &mut slot.inputs, &mut slot.seen)
+            .unwrap();
+        let t = plan.tokenize(&mut slot.inputs, &mut cache).unwrap();
+        encoded += usize::from(t.encoded);
+    };
+    step(0);
+    let before = allocs();
+    for i in 0..n {
+        step(i);
+    }
+    (allocs() - before, encoded)
+}
+
 /// The fewest allocations of three runs. The counter sees every thread of the process, so a
 /// one-off allocation elsewhere (a runtime thread's first park, a thread-local) can land in
 /// one window; a path that allocates per request, or every few hundred, shows in all three.
@@ -417,6 +511,21 @@ fn steady_state_allocations() {
     // First, while no other thread runs in this process.
     let planner = [planner_path(1000), planner_path(1000), planner_path(1000)];
     println!("decoding with the planner on: {planner:?} allocations over 1000 requests (3 runs)");
+    for pi05 in [false, true] {
+        let runs = [0; 3].map(|_| prompt_path(1000, pi05));
+        println!(
+            "tokenized prompt (pi05: {pi05}), unchanged: {runs:?} (allocations, tokenizations) over 1000 requests (3 runs)"
+        );
+        assert!(
+            runs.iter().all(|&(_, encoded)| encoded == 1),
+            "an unchanged prompt was tokenized again: {runs:?}"
+        );
+        assert_eq!(
+            fewest(runs.map(|(a, _)| a)),
+            0,
+            "decoding an unchanged tokenized prompt allocated: {runs:?}"
+        );
+    }
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
