@@ -20,7 +20,7 @@ fn main() {
 /// the variable), which src/demo.rs includes.
 ///
 /// Checked here: the file is TOML, every `engine.model` (top level and each `[[policies]]`)
-/// exists, and key files (`auth.key_file`, `tls.cert`/`tls.key`, `planner.api_key_file`), which
+/// and `[inputs.tokenizer] file` exists, and key files (`auth.key_file`, `tls.cert`/`tls.key`, `planner.api_key_file`), which
 /// stay on the board and are never built in, are absolute paths. The full validation runs when
 /// the binary starts (and in `policyd check-config`).
 mod bake {
@@ -91,6 +91,27 @@ mod bake {
         }
         if models.is_empty() {
             return Err(format!("{} names no engine.model", abs.display()));
+        }
+        // Tokenizer files (`[inputs.tokenizer] file`) are built in beside the models.
+        for (key, t) in &tables {
+            let prefix = key.trim_end_matches("engine.model");
+            let inputs = t.get("inputs").and_then(|i| i.as_array());
+            for (j, input) in inputs.into_iter().flatten().enumerate() {
+                let Some(file) = input
+                    .as_table()
+                    .and_then(|i| get(i, &["tokenizer", "file"]))
+                else {
+                    continue;
+                };
+                if models.iter().any(|(m, _)| *m == file) {
+                    continue;
+                }
+                let path = dir.join(&file).canonicalize().map_err(|e| {
+                    format!("{prefix}inputs[{j}].tokenizer.file = \"{file}\": cannot read it: {e}")
+                })?;
+                println!("cargo:rerun-if-changed={}", path.display());
+                models.push((file, path.display().to_string()));
+            }
         }
         for keys in [
             &["auth", "key_file"][..],

@@ -14,7 +14,8 @@ pub struct Baked {
     pub models: &'static [BakedModel],
 }
 
-/// One `engine.model` of a baked config: the path as the config writes it, and its bytes.
+/// One `engine.model` (or tokenizer file) of a baked config: the path as the config writes it,
+/// and its bytes.
 #[derive(Clone, Copy, Debug)]
 pub struct BakedModel {
     pub path: &'static str,
@@ -59,6 +60,24 @@ fn baked(b: &Baked) -> Result<Config, ConfigError> {
             name: m.name,
             bytes: m.bytes,
         };
+        for (i, input) in p.inputs.iter_mut().enumerate() {
+            let crate::config::InputKind::Tokens(t) = &mut input.kind else {
+                continue;
+            };
+            let ModelSource::File(path) = &t.file else {
+                continue;
+            };
+            let Some(m) = b.models.iter().find(|m| path.as_os_str() == m.path) else {
+                return Err(invalid(
+                    format!("inputs[{i}].tokenizer.file"),
+                    format!("{} was not built into this binary", path.display()),
+                ));
+            };
+            t.file = ModelSource::Embedded {
+                name: m.name,
+                bytes: m.bytes,
+            };
+        }
     }
     Ok(cfg)
 }
@@ -72,4 +91,55 @@ fn demo() -> Result<Config, ConfigError> {
         };
     }
     Ok(cfg)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A firmware image of configs/prompted.toml: its model and tokenizer are served from the
+    /// binary, and a tokenizer file the build did not bake is refused by its key.
+    #[test]
+    fn a_baked_config_serves_its_tokenizer_from_the_binary() {
+        const MODEL: &[u8] = include_bytes!("../models/prompted.onnx");
+        const TOKENIZER: &[u8] = include_bytes!("../models/tokenizer/bpe.model");
+        let models = [
+            BakedModel {
+                path: "../models/prompted.onnx",
+                name: "prompted.onnx",
+                bytes: MODEL,
+            },
+            BakedModel {
+                path: "../models/tokenizer/bpe.model",
+                name: "bpe.model",
+                bytes: TOKENIZER,
+            },
+        ];
+        let models: &'static [BakedModel] = Box::leak(Box::new(models));
+        let b = Baked {
+            source: "configs/prompted.toml",
+            config: include_str!("../configs/prompted.toml"),
+            models,
+        };
+        let cfg = baked(&b).expect("the baked config resolves");
+        let t = cfg.default_policy().inputs[1]
+            .tokenizer()
+            .expect("a tokenized prompt");
+        assert_eq!(
+            t.file,
+            ModelSource::Embedded {
+                name: "bpe.model",
+                bytes: TOKENIZER
+            }
+        );
+        let partial = Baked {
+            models: &models[..1],
+            ..b
+        };
+        let e = baked(&partial).unwrap_err().to_string();
+        assert!(
+            e.contains("inputs[1].tokenizer.file") && e.contains("not built into"),
+            "{e}"
+        );
+    }
 }
