@@ -100,6 +100,17 @@ impl Tokenizer {
     /// its first byte). `bos` names the BOS token of a tokenizer.json (SentencePiece models
     /// carry theirs).
     pub fn load(bytes: &[u8], bos: Option<&str>) -> Result<Tokenizer, TokenizerError> {
+        // kitoken's converters are not hardened against every malformed file (an empty
+        // vocabulary panicked): a file that makes them panic is refused, not fatal.
+        std::panic::catch_unwind(|| Self::load_unguarded(bytes, bos)).unwrap_or_else(|_| {
+            Err(TokenizerError::Unreadable {
+                sentencepiece: "the parser failed on it".into(),
+                json: "the parser failed on it".into(),
+            })
+        })
+    }
+
+    fn load_unguarded(bytes: &[u8], bos: Option<&str>) -> Result<Tokenizer, TokenizerError> {
         let is_json = bytes
             .iter()
             .find(|b| !b.is_ascii_whitespace())
@@ -147,6 +158,12 @@ impl Tokenizer {
             .find(|t| t.bytes == "\u{2581}".as_bytes())
             .map(|t| t.id)
             .filter(|_| dummy_prefix);
+        if def.model.vocab().is_empty() {
+            return Err(TokenizerError::Unreadable {
+                sentencepiece: "it has no pieces".into(),
+                json: "it has no vocabulary".into(),
+            });
+        }
         let vocab = def
             .model
             .vocab()
@@ -309,11 +326,18 @@ pub fn state_bin(x: f64) -> i16 {
         // numpy: NaN compares false with every edge and sorts past them all.
         return STATE_BINS as i16 - 1;
     }
-    let below = (0..STATE_BINS)
-        .map(|i| -1.0 + i as f64 / 128.0)
-        .take_while(|&edge| edge <= x)
-        .count();
-    below as i16 - 1
+    // The last edge at or below x: a guess from (x + 1)·128, which can round across an edge,
+    // then corrected against the exact edges.
+    let edge = |k: i32| -1.0 + f64::from(k) / 128.0;
+    let last = STATE_BINS as i32 - 1;
+    let mut k = ((x + 1.0) * 128.0).floor().clamp(-1.0, f64::from(last)) as i32;
+    while k >= 0 && edge(k) > x {
+        k -= 1;
+    }
+    while k < last && edge(k + 1) <= x {
+        k += 1;
+    }
+    k as i16
 }
 
 #[cfg(test)]
@@ -332,6 +356,20 @@ mod tests {
         assert_eq!(state_bin(7.0), 255);
         assert_eq!(state_bin(f64::NAN), 255);
         assert_eq!(state_bin(f64::NEG_INFINITY), -1);
+        assert_eq!(state_bin(f64::INFINITY), 255);
+        // (x + 1)·128 rounds up to the edge 192 here; x is below it.
+        assert_eq!(state_bin(0.5f64.next_down()), 191);
+        assert_eq!(state_bin(0.5), 192);
+        // Every edge, and the doubles either side of it, against a plain count of edges.
+        for i in 0..STATE_BINS {
+            let e = -1.0 + i as f64 / 128.0;
+            for x in [e.next_down(), e, e.next_up()] {
+                let count = (0..STATE_BINS)
+                    .filter(|&j| -1.0 + j as f64 / 128.0 <= x)
+                    .count();
+                assert_eq!(state_bin(x), count as i16 - 1, "x = {x:e}");
+            }
+        }
     }
 
     #[test]
