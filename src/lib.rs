@@ -6,7 +6,7 @@
 //! ```text
 //! limits, dtype, service   caps and element types; systemd (notify, watchdog, sockets)
 //! transform, protocol,     element conversion; the wire format and its two dialects;
-//!   tokenizer              prompts to token ids (openpi's formats)
+//!   tokenizer, sampler     prompts to token ids (openpi's formats); flow/DDPM/DDIM steps
 //! config                   the file's raw form, its checks, the resolved Config
 //! engine, planner, demo    backends; the task planner; the embedded default
 //! bind                     bindings compiled against an engine: frame → inputs, outputs → reply
@@ -37,6 +37,7 @@ pub mod planner;
 pub mod policy;
 pub mod protocol;
 pub mod runtime;
+pub mod sampler;
 pub mod service;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;

@@ -15,6 +15,8 @@ pub const MAX_TOKENS: usize = 4096;
 pub const MAX_PROMPT_BYTES: usize = 1 << 20;
 /// Largest state a pi0.5 prompt carries, in values.
 pub const MAX_PROMPT_STATE: usize = 256;
+/// Largest `sampler.max_steps` (DDPM's 1000 training timesteps, one step each).
+pub const MAX_SAMPLER_STEPS: usize = 1000;
 /// Most policies one config may declare.
 pub const MAX_POLICIES: usize = 16;
 /// Largest `engine.slots` (the scheduler's queue is a fixed array of this size).

@@ -204,6 +204,7 @@ async fn own_path(n: usize) -> u64 {
                     policy_infer_ms: 1.0,
                     server_infer_ms: 2.0,
                     prev_total_ms: Some(3.0),
+                    stages: None,
                 };
                 Dialect::Openpi.encode_infer(
                     &mut plan.reply(&mut parts),

@@ -383,6 +383,10 @@ impl Plan {
             host_buffers,
             tokens,
             id: NEXT_PLAN.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            sampling: policy
+                .pipeline
+                .as_ref()
+                .map(|p| (p.steps as u32, p.max_steps as u32)),
         })
     }
 }

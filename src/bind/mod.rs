@@ -88,6 +88,8 @@ pub struct Plan {
     pub tokens: Option<usize>,
     /// This plan, among every plan compiled (a session's token cache is valid for one).
     pub id: u64,
+    /// A pipeline's steps: (default, most a request may ask for).
+    pub sampling: Option<(u32, u32)>,
 }
 
 /// The request path's side of the planner: which bindings it reads and fills. Indices

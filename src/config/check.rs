@@ -88,6 +88,8 @@ pub(super) fn resolve(raw: RawConfig, base: Option<&Path>) -> Result<Config, Con
                     metadata: &p.metadata,
                     pacing,
                     reset_on_prompt_change: p.reset_on_prompt_change,
+                    denoise: p.denoise.as_ref(),
+                    sampler: p.sampler.as_ref(),
                 },
                 base,
             )?);
@@ -106,6 +108,8 @@ pub(super) fn resolve(raw: RawConfig, base: Option<&Path>) -> Result<Config, Con
                 metadata: &raw.metadata,
                 pacing: raw.pacing.clone(),
                 reset_on_prompt_change: raw.reset_on_prompt_change,
+                denoise: raw.denoise.as_ref(),
+                sampler: raw.sampler.as_ref(),
             },
             base,
         )?);
@@ -286,6 +290,8 @@ fn policy_list(raw: &RawConfig) -> Result<(), ConfigError> {
         ("outputs", !raw.outputs.is_empty()),
         ("metadata", !raw.metadata.is_empty()),
         ("reset_on_prompt_change", raw.reset_on_prompt_change),
+        ("denoise", raw.denoise.is_some()),
+        ("sampler", raw.sampler.is_some()),
     ] {
         if set {
             return Err(invalid(
@@ -309,6 +315,8 @@ struct PolicyParts<'a> {
     metadata: &'a toml::Table,
     pacing: PacingConfig,
     reset_on_prompt_change: bool,
+    denoise: Option<&'a super::raw::RawDenoise>,
+    sampler: Option<&'a super::raw::RawSampler>,
 }
 
 /// One policy's engine, pacing, bindings and metadata.
@@ -335,7 +343,153 @@ fn policy(
         metadata: p.metadata.clone(),
         pacing: p.pacing,
         reset_on_prompt_change: p.reset_on_prompt_change,
+        pipeline: pipeline(cx, p.denoise, p.sampler, base)?,
     })
+}
+
+/// `[denoise]` and `[sampler]`: both or neither; the sampler's own values (its tensors are
+/// checked against the step graph when it is loaded).
+fn pipeline(
+    cx: &Keys,
+    denoise: Option<&super::raw::RawDenoise>,
+    sampler: Option<&super::raw::RawSampler>,
+    base: Option<&Path>,
+) -> Result<Option<PipelineConfig>, ConfigError> {
+    use crate::sampler::{Betas, Diffusion, Kind, Prediction};
+    let (d, s) = match (denoise, sampler) {
+        (None, None) => return Ok(None),
+        (Some(d), Some(s)) => (d, s),
+        (Some(_), None) => {
+            return Err(cx.invalid(
+                "sampler",
+                "[denoise] needs a [sampler] saying how to run it",
+            ));
+        }
+        (None, Some(_)) => {
+            return Err(cx.invalid(
+                "denoise",
+                "[sampler] needs the [denoise] step graph it runs",
+            ));
+        }
+    };
+    let kind = match s.kind.as_str() {
+        "flow" => Kind::Flow,
+        "ddpm" => Kind::Ddpm,
+        "ddim" => Kind::Ddim,
+        k => {
+            return Err(cx.invalid(
+                "sampler.kind",
+                format!("must be \"flow\", \"ddpm\" or \"ddim\", got \"{k}\""),
+            ));
+        }
+    };
+    let max_steps = s.max_steps.unwrap_or(s.steps);
+    cx.between(
+        "sampler.max_steps",
+        max_steps,
+        1,
+        crate::limits::MAX_SAMPLER_STEPS,
+    )?;
+    cx.between("sampler.steps", s.steps, 1, max_steps)?;
+    for (key, v) in [
+        ("sampler.x", &s.x),
+        ("sampler.time", &s.time),
+        ("sampler.output", &s.output),
+    ] {
+        if v.is_empty() {
+            return Err(cx.invalid(key, "name the step graph's tensor"));
+        }
+    }
+    let diffusion_keys = s.num_train_timesteps.is_some()
+        || s.beta_schedule.is_some()
+        || s.beta_start.is_some()
+        || s.beta_end.is_some()
+        || s.prediction_type.is_some()
+        || s.clip_sample.is_some()
+        || s.clip_sample_range.is_some()
+        || s.eta.is_some();
+    let diffusion = if kind == Kind::Flow {
+        if diffusion_keys {
+            return Err(cx.invalid(
+                "sampler.kind",
+                "\"flow\" takes no scheduler keys (num_train_timesteps, beta_*, prediction_type, \
+                 clip_sample*, eta)",
+            ));
+        }
+        None
+    } else {
+        let t = s.num_train_timesteps.unwrap_or(1000);
+        cx.between("sampler.num_train_timesteps", t, 1, 100_000)?;
+        if max_steps > t {
+            return Err(cx.invalid(
+                "sampler.max_steps",
+                format!("{max_steps} exceeds num_train_timesteps ({t})"),
+            ));
+        }
+        let betas = match s.beta_schedule.as_deref().unwrap_or("linear") {
+            "linear" => Betas::Linear,
+            "scaled_linear" => Betas::ScaledLinear,
+            "squaredcos_cap_v2" => Betas::SquaredCosCapV2,
+            b => {
+                return Err(cx.invalid(
+                    "sampler.beta_schedule",
+                    format!(
+                        "must be \"linear\", \"scaled_linear\" or \"squaredcos_cap_v2\", got \"{b}\""
+                    ),
+                ));
+            }
+        };
+        let prediction = match s.prediction_type.as_deref().unwrap_or("epsilon") {
+            "epsilon" => Prediction::Epsilon,
+            "sample" => Prediction::Sample,
+            "v_prediction" => Prediction::VPrediction,
+            p => {
+                return Err(cx.invalid(
+                    "sampler.prediction_type",
+                    format!("must be \"epsilon\", \"sample\" or \"v_prediction\", got \"{p}\""),
+                ));
+            }
+        };
+        let (beta_start, beta_end) = (s.beta_start.unwrap_or(0.0001), s.beta_end.unwrap_or(0.02));
+        if !(beta_start > 0.0 && beta_start <= beta_end && beta_end < 1.0) {
+            return Err(cx.invalid(
+                "sampler.beta_start",
+                format!("need 0 < beta_start <= beta_end < 1, got {beta_start} and {beta_end}"),
+            ));
+        }
+        let range = s.clip_sample_range.unwrap_or(1.0);
+        if !(range.is_finite() && range > 0.0) {
+            return Err(cx.invalid("sampler.clip_sample_range", "must be a positive number"));
+        }
+        let eta = s.eta.unwrap_or(0.0);
+        if kind == Kind::Ddpm && s.eta.is_some() {
+            return Err(cx.invalid("sampler.eta", "is DDIM's; DDPM always adds its noise"));
+        }
+        if !(0.0..=1.0).contains(&eta) {
+            return Err(cx.invalid("sampler.eta", format!("must be within 0..=1, got {eta}")));
+        }
+        Some(Diffusion {
+            train_timesteps: t,
+            betas,
+            beta_start,
+            beta_end,
+            prediction,
+            clip: s.clip_sample.unwrap_or(true).then_some(range as f32),
+            eta: eta as f32,
+        })
+    };
+    Ok(Some(PipelineConfig {
+        denoise: ModelSource::File(path(base, &d.model)),
+        wire: d.wire.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+        kind,
+        diffusion,
+        steps: s.steps,
+        max_steps,
+        x: s.x.clone(),
+        time: s.time.clone(),
+        output: s.output.clone(),
+        inject_noise: s.inject_noise,
+    }))
 }
 
 /// `[engine]`, and the model it names.

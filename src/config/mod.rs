@@ -81,6 +81,25 @@ pub struct PolicySpec {
     pub pacing: PacingConfig,
     /// A session whose prompt changes is reset (a new instruction starts fresh).
     pub reset_on_prompt_change: bool,
+    /// A multi-step policy: `[engine]` is the prefix, then `[denoise]` under `[sampler]`.
+    pub pipeline: Option<PipelineConfig>,
+}
+
+/// `[denoise]` and `[sampler]`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PipelineConfig {
+    pub denoise: ModelSource,
+    /// (step-graph input, prefix output).
+    pub wire: Vec<(String, String)>,
+    pub kind: crate::sampler::Kind,
+    /// DDPM/DDIM settings.
+    pub diffusion: Option<crate::sampler::Diffusion>,
+    pub steps: usize,
+    pub max_steps: usize,
+    pub x: String,
+    pub time: String,
+    pub output: String,
+    pub inject_noise: bool,
 }
 
 /// `[server]`: the listener and per-connection limits.
@@ -333,7 +352,7 @@ pub enum ZeroCopy {
 }
 
 /// Where a model comes from.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, PartialEq)]
 pub enum ModelSource {
     /// A file on disk (`[engine] model`, resolved against the config's folder).
     File(PathBuf),
@@ -342,6 +361,18 @@ pub enum ModelSource {
         name: &'static str,
         bytes: &'static [u8],
     },
+}
+
+/// The path, or the built-in file's name and size (not its bytes).
+impl std::fmt::Debug for ModelSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ModelSource::File(p) => f.debug_tuple("File").field(p).finish(),
+            ModelSource::Embedded { name, bytes } => {
+                write!(f, "Embedded({name}, {} bytes)", bytes.len())
+            }
+        }
+    }
 }
 
 impl ModelSource {

@@ -48,6 +48,11 @@ pub(super) struct RawConfig {
     /// `[engine]`, `[[inputs]]`, `[[outputs]]` and `[metadata]` are the one policy.
     #[serde(default)]
     pub(super) policies: Vec<RawPolicy>,
+    /// A multi-step policy: the step graph `[denoise]` run by `[sampler]` after `[engine]`.
+    #[serde(default)]
+    pub(super) denoise: Option<RawDenoise>,
+    #[serde(default)]
+    pub(super) sampler: Option<RawSampler>,
 }
 
 /// `[[policies]]`: one named policy.
@@ -75,6 +80,60 @@ pub(super) struct RawPolicy {
     /// Reset a session when its prompt changes, as if the client had sent `reset`.
     #[serde(default)]
     pub(super) reset_on_prompt_change: bool,
+    #[serde(default)]
+    pub(super) denoise: Option<RawDenoise>,
+    #[serde(default)]
+    pub(super) sampler: Option<RawSampler>,
+}
+
+/// `[denoise]`: the step graph of a pipeline (an action expert, a denoising U-Net), on
+/// `[engine]`'s backend.
+#[derive(Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawDenoise {
+    /// Model file, relative to the config file.
+    pub(super) model: PathBuf,
+    /// Step-graph input = prefix (`[engine]`) output, by name.
+    #[serde(default)]
+    pub(super) wire: std::collections::BTreeMap<String, String>,
+}
+
+/// `[sampler]`: how `[denoise]` is iterated from noise to actions.
+#[derive(Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawSampler {
+    /// `flow`, `ddpm` or `ddim`.
+    pub(super) kind: String,
+    /// Steps when the request names none (`sampling_params.num_inference_steps`).
+    pub(super) steps: usize,
+    /// The most steps a request may ask for (default: `steps`).
+    #[serde(default)]
+    pub(super) max_steps: Option<usize>,
+    /// Step-graph input taking the sample (its shape is the action chunk's).
+    pub(super) x: String,
+    /// Step-graph input taking the time (flow) or timestep (ddpm, ddim).
+    pub(super) time: String,
+    /// Step-graph output: the velocity (flow) or the prediction (ddpm, ddim).
+    pub(super) output: String,
+    #[serde(default)]
+    pub(super) num_train_timesteps: Option<usize>,
+    #[serde(default)]
+    pub(super) beta_schedule: Option<String>,
+    #[serde(default)]
+    pub(super) beta_start: Option<f64>,
+    #[serde(default)]
+    pub(super) beta_end: Option<f64>,
+    #[serde(default)]
+    pub(super) prediction_type: Option<String>,
+    #[serde(default)]
+    pub(super) clip_sample: Option<bool>,
+    #[serde(default)]
+    pub(super) clip_sample_range: Option<f64>,
+    #[serde(default)]
+    pub(super) eta: Option<f64>,
+    /// Tests: the initial sample comes from the request (an input named as `x`).
+    #[serde(default)]
+    pub(super) inject_noise: bool,
 }
 
 /// `[tls]`: serve `wss://` (and `https://` health) with this certificate and key (PEM),

@@ -229,6 +229,9 @@ impl Engine for CpuEngine {
             }
             out.copy_from_slice(bytes);
         }
-        Ok(RunStats { compute })
+        Ok(RunStats {
+            compute,
+            stages: None,
+        })
     }
 }

@@ -7,6 +7,7 @@
 
 #[cfg(feature = "cpu")]
 pub mod cpu;
+pub mod pipeline;
 pub mod tensorrt;
 
 use std::any::Any;
@@ -88,6 +89,24 @@ impl InputBuffer for HostBuffer {
 pub struct RunStats {
     /// Engine execution time (for a GPU backend, after a device sync).
     pub compute: Duration,
+    /// A pipeline's stages: the prefix once, the step graph `steps` times.
+    pub stages: Option<Stages>,
+}
+
+/// Where a pipeline's time went.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Stages {
+    pub prefix: Duration,
+    /// Every step: the step graph and the update.
+    pub denoise: Duration,
+    pub steps: u32,
+}
+
+/// A request's sampling: its noise seed and step count (pipelines only).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Sampling {
+    pub seed: u64,
+    pub steps: u32,
 }
 
 /// A model's bytes: read from its file, or borrowed from the binary (the embedded demo, a
@@ -156,6 +175,17 @@ pub trait Engine: Send {
         outputs: &mut [Vec<u8>],
         reset: bool,
     ) -> Result<RunStats, EngineError>;
+    /// [`Engine::run`] with the request's sampling (seed, steps); only a pipeline reads it.
+    fn run_sampled(
+        &mut self,
+        inputs: &mut [Box<dyn InputBuffer>],
+        outputs: &mut [Vec<u8>],
+        reset: bool,
+        sampling: Sampling,
+    ) -> Result<RunStats, EngineError> {
+        let _ = sampling;
+        self.run(inputs, outputs, reset)
+    }
     /// Memory the backend allocated for itself at load, outside the slots (device buffers,
     /// staging, an accelerator's scratch), for the memory budget: `(what, bytes)`.
     fn working_memory(&self) -> Vec<(String, u64)> {

@@ -479,6 +479,28 @@ where
             drop(lease);
             return self.switch_to(name, frame, received).await;
         }
+        if let Some((default, max)) = plan.sampling
+            && meta.endpoint != Endpoint::Reset
+        {
+            let steps = match meta.num_inference_steps {
+                None => default,
+                Some(n) if n >= 1 && n <= i64::from(max) => n as u32,
+                Some(n) => {
+                    let e = format!(
+                        "sampling_params.num_inference_steps must be within 1..={max} \
+                         (this policy's sampler.max_steps), got {n}"
+                    );
+                    return self.fail(Failure::Request(e)).await;
+                }
+            };
+            // A request's own seed makes its noise a pure function of it; without one the
+            // session's stream gives each request fresh noise.
+            let seed = match meta.seed {
+                Some(s) => s as u64,
+                None => self.sessions.next_seed(meta.session_id.as_ref()),
+            };
+            slot.sampling = crate::engine::Sampling { seed, steps };
+        }
         if plan.tokens.is_some() && meta.endpoint != Endpoint::Reset {
             let cache = self.sessions.prompt_cache(meta.session_id.as_ref());
             match plan.tokenize(&mut slot.inputs, cache) {
@@ -802,13 +824,16 @@ where
             }
             None => crate::runtime::session::delay_steps(latency.as_secs_f64(), pacing.fps),
         };
-        let compute = match &slot.result {
-            Some(Ok(s)) => s.compute,
-            _ => Duration::ZERO,
+        let (compute, stages) = match &slot.result {
+            Some(Ok(s)) => (s.compute, s.stages),
+            _ => (Duration::ZERO, None),
         };
         let metrics = &shared.stats.metrics;
         metrics.replied(self.dialect, latency);
         metrics.engine.observe(compute.as_secs_f64());
+        if let Some(s) = stages {
+            metrics.sampler_steps.observe(f64::from(s.steps));
+        }
         let mut parts = ReplyParts {
             outputs: &slot.outputs,
             scratch: &mut slot.scratch,
@@ -821,6 +846,13 @@ where
                     policy_infer_ms: compute.as_secs_f64() * 1e3,
                     server_infer_ms: latency.as_secs_f64() * 1e3,
                     prev_total_ms: self.prev_total_ms,
+                    stages: stages.map(|s| {
+                        (
+                            s.prefix.as_secs_f64() * 1e3,
+                            s.denoise.as_secs_f64() * 1e3,
+                            s.steps,
+                        )
+                    }),
                 };
                 let d = pacing.reply_delay_steps.then_some(delay_steps);
                 self.dialect

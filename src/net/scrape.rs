@@ -409,6 +409,11 @@ pub fn registry(m: &Metrics, live: Live) -> Registry {
         "requests whose prompt was past tokenizer.max_tokens and truncated",
         m.prompts_truncated.clone(),
     );
+    r.register(
+        "policyd_sampler_steps",
+        "denoising steps a pipeline ran per request ([sampler], sampling_params.num_inference_steps)",
+        m.sampler_steps.clone(),
+    );
     r.register_collector(Box::new(live));
     r
 }

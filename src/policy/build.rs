@@ -67,8 +67,24 @@ fn shape_hints(spec: &PolicySpec) -> Vec<(String, Vec<usize>)> {
         .collect()
 }
 
-/// Opens the engine a policy names, with the backend its config chose.
+/// Opens the engine a policy names, with the backend its config chose: its model, or for a
+/// pipeline the prefix and the step graph wired together.
 pub fn open_engine(spec: &PolicySpec) -> Result<Box<dyn Engine>, PolicyError> {
+    let prefix = open_model(spec, &spec.model)?;
+    let Some(p) = &spec.pipeline else {
+        return Ok(prefix);
+    };
+    let denoise = open_model(spec, &p.denoise).map_err(|e| match e {
+        PolicyError::Engine(e) => crate::config::invalid("denoise.model", e.to_string()).into(),
+        e => e,
+    })?;
+    let pipeline = crate::engine::pipeline::Pipeline::new(prefix, denoise, p)
+        .map_err(|e| crate::config::invalid("denoise", e.to_string()))?;
+    Ok(Box::new(pipeline))
+}
+
+/// Opens one model file on the policy's backend.
+fn open_model(spec: &PolicySpec, model: &ModelSource) -> Result<Box<dyn Engine>, PolicyError> {
     let backend_missing = |b: Backend| -> PolicyError {
         let how = match b {
             Backend::Cpu => "build policyd with its default features",
@@ -87,21 +103,21 @@ pub fn open_engine(spec: &PolicySpec) -> Result<Box<dyn Engine>, PolicyError> {
     match spec.engine.backend {
         #[cfg(feature = "cpu")]
         Backend::Cpu => Ok(Box::new(crate::engine::cpu::CpuEngine::load(
-            &spec.model,
+            model,
             &shape_hints(spec),
         )?)),
         #[cfg(feature = "tensorrt")]
         Backend::Tensorrt => {
             let e = &spec.engine;
             let opts = crate::engine::tensorrt::Options {
-                model: spec.model.describe(),
+                model: model.describe(),
                 dla_core: e.dla_core,
                 cuda_graph: e.cuda_graph,
                 zero_copy: e.zero_copy,
                 shapes: shape_hints(spec),
             };
             Ok(Box::new(crate::engine::tensorrt::open(
-                &spec.model,
+                model,
                 e.device,
                 e.tensorrt_library.as_deref(),
                 &opts,
@@ -143,7 +159,7 @@ pub fn load_engine(
 /// pacing and session options, the planner it feeds, and its model file's size and
 /// modification time (a model replaced in place is reloaded).
 pub fn fingerprint(cfg: &Config, spec: &PolicySpec) -> String {
-    let model = match &spec.model {
+    let stamp = |m: &ModelSource| match m {
         ModelSource::File(p) => {
             let stamp = std::fs::metadata(p).ok().map(|m| {
                 let t = m
@@ -156,15 +172,24 @@ pub fn fingerprint(cfg: &Config, spec: &PolicySpec) -> String {
         }
         m => m.describe(),
     };
+    // The step graph and tokenizer files count as the model does.
+    let mut model = stamp(&spec.model);
+    if let Some(p) = &spec.pipeline {
+        model += &format!("|{}", stamp(&p.denoise));
+    }
+    for t in spec.inputs.iter().filter_map(|b| b.tokenizer()) {
+        model += &format!("|{}", stamp(&t.file));
+    }
     let planner = (spec.is_default && cfg.planner.enabled).then_some(&cfg.planner);
     format!(
-        "{:?}|{:?}|{:?}|{:?}|{:?}|{}|{:?}|{model}",
+        "{:?}|{:?}|{:?}|{:?}|{:?}|{}|{:?}|{:?}|{model}",
         spec.engine,
         spec.inputs,
         spec.outputs,
         spec.metadata,
         spec.pacing,
         spec.reset_on_prompt_change,
+        spec.pipeline,
         planner,
     )
 }

@@ -77,14 +77,24 @@ pub struct Timing {
     /// The previous request on this connection, frame read to reply written; absent on the
     /// first request.
     pub prev_total_ms: Option<f64>,
+    /// A pipeline's stages: prefix ms, denoising ms (all steps), steps run.
+    pub stages: Option<(f64, f64, u32)>,
 }
 
 /// Writes the two timing entries (`policy_timing`, `server_timing`) of an openpi reply.
 pub fn encode_timing(enc: &mut Encoder<'_>, t: &Timing) {
     enc.str("policy_timing");
-    enc.map(1);
+    enc.map(if t.stages.is_some() { 4 } else { 1 });
     enc.str("infer_ms");
     enc.f64(t.policy_infer_ms);
+    if let Some((prefix, denoise, steps)) = t.stages {
+        enc.str("prefix_ms");
+        enc.f64(prefix);
+        enc.str("denoise_ms");
+        enc.f64(denoise);
+        enc.str("steps");
+        enc.int(i64::from(steps));
+    }
     enc.str("server_timing");
     enc.map(if t.prev_total_ms.is_some() { 2 } else { 1 });
     enc.str("infer_ms");
@@ -96,7 +106,8 @@ pub fn encode_timing(enc: &mut Encoder<'_>, t: &Timing) {
 }
 
 /// Bytes the timing entries take, at most.
-pub const TIMING_SIZE: usize = 14 + 1 + 9 + 9 + 14 + 1 + 9 + 9 + 14 + 9;
+pub const TIMING_SIZE: usize =
+    14 + 1 + 9 + 9 + 14 + 1 + 9 + 9 + 14 + 9 + (10 + 9) + (11 + 9) + (6 + 5);
 
 /// Encodes a TOML value the way msgpack-python packs the equivalent Python value (ints in
 /// their smallest form, floats as float64, tables as maps in file order).

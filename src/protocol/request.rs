@@ -1393,6 +1393,7 @@ mod tests {
                 policy_infer_ms: 1.0,
                 server_infer_ms: 2.0,
                 prev_total_ms: Some(3.0),
+                stages: None,
             },
         );
         assert_eq!(buf, fixture("reply_f32_2x3.msgpack"));
@@ -1411,6 +1412,7 @@ mod tests {
                 policy_infer_ms: 12.5,
                 server_infer_ms: 14.25,
                 prev_total_ms: None,
+                stages: None,
             },
         );
         assert_eq!(buf, fixture("reply_libero_f64_10x7.msgpack"));

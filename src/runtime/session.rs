@@ -28,6 +28,8 @@ struct Entry {
     prompt: Option<u64>,
     /// The session's last tokenized prompt.
     tokens: crate::bind::PromptCache,
+    /// Seeds for its requests that name none (a pipeline's noise), from the OS at its start.
+    seeds: Option<crate::sampler::SeedStream>,
 }
 
 /// Sessions of one connection.
@@ -128,6 +130,20 @@ impl Sessions {
         &mut self.entry(tick).tokens
     }
 
+    /// The next seed of `id`'s (or the current session's) own stream, for a request that
+    /// names none; the stream starts, seeded from the OS, at the session's first draw.
+    pub fn next_seed(&mut self, id: Option<&SessionId>) -> u64 {
+        if let Some(id) = id {
+            self.current.clone_from(id);
+        }
+        self.tick += 1;
+        let tick = self.tick;
+        self.entry(tick)
+            .seeds
+            .get_or_insert_with(crate::sampler::SeedStream::from_os)
+            .next_seed()
+    }
+
     /// The session requests without `session_id` go to.
     pub fn current(&self) -> &SessionId {
         &self.current
@@ -170,6 +186,7 @@ impl Sessions {
             pacing: SessionPacing::new(self.window),
             prompt: None,
             tokens: crate::bind::PromptCache::default(),
+            seeds: None,
         });
         let last = self.entries.len() - 1;
         &mut self.entries[last]

@@ -63,6 +63,8 @@ pub struct Slot {
     pub ticket: Ticket,
     /// Tell the engine to drop its history before this run.
     pub reset: bool,
+    /// The request's noise seed and step count (a pipeline's sampler reads them).
+    pub sampling: crate::engine::Sampling,
     /// The worker's result for the last run.
     pub result: Option<Result<RunStats, EngineError>>,
 }
@@ -109,6 +111,7 @@ impl SlotPool {
                 scratch: vec![0u8; plan.scratch_bytes],
                 ticket: Ticket::default(),
                 reset: false,
+                sampling: crate::engine::Sampling::default(),
                 result: None,
             }));
         }
@@ -372,10 +375,11 @@ impl WorkerHandle {
                         let slot = &mut *job.slot;
                         *st.running_since.lock().unwrap_or_else(|e| e.into_inner()) =
                             Some(Instant::now());
-                        let result = engine.run(
+                        let result = engine.run_sampled(
                             &mut slot.inputs[..engine_inputs],
                             &mut slot.outputs,
                             slot.reset,
+                            slot.sampling,
                         );
                         let took = st
                             .running_since

@@ -275,6 +275,7 @@ pub fn decode(data: &[u8]) {
             policy_infer_ms: 1.0,
             server_infer_ms: 2.0,
             prev_total_ms: Some(3.0),
+            stages: None,
         };
         let mut reply = c.plan.reply(&mut parts);
         Dialect::Openpi.encode_infer(&mut reply, &timing, Some(delay), &mut c.reply);

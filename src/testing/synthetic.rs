@@ -102,6 +102,7 @@ impl Engine for SyntheticEngine {
         }
         Ok(RunStats {
             compute: t0.elapsed(),
+            stages: None,
         })
     }
 }

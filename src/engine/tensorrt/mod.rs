@@ -609,7 +609,10 @@ impl Engine for TensorRtEngine {
             }
             out.copy_from_slice(bytes);
         }
-        Ok(RunStats { compute })
+        Ok(RunStats {
+            compute,
+            stages: None,
+        })
     }
 
     fn working_memory(&self) -> Vec<(String, u64)> {

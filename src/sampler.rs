@@ -1,0 +1,446 @@
+//! How does noise become an action chunk? The samplers of the policies people deploy, as
+//! plain arithmetic over fixed buffers: openpi's flow matching (Euler steps from t = 1 to 0),
+//! and diffusers' DDPM and DDIM schedulers as LeRobot's Diffusion Policy uses them. The
+//! pipeline (`engine::pipeline`) runs the networks; this module says which time each step
+//! feeds them and how the sample moves. Noise comes from ChaCha8 (rand's `ChaCha8Rng`, from
+//! the `chacha20` crate) through rand_distr's `StandardNormal`: a seed fixes every draw.
+
+use rand::SeedableRng;
+use rand::rngs::ChaCha8Rng;
+use rand_distr::{Distribution, StandardNormal};
+
+/// Which update the loop applies.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    /// openpi `sample_actions`: `x += dt·v`, `t += dt`, from `t = 1`, `dt = -1/steps`.
+    Flow,
+    /// diffusers `DDPMScheduler` (ancestral: fresh noise each step but the last).
+    Ddpm,
+    /// diffusers `DDIMScheduler` (`eta` = 0: deterministic).
+    Ddim,
+}
+
+/// diffusers' `beta_schedule`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Betas {
+    Linear,
+    ScaledLinear,
+    /// `betas_for_alpha_bar` with the cosine `alpha_bar` (Nichol & Dhariwal), capped at 0.999.
+    SquaredCosCapV2,
+}
+
+/// diffusers' `prediction_type`: what the denoiser outputs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Prediction {
+    Epsilon,
+    Sample,
+    VPrediction,
+}
+
+/// A diffusion scheduler's settings (diffusers' names and defaults).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Diffusion {
+    pub train_timesteps: usize,
+    pub betas: Betas,
+    pub beta_start: f64,
+    pub beta_end: f64,
+    pub prediction: Prediction,
+    /// `clip_sample_range` when `clip_sample` is on.
+    pub clip: Option<f32>,
+    /// DDIM's `eta` (0: deterministic).
+    pub eta: f32,
+}
+
+/// A sampler: its kind and, for DDPM/DDIM, the cumulative alphas over the training
+/// timesteps (computed once; every step reads two of them).
+#[derive(Clone, Debug)]
+pub struct Sampler {
+    pub kind: Kind,
+    pub diffusion: Option<Diffusion>,
+    alphas_cumprod: Vec<f32>,
+}
+
+/// The time fed to the denoiser for one step.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Time {
+    /// Flow: continuous time in (0, 1].
+    Continuous(f32),
+    /// DDPM/DDIM: an integer training timestep.
+    Discrete(i64),
+}
+
+impl Sampler {
+    pub fn flow() -> Sampler {
+        Sampler {
+            kind: Kind::Flow,
+            diffusion: None,
+            alphas_cumprod: Vec::new(),
+        }
+    }
+
+    /// A DDPM or DDIM sampler, its alphas computed as diffusers does (in float32, as torch).
+    pub fn diffusion(kind: Kind, d: Diffusion) -> Sampler {
+        let t = d.train_timesteps;
+        let betas: Vec<f32> = match d.betas {
+            Betas::Linear => linspace(d.beta_start, d.beta_end, t)
+                .map(|b| b as f32)
+                .collect(),
+            Betas::ScaledLinear => linspace(d.beta_start.sqrt(), d.beta_end.sqrt(), t)
+                .map(|b| (b as f32) * (b as f32))
+                .collect(),
+            Betas::SquaredCosCapV2 => {
+                let alpha_bar = |x: f64| {
+                    ((x + 0.008) / 1.008 * std::f64::consts::FRAC_PI_2)
+                        .cos()
+                        .powi(2)
+                };
+                (0..t)
+                    .map(|i| {
+                        let (t1, t2) = (i as f64 / t as f64, (i + 1) as f64 / t as f64);
+                        (1.0 - alpha_bar(t2) / alpha_bar(t1)).min(0.999) as f32
+                    })
+                    .collect()
+            }
+        };
+        let mut acc = 1.0f32;
+        let alphas_cumprod = betas
+            .iter()
+            .map(|b| {
+                acc *= 1.0 - b;
+                acc
+            })
+            .collect();
+        Sampler {
+            kind,
+            diffusion: Some(d),
+            alphas_cumprod,
+        }
+    }
+
+    /// The cumulative alphas (for the reference tests and `check-config`).
+    pub fn alphas_cumprod(&self) -> &[f32] {
+        &self.alphas_cumprod
+    }
+
+    /// The time step `i` of `steps` feeds the denoiser.
+    pub fn time(&self, i: usize, steps: usize) -> Time {
+        match self.kind {
+            // openpi accumulates t += dt in float32.
+            Kind::Flow => {
+                let dt = -1.0f32 / steps as f32;
+                Time::Continuous((0..i).fold(1.0f32, |t, _| t + dt))
+            }
+            Kind::Ddpm | Kind::Ddim => Time::Discrete(self.timestep(i, steps) as i64),
+        }
+    }
+
+    /// diffusers' `set_timesteps` with `timestep_spacing = "leading"`: step `i` of `steps`
+    /// is `(steps - 1 - i) · (T / steps)`.
+    fn timestep(&self, i: usize, steps: usize) -> usize {
+        let ratio = self.alphas_cumprod.len() / steps.max(1);
+        (steps - 1 - i) * ratio
+    }
+
+    /// Moves `x` one step, given the denoiser's output for it. `noise` draws the fresh
+    /// Gaussian noise DDPM (and DDIM with `eta` > 0) adds.
+    pub fn step(
+        &self,
+        i: usize,
+        steps: usize,
+        x: &mut [f32],
+        out: &[f32],
+        mut noise: impl FnMut() -> f32,
+    ) {
+        match self.kind {
+            Kind::Flow => {
+                let dt = -1.0f32 / steps as f32;
+                for (x, v) in x.iter_mut().zip(out) {
+                    *x += dt * v;
+                }
+            }
+            Kind::Ddpm | Kind::Ddim => {
+                let Some(d) = &self.diffusion else { return };
+                let t = self.timestep(i, steps);
+                let prev = t as i64 - (self.alphas_cumprod.len() / steps.max(1)) as i64;
+                let a_t = self.alphas_cumprod[t];
+                let a_prev = if prev >= 0 {
+                    self.alphas_cumprod[prev as usize]
+                } else {
+                    // DDPM's `one`; DDIM's `final_alpha_cumprod` with `set_alpha_to_one`.
+                    1.0
+                };
+                let b_t = 1.0 - a_t;
+                let (sa, sb) = (a_t.sqrt(), b_t.sqrt());
+                if self.kind == Kind::Ddpm {
+                    let cur_alpha = a_t / a_prev;
+                    let cur_beta = 1.0 - cur_alpha;
+                    let c0 = a_prev.sqrt() * cur_beta / b_t;
+                    let cs = cur_alpha.sqrt() * (1.0 - a_prev) / b_t;
+                    // `fixed_small` variance, clamped at 1e-20; none at t = 0.
+                    let std = (t > 0).then(|| ((1.0 - a_prev) / b_t * cur_beta).max(1e-20).sqrt());
+                    for (x, &m) in x.iter_mut().zip(out) {
+                        let x0 = clip(d, predicted_x0(d.prediction, *x, m, sa, sb));
+                        let mut next = c0 * x0 + cs * *x;
+                        if let Some(s) = std {
+                            next += s * noise();
+                        }
+                        *x = next;
+                    }
+                } else {
+                    let b_prev = 1.0 - a_prev;
+                    let variance = b_prev / b_t * (1.0 - a_t / a_prev);
+                    let std = d.eta * variance.sqrt();
+                    let dir = (1.0 - a_prev - std * std).max(0.0).sqrt();
+                    for (x, &m) in x.iter_mut().zip(out) {
+                        let (x0, eps) = match d.prediction {
+                            Prediction::Epsilon => ((*x - sb * m) / sa, m),
+                            Prediction::Sample => (m, (*x - sa * m) / sb),
+                            Prediction::VPrediction => (sa * *x - sb * m, sa * m + sb * *x),
+                        };
+                        let x0 = clip(d, x0);
+                        let mut next = a_prev.sqrt() * x0 + dir * eps;
+                        if d.eta > 0.0 {
+                            next += std * noise();
+                        }
+                        *x = next;
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn predicted_x0(p: Prediction, x: f32, m: f32, sa: f32, sb: f32) -> f32 {
+    match p {
+        Prediction::Epsilon => (x - sb * m) / sa,
+        Prediction::Sample => m,
+        Prediction::VPrediction => sa * x - sb * m,
+    }
+}
+
+fn clip(d: &Diffusion, x0: f32) -> f32 {
+    d.clip.map_or(x0, |r| x0.clamp(-r, r))
+}
+
+/// numpy's / torch's `linspace` over `n` points.
+fn linspace(a: f64, b: f64, n: usize) -> impl Iterator<Item = f64> {
+    let step = if n > 1 { (b - a) / (n - 1) as f64 } else { 0.0 };
+    (0..n).map(move |i| {
+        if i + 1 == n && n > 1 {
+            b
+        } else {
+            a + step * i as f64
+        }
+    })
+}
+
+/// Gaussian noise from a seed: the initial sample and every fresh draw of a request.
+pub struct Noise(ChaCha8Rng);
+
+impl Noise {
+    pub fn new(seed: u64) -> Noise {
+        Noise(ChaCha8Rng::seed_from_u64(seed))
+    }
+
+    pub fn next(&mut self) -> f32 {
+        StandardNormal.sample(&mut self.0)
+    }
+
+    pub fn fill(&mut self, out: &mut [f32]) {
+        for v in out {
+            *v = self.next();
+        }
+    }
+}
+
+/// A seed for a request that gave none, from a session's own stream (itself seeded from the
+/// OS when the session starts).
+pub struct SeedStream(ChaCha8Rng);
+
+impl SeedStream {
+    pub fn from_os() -> SeedStream {
+        let rng = ChaCha8Rng::try_from_rng(&mut rand::rngs::SysRng).unwrap_or_else(|_| {
+            // No OS entropy (never seen on Linux): still a stream of the session's own.
+            let t = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos() as u64);
+            ChaCha8Rng::seed_from_u64(t)
+        });
+        SeedStream(rng)
+    }
+
+    pub fn next_seed(&mut self) -> u64 {
+        rand::Rng::next_u64(&mut self.0)
+    }
+}
+
+impl std::fmt::Debug for SeedStream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("SeedStream")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lerobot(kind: Kind) -> Sampler {
+        Sampler::diffusion(
+            kind,
+            Diffusion {
+                train_timesteps: 100,
+                betas: Betas::SquaredCosCapV2,
+                beta_start: 0.0001,
+                beta_end: 0.02,
+                prediction: Prediction::Epsilon,
+                clip: Some(1.0),
+                eta: 0.0,
+            },
+        )
+    }
+
+    #[test]
+    fn flow_times_run_from_one_towards_zero() {
+        let s = Sampler::flow();
+        assert_eq!(s.time(0, 10), Time::Continuous(1.0));
+        let Time::Continuous(last) = s.time(9, 10) else {
+            panic!()
+        };
+        assert!((last - 0.1).abs() < 1e-6, "{last}");
+        let mut x = [1.0f32, 2.0];
+        s.step(0, 10, &mut x, &[10.0, -10.0], || 0.0);
+        assert_eq!(x, [0.0, 3.0]);
+    }
+
+    #[test]
+    fn diffusion_timesteps_are_diffusers_leading_spacing() {
+        let s = lerobot(Kind::Ddim);
+        let ts: Vec<Time> = (0..10).map(|i| s.time(i, 10)).collect();
+        let want: Vec<Time> = [90, 80, 70, 60, 50, 40, 30, 20, 10, 0]
+            .map(Time::Discrete)
+            .to_vec();
+        assert_eq!(ts, want);
+        assert_eq!(s.time(0, 100), Time::Discrete(99));
+        assert_eq!(s.time(0, 3), Time::Discrete(66));
+    }
+
+    fn close(a: f32, b: f64) -> bool {
+        (f64::from(a) - b).abs() <= 1e-5 * b.abs().max(1e-3)
+    }
+
+    /// Values computed independently with numpy from diffusers' definitions (float32, as
+    /// torch): `betas_for_alpha_bar` with the cosine, `linspace`, `linspace` of square roots
+    /// squared, then `cumprod(1 - betas)`.
+    #[test]
+    fn alphas_match_diffusers_definitions() {
+        let d = |betas, t, start, end| {
+            Sampler::diffusion(
+                Kind::Ddim,
+                Diffusion {
+                    train_timesteps: t,
+                    betas,
+                    beta_start: start,
+                    beta_end: end,
+                    prediction: Prediction::Epsilon,
+                    clip: None,
+                    eta: 0.0,
+                },
+            )
+        };
+        let cases: [(Sampler, &[(usize, f64)]); 3] = [
+            (
+                d(Betas::SquaredCosCapV2, 100, 0.0001, 0.02),
+                &[
+                    (0, 0.9993687272071838),
+                    (9, 0.9720926284790039),
+                    (50, 0.4782644212245941),
+                    (98, 0.00024285716062877327),
+                    (99, 2.428540426535619e-07),
+                ],
+            ),
+            (
+                d(Betas::Linear, 1000, 0.0001, 0.02),
+                &[
+                    (0, 0.9998999834060669),
+                    (1, 0.9997800588607788),
+                    (499, 0.07858724147081375),
+                    (999, 4.035832535009831e-05),
+                ],
+            ),
+            (
+                d(Betas::ScaledLinear, 1000, 0.00085, 0.012),
+                &[
+                    (0, 0.9991499781608582),
+                    (1, 0.9982960224151611),
+                    (499, 0.2776695191860199),
+                    (999, 0.004660089500248432),
+                ],
+            ),
+        ];
+        for (s, want) in cases {
+            for &(i, v) in want {
+                let got = s.alphas_cumprod()[i];
+                assert!(
+                    close(got, v),
+                    "{:?} alphas_cumprod[{i}] = {got}, want {v}",
+                    s.diffusion
+                );
+            }
+        }
+    }
+
+    /// One step from x = 0.5 with the prediction 0.2 (and x = 3 with -0.1, clipped), no fresh
+    /// noise, against numpy's diffusers formulas (DDPM's posterior mean; DDIM with eta 0).
+    #[test]
+    fn steps_match_diffusers_formulas() {
+        for (kind, want, clipped) in [
+            (
+                Kind::Ddpm,
+                [0.45282354950904846, 0.4863877296447754, 0.495131254196167],
+                1.570438027381897,
+            ),
+            (
+                Kind::Ddim,
+                [0.48309415578842163, 0.5140636563301086, 0.495131254196167],
+                0.19615018367767334,
+            ),
+        ] {
+            let s = lerobot(kind);
+            for (i, w) in [0, 5, 9].into_iter().zip(want) {
+                let mut x = [0.5f32];
+                s.step(i, 10, &mut x, &[0.2], || 0.0);
+                assert!(close(x[0], w), "{kind:?} step {i}: {} vs {w}", x[0]);
+            }
+            let mut x = [3.0f32];
+            s.step(0, 10, &mut x, &[-0.1], || 0.0);
+            assert!(
+                close(x[0], clipped),
+                "{kind:?} clipped: {} vs {clipped}",
+                x[0]
+            );
+        }
+        // DDPM adds noise on every step but the last (t = 0).
+        let s = lerobot(Kind::Ddpm);
+        let (mut a, mut b) = ([0.5f32], [0.5f32]);
+        s.step(0, 10, &mut a, &[0.2], || 0.0);
+        s.step(0, 10, &mut b, &[0.2], || 1.0);
+        assert!(b[0] > a[0]);
+        let (mut a, mut b) = ([0.5f32], [0.5f32]);
+        s.step(9, 10, &mut a, &[0.2], || 0.0);
+        s.step(9, 10, &mut b, &[0.2], || 1.0);
+        assert_eq!(a, b);
+    }
+
+    #[test]
+    fn the_same_seed_draws_the_same_noise() {
+        let (mut a, mut b, mut c) = (Noise::new(7), Noise::new(7), Noise::new(8));
+        let (mut x, mut y, mut z) = ([0f32; 64], [0f32; 64], [0f32; 64]);
+        a.fill(&mut x);
+        b.fill(&mut y);
+        c.fill(&mut z);
+        assert_eq!(x, y);
+        assert_ne!(x, z);
+        let mean = x.iter().sum::<f32>() / 64.0;
+        assert!(mean.abs() < 0.5, "{mean}");
+    }
+}
