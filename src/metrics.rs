@@ -78,9 +78,9 @@ impl Default for Metrics {
             non_finite_inputs: Counter::default(),
             prompts_tokenized: Counter::default(),
             prompts_truncated: Counter::default(),
-            sampler_steps: Histogram::new(
-                [1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0].into_iter(),
-            ),
+            sampler_steps: Histogram::new([
+                1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0,
+            ]),
         };
         // Every label combination now, so the request path never inserts.
         for route in Route::ALL {

@@ -242,13 +242,13 @@ impl Noise {
         Noise(ChaCha8Rng::seed_from_u64(seed))
     }
 
-    pub fn next(&mut self) -> f32 {
+    pub fn draw(&mut self) -> f32 {
         StandardNormal.sample(&mut self.0)
     }
 
     pub fn fill(&mut self, out: &mut [f32]) {
         for v in out {
-            *v = self.next();
+            *v = self.draw();
         }
     }
 }

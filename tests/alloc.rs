@@ -500,6 +500,77 @@ tensor = "actions"
     (allocs() - before, encoded)
 }
 
+/// A pipeline's request (the prefix once, then the sampler's loop over the step graph, with
+/// seeded noise), synthetic engines on both sides, seeds and step counts changing.
+fn pipeline_path(n: usize) -> u64 {
+    use policyd::engine::{Engine, Sampling};
+    let text = r#"
+[engine]
+model = "prefix.onnx"
+[denoise]
+model = "step.onnx"
+wire = { feat = "features" }
+[sampler]
+kind = "ddpm"
+num_train_timesteps = 100
+beta_schedule = "squaredcos_cap_v2"
+steps = 10
+max_steps = 100
+x = "x"
+time = "t"
+output = "eps"
+[[inputs]]
+key = "state"
+tensor = "state"
+dtypes = ["float32"]
+shape = [8]
+[[outputs]]
+tensor = "x"
+"#;
+    let cfg = Config::parse(text, "test", None).unwrap();
+    let t = |name: &str, dtype, shape: &[usize]| TensorSpec {
+        name: name.into(),
+        dtype,
+        shape: shape.to_vec(),
+    };
+    let engine = |inputs, outputs| {
+        Box::new(SyntheticEngine::new(
+            IoSpec { inputs, outputs },
+            Behaviour::default(),
+        ))
+    };
+    let prefix = engine(
+        vec![t("state", ElemType::F32, &[1, 8])],
+        vec![t("features", ElemType::F32, &[1, 4])],
+    );
+    let step = engine(
+        vec![
+            t("feat", ElemType::F32, &[1, 4]),
+            t("x", ElemType::F32, &[1, 16, 2]),
+            t("t", ElemType::I64, &[1]),
+        ],
+        vec![t("eps", ElemType::F32, &[1, 16, 2])],
+    );
+    let spec = cfg.default_policy().pipeline.clone().unwrap();
+    let mut p = policyd::engine::pipeline::Pipeline::new(prefix, step, &spec).unwrap();
+    let mut inputs = p.alloc_inputs().unwrap();
+    let mut outputs = vec![vec![0u8; 128]];
+    let mut go = |i: usize| {
+        let sampling = Sampling {
+            seed: i as u64,
+            steps: 1 + (i % 20) as u32,
+        };
+        p.run_sampled(&mut inputs, &mut outputs, false, sampling)
+            .unwrap();
+    };
+    go(0);
+    let before = allocs();
+    for i in 0..n {
+        go(i);
+    }
+    allocs() - before
+}
+
 /// The fewest allocations of three runs. The counter sees every thread of the process, so a
 /// one-off allocation elsewhere (a runtime thread's first park, a thread-local) can land in
 /// one window; a path that allocates per request, or every few hundred, shows in all three.
@@ -512,6 +583,15 @@ fn steady_state_allocations() {
     // First, while no other thread runs in this process.
     let planner = [planner_path(1000), planner_path(1000), planner_path(1000)];
     println!("decoding with the planner on: {planner:?} allocations over 1000 requests (3 runs)");
+    let pipeline = [0; 3].map(|_| pipeline_path(1000));
+    println!(
+        "pipeline (DDPM, 1-20 steps, new seed each): {pipeline:?} allocations over 1000 requests (3 runs)"
+    );
+    assert_eq!(
+        fewest(pipeline),
+        0,
+        "a pipeline's request allocated: {pipeline:?}"
+    );
     for pi05 in [false, true] {
         let runs = [0; 3].map(|_| prompt_path(1000, pi05));
         println!(

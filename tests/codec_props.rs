@@ -265,7 +265,7 @@ proptest! {
         };
 
         let mut buf = Vec::with_capacity(plan.reply_capacity);
-        let timing = Timing { policy_infer_ms: 1.5, server_infer_ms: 2.5, prev_total_ms: Some(4.0) };
+        let timing = Timing { policy_infer_ms: 1.5, server_infer_ms: 2.5, prev_total_ms: Some(4.0), stages: None };
         let mut parts = ReplyParts { outputs: &outputs, scratch: &mut scratch, chunk };
         Dialect::Openpi.encode_infer(&mut plan.reply(&mut parts), &timing, Some(3), &mut buf);
         prop_assert!(buf.len() <= plan.reply_capacity, "{} > {}", buf.len(), plan.reply_capacity);

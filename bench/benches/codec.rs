@@ -38,6 +38,7 @@ fn bench(c: &mut Criterion) {
             policy_infer_ms: 1.0,
             server_infer_ms: 2.0,
             prev_total_ms: Some(3.0),
+            stages: None,
         };
         let mut scratch = vec![0u8; plan.scratch_bytes];
         let chunk = plan.chunk(&cfg.default_policy().pacing, 0);

@@ -281,7 +281,7 @@ impl Engine for Pipeline {
                 )));
             }
             self.sampler
-                .step(i, steps, &mut self.x, &self.model_out, || noise.next());
+                .step(i, steps, &mut self.x, &self.model_out, || noise.draw());
         }
         for (c, x) in outputs[0].chunks_exact_mut(4).zip(&self.x) {
             c.copy_from_slice(&x.to_le_bytes());

@@ -1417,6 +1417,18 @@ mod tests {
         );
         assert_eq!(buf, fixture("reply_libero_f64_10x7.msgpack"));
         assert!(buf.len() <= 1 + 8 + Encoder::ndarray_size(&[10, 7], 560) + TIMING_SIZE);
+        // The largest timing a pipeline writes fits TIMING_SIZE.
+        let mut t = Vec::new();
+        encode_timing(
+            &mut Encoder { buf: &mut t },
+            &Timing {
+                policy_infer_ms: 1e300,
+                server_infer_ms: 1e300,
+                prev_total_ms: Some(1e300),
+                stages: Some((1e300, 1e300, u32::MAX)),
+            },
+        );
+        assert!(t.len() <= TIMING_SIZE, "{} > {TIMING_SIZE}", t.len());
     }
 
     #[test]
