@@ -37,7 +37,8 @@ impl Budget {
         let slots = policy.engine.slots as u64;
         let conns = cfg.server.max_connections as u64;
         let msg = cfg.server.max_message_bytes as u64;
-        let model = policy.model.size();
+        // A pipeline's step graph counts with the prefix.
+        let model = policy.model.size() + policy.pipeline.as_ref().map_or(0, |p| p.denoise.size());
         let guard = FRAME_GUARD_BUFFER as u64;
         let sessions = std::mem::size_of::<crate::runtime::session::Sessions>() as u64;
         let per_conn = msg + WS_READ_BUFFER as u64 + guard + 2 * reply + metadata as u64 + sessions;

@@ -341,6 +341,38 @@ pub fn check(cfg: &Config, origin: &str) -> Result<String, PolicyError> {
         if let Some(line) = tokenizer_report(&plan) {
             out.push_str(&line);
         }
+        if let Some(p) = &c.pipeline {
+            let _ = writeln!(
+                out,
+                "  pipeline: {} sampler, {} steps by default, at most {} (sampling_params.\
+                 num_inference_steps); step graph {}: sample '{}', time '{}', output '{}', wired {}{}",
+                match p.kind {
+                    crate::sampler::Kind::Flow => "flow (openpi Euler)",
+                    crate::sampler::Kind::Ddpm => "DDPM (diffusers)",
+                    crate::sampler::Kind::Ddim => "DDIM (diffusers)",
+                },
+                p.steps,
+                p.max_steps,
+                p.denoise.describe(),
+                p.x,
+                p.time,
+                p.output,
+                if p.wire.is_empty() {
+                    "nothing".to_string()
+                } else {
+                    p.wire
+                        .iter()
+                        .map(|(to, from)| format!("'{from}' → '{to}'"))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                },
+                if p.inject_noise {
+                    "; the initial sample comes from the request (inject_noise, for tests)"
+                } else {
+                    ""
+                }
+            );
+        }
         out.push_str(&budget.render());
         budgets.push((name, budget));
     }
