@@ -33,7 +33,7 @@ pub struct BenchArgs {
     /// The server to measure.
     #[arg(default_value = "ws://127.0.0.1:8000")]
     pub url: String,
-    /// Observation profile: aloha, droid, libero or tiny. With the global --config, the
+    /// Observation profile: aloha, droid, libero, tiny, flow or diffusion. With the global --config, the
     /// config's [[inputs]] are sent instead.
     #[arg(long, default_value = "aloha")]
     pub profile: String,

@@ -31,7 +31,7 @@ pub struct Profile {
 }
 
 /// The built-in profile names.
-pub const BUILT_IN: [&str; 4] = ["aloha", "droid", "libero", "tiny"];
+pub const BUILT_IN: [&str; 6] = ["aloha", "droid", "libero", "tiny", "flow", "diffusion"];
 
 fn spec(path: &[&str], dtype: ElemType, shape: &[usize]) -> ArraySpec {
     ArraySpec {
@@ -44,7 +44,8 @@ fn spec(path: &[&str], dtype: ElemType, shape: &[usize]) -> ArraySpec {
 impl Profile {
     /// A built-in profile, as openpi's examples send it: ALOHA (four CHW cameras, state [14]),
     /// DROID (two HWC cameras, joints [7], gripper [1]), LIBERO (two HWC cameras, state [8]),
-    /// and `tiny` (state [8] only: what the transport and the server cost with almost no data).
+    /// `tiny` (state [8] only: what the transport and the server cost with almost no data), and
+    /// the two demo pipelines, `flow` and `diffusion`.
     pub fn built_in(name: &str) -> Option<Profile> {
         use ElemType::{F32, F64, U8};
         let img_chw = [3, 224, 224];
@@ -71,6 +72,21 @@ impl Profile {
                 spec(&["observation/state"], F32, &[8]),
             ],
             "tiny" => vec![spec(&["observation/state"], F32, &[8])],
+            // configs/flow.toml (pi0-shaped pipeline): three HWC cameras, state [32], a prompt.
+            "flow" => {
+                let mut v: Vec<ArraySpec> = ["base_0_rgb", "left_wrist_0_rgb", "right_wrist_0_rgb"]
+                    .iter()
+                    .map(|c| spec(&["images", c], U8, &img_hwc))
+                    .collect();
+                v.push(spec(&["state"], F32, &[32]));
+                v
+            }
+            // configs/diffusion.toml (LeRobot PushT-shaped): 2 steps of state [2] and a 96×96
+            // image.
+            "diffusion" => vec![
+                spec(&["observation/state"], F32, &[2, 2]),
+                spec(&["observation/image"], U8, &[2, 96, 96, 3]),
+            ],
             _ => return None,
         };
         Some(Profile {

@@ -270,8 +270,14 @@ impl Engine for Pipeline {
             self.denoise
                 .run(&mut self.denoise_in, &mut self.denoise_out, false)?;
             let out = &self.denoise_out[self.out];
-            for (k, m) in self.model_out.iter_mut().enumerate() {
-                *m = load_f64(self.out_type, out, k) as f32;
+            if self.out_type == ElemType::F32 {
+                for (m, c) in self.model_out.iter_mut().zip(out.chunks_exact(4)) {
+                    *m = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+                }
+            } else {
+                for (k, m) in self.model_out.iter_mut().enumerate() {
+                    *m = load_f64(self.out_type, out, k) as f32;
+                }
             }
             if !self.model_out.iter().all(|v| v.is_finite()) {
                 return Err(EngineError::Run(format!(

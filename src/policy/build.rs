@@ -84,6 +84,10 @@ pub fn open_engine(spec: &PolicySpec) -> Result<Box<dyn Engine>, PolicyError> {
 }
 
 /// Opens one model file on the policy's backend.
+#[cfg_attr(
+    not(any(feature = "cpu", feature = "tensorrt")),
+    allow(unused_variables)
+)]
 fn open_model(spec: &PolicySpec, model: &ModelSource) -> Result<Box<dyn Engine>, PolicyError> {
     let backend_missing = |b: Backend| -> PolicyError {
         let how = match b {
