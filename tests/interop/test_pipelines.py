@@ -178,3 +178,22 @@ def test_vllm_route_honours_seed_and_sampling_params(pipeline):
             assert err["type"] == "error" and key in err["detail"], (bad, err)
         send(seed=7, sampling_params={"num_inference_steps": 4})
         assert np.array_equal(openpi_mn.unpackb(ws.recv(timeout=10)), want.astype(np.float32))
+
+
+def test_observe_streaming_and_metrics_work_with_pipelines(pipeline):
+    """`observe` (timed actions, pacing) over a pipeline, and its steps in /metrics."""
+    import urllib.request
+    name, port = pipeline
+    rng = np.random.default_rng(8)
+    obs = flow_obs(rng) if name == "flow" else diffusion_obs(rng)
+    client = wcp.WebsocketClientPolicy("127.0.0.1", port)
+    for step in range(3):
+        reply = client.infer(dict(obs, endpoint="observe", timestep=step, timestamp=step / 10,
+                                  must_go=True, seed=3, sampling_params={"num_inference_steps": 2}))
+        assert reply["actions"].ndim == 2 and np.all(np.isfinite(reply["actions"]))
+        assert len(reply["timesteps"]) == len(reply["actions"])
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    count = next(float(line.split()[1]) for line in text.splitlines()
+                 if line.startswith("policyd_sampler_steps_count"))
+    assert count >= 3, text
