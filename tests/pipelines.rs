@@ -197,6 +197,48 @@ fn injected_noise_is_the_initial_sample() {
 }
 
 #[test]
+fn a_step_graph_may_apply_the_update_itself() {
+    let text = BASE.replace(
+        "[sampler]\n",
+        "[sampler]\nupdate = \"model\"\ndt = \"dt\"\n",
+    );
+    let with_dt = step(
+        vec![
+            spec("feat", ElemType::F32, &[1, 4]),
+            spec("x", ElemType::F32, &[1, 10, 7]),
+            spec("t", ElemType::F32, &[1]),
+            spec("dt", ElemType::F32, &[1]),
+        ],
+        spec("v", ElemType::F32, &[1, 10, 7]),
+    );
+    let mut p = pipeline(&text, with_dt).unwrap();
+    // The synthetic step graph returns feat[0] + k/1000 = 0.5 + k/1000: that is the sample.
+    let (x, _) = run(&mut p, Sampling { seed: 3, steps: 4 }).unwrap();
+    for (k, v) in x.iter().enumerate() {
+        assert!((v - (0.5 + k as f32 / 1000.0)).abs() < 1e-6, "{k}: {v}");
+    }
+    // Without its dt input the graph does not fit; dt is only for update = "model".
+    let e = pipeline(&text, good_step()).err().unwrap();
+    assert!(e.contains("sampler.dt = \"dt\""), "{e}");
+    let e = Config::parse(
+        &BASE.replace("[sampler]\n", "[sampler]\ndt = \"dt\"\n"),
+        "t",
+        None,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("`sampler.dt`"), "{e}");
+    let e = Config::parse(
+        &text.replace("kind = \"flow\"", "kind = \"ddim\""),
+        "t",
+        None,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("`sampler.update`"), "{e}");
+}
+
+#[test]
 fn wiring_errors_name_both_ends() {
     let cases: Vec<(Box<dyn Engine>, &str, &str)> = vec![
         (

@@ -478,6 +478,31 @@ fn pipeline(
             eta: eta as f32,
         })
     };
+    let model_update = match (s.update.as_deref().unwrap_or("sampler"), &s.dt) {
+        ("sampler", None) => None,
+        ("sampler", Some(_)) => {
+            return Err(cx.invalid("sampler.dt", "is for update = \"model\""));
+        }
+        ("model", _) if kind != Kind::Flow => {
+            return Err(cx.invalid(
+                "sampler.update",
+                "\"model\" (a step graph returning x + dt·v) is for kind = \"flow\"",
+            ));
+        }
+        ("model", Some(dt)) if !dt.is_empty() => Some(dt.clone()),
+        ("model", _) => {
+            return Err(cx.invalid(
+                "sampler.dt",
+                "update = \"model\" needs the step-graph input taking dt",
+            ));
+        }
+        (u, _) => {
+            return Err(cx.invalid(
+                "sampler.update",
+                format!("must be \"sampler\" or \"model\", got \"{u}\""),
+            ));
+        }
+    };
     Ok(Some(PipelineConfig {
         denoise: ModelSource::File(path(base, &d.model)),
         wire: d.wire.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
@@ -488,6 +513,7 @@ fn pipeline(
         x: s.x.clone(),
         time: s.time.clone(),
         output: s.output.clone(),
+        model_update,
         inject_noise: s.inject_noise,
     }))
 }

@@ -99,6 +99,8 @@ pub struct PipelineConfig {
     pub x: String,
     pub time: String,
     pub output: String,
+    /// The step graph returns the next sample itself (`update = "model"`), fed `dt` here.
+    pub model_update: Option<String>,
     pub inject_noise: bool,
 }
 

@@ -131,6 +131,13 @@ pub(super) struct RawSampler {
     pub(super) clip_sample_range: Option<f64>,
     #[serde(default)]
     pub(super) eta: Option<f64>,
+    /// `sampler` (the loop applies the update) or `model` (flow: the step graph returns the
+    /// next sample itself, given `dt`).
+    #[serde(default)]
+    pub(super) update: Option<String>,
+    /// `update = "model"`: the step-graph input taking `dt`.
+    #[serde(default)]
+    pub(super) dt: Option<String>,
     /// Tests: the initial sample comes from the request (an input named as `x`).
     #[serde(default)]
     pub(super) inject_noise: bool,

@@ -30,6 +30,8 @@ pub struct Pipeline {
     x_in: usize,
     time_in: usize,
     time_type: ElemType,
+    /// `update = "model"`: the step graph's `dt` input; its output is the next sample.
+    dt_in: Option<usize>,
     out: usize,
     out_type: ElemType,
     /// The sample and the step graph's output, as float32.
@@ -80,6 +82,20 @@ impl Pipeline {
         };
         let x_in = input(&cfg.x, "sampler.x")?;
         let time_in = input(&cfg.time, "sampler.time")?;
+        let dt_in = match &cfg.model_update {
+            None => None,
+            Some(dt) => {
+                let i = input(dt, "sampler.dt")?;
+                let s = &dio.inputs[i];
+                if s.elements() != 1 || !s.dtype.is_float() {
+                    return Err(wiring(format!(
+                        "sampler.dt '{}' {} {:?} must hold one float",
+                        s.name, s.dtype, s.shape
+                    )));
+                }
+                Some(i)
+            }
+        };
         let out = dio
             .outputs
             .iter()
@@ -133,16 +149,23 @@ impl Pipeline {
                     ps.name, ps.dtype, ps.shape, ds.name, ds.dtype, ds.shape
                 )));
             }
-            if d == x_in || d == time_in {
+            if d == x_in || d == time_in || Some(d) == dt_in {
                 return Err(wiring(format!(
                     "denoise.wire.{to}: '{to}' is the sampler's {}",
-                    if d == x_in { "sample (x)" } else { "time" }
+                    if d == x_in {
+                        "sample (x)"
+                    } else if d == time_in {
+                        "time"
+                    } else {
+                        "dt"
+                    }
                 )));
             }
             wires.push((p, d));
         }
         for (i, s) in dio.inputs.iter().enumerate() {
-            if i != x_in && i != time_in && !wires.iter().any(|&(_, d)| d == i) {
+            if i != x_in && i != time_in && Some(i) != dt_in && !wires.iter().any(|&(_, d)| d == i)
+            {
                 return Err(wiring(format!(
                     "step-graph input '{}' {} {:?} is fed by nothing: wire it to a prefix output \
                      in [denoise] wire, or name it as sampler.x or sampler.time",
@@ -182,6 +205,7 @@ impl Pipeline {
             x_in,
             time_in,
             time_type: ts.dtype,
+            dt_in,
             out,
             out_type: os.dtype,
             x: vec![0.0; n],
@@ -267,6 +291,11 @@ impl Engine for Pipeline {
                 Time::Discrete(t) => t as f64,
             };
             fill_bytes(self.time_type, t, self.denoise_in[self.time_in].bytes_mut());
+            if let Some(d) = self.dt_in {
+                let dt = -1.0f32 / steps as f32;
+                let ty = self.denoise.io().inputs[d].dtype;
+                fill_bytes(ty, f64::from(dt), self.denoise_in[d].bytes_mut());
+            }
             self.denoise
                 .run(&mut self.denoise_in, &mut self.denoise_out, false)?;
             let out = &self.denoise_out[self.out];
@@ -286,8 +315,12 @@ impl Engine for Pipeline {
                     self.denoise.io().outputs[self.out].name
                 )));
             }
-            self.sampler
-                .step(i, steps, &mut self.x, &self.model_out, || noise.draw());
+            if self.dt_in.is_some() {
+                self.x.copy_from_slice(&self.model_out);
+            } else {
+                self.sampler
+                    .step(i, steps, &mut self.x, &self.model_out, || noise.draw());
+            }
         }
         for (c, x) in outputs[0].chunks_exact_mut(4).zip(&self.x) {
             c.copy_from_slice(&x.to_le_bytes());
