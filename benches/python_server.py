@@ -144,10 +144,11 @@ class OnnxPolicy:
         feed = {}
         for key, tensor, layout, scale, offset, mean, std in self.inputs:
             x = np.asarray(lookup(obs, key))
+            # The last three axes, as policyd's layouts (a stack of frames keeps its first).
             if layout == "hwc_to_chw":
-                x = x.transpose(2, 0, 1)
+                x = np.moveaxis(x, -1, -3)
             elif layout == "chw_to_hwc":
-                x = x.transpose(1, 2, 0)
+                x = np.moveaxis(x, -3, -1)
             x = x.astype(np.float32) * scale + offset
             if mean.size:
                 x = (x - mean) / (std + 1e-6)
