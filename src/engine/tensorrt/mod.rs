@@ -860,6 +860,74 @@ mod tests {
         }
     }
 
+    /// A pipeline of two TensorRT engines (the host loop): the prefix's output wired into the
+    /// step graph, the step run under a replayed CUDA graph with fresh data every step. The
+    /// stand-in step returns v = feat[0] + k/1000 whatever x and t are, so the flow from the
+    /// seeded noise ends at noise − v.
+    #[test]
+    fn a_pipeline_of_two_plans_runs_its_steps_through_graphs() {
+        use crate::engine::pipeline::Pipeline;
+        use crate::engine::{Engine, Sampling};
+        let prefix_plan = "input state 0 1,8\noutput features 0 1,4";
+        let step_plan = "input feat 0 1,4\ninput x 0 1,10,7\ninput t 0 1\noutput v 0 1,10,7";
+        let cfg = crate::config::Config::parse(
+            r#"
+[engine]
+model = "prefix.plan"
+[denoise]
+model = "step.plan"
+wire = { feat = "features" }
+[sampler]
+kind = "flow"
+steps = 5
+x = "x"
+time = "t"
+output = "v"
+[[inputs]]
+key = "state"
+tensor = "state"
+dtypes = ["float32"]
+shape = [8]
+[[outputs]]
+tensor = "x"
+"#,
+            "test",
+            None,
+        )
+        .unwrap();
+        let p = cfg.default_policy().pipeline.clone().unwrap();
+        for zero_copy in [ZeroCopy::Off, ZeroCopy::On] {
+            let dev = Arc::new(HostDevice::new(true));
+            let prefix = open(prefix_plan, &dev, &opts(true, zero_copy)).unwrap();
+            let step = open(step_plan, &dev, &opts(true, zero_copy)).unwrap();
+            let mut pipe = Pipeline::new(Box::new(prefix), Box::new(step), &p).unwrap();
+            let mut inputs = pipe.alloc_inputs().unwrap();
+            let mut out = vec![vec![0u8; 280]];
+            for (run, x0) in [0.25f32, 1.5, -2.0].into_iter().enumerate() {
+                set_state(&mut inputs, x0);
+                let seed = 7 + run as u64;
+                let stats = pipe
+                    .run_sampled(&mut inputs, &mut out, run == 0, Sampling { seed, steps: 5 })
+                    .unwrap();
+                assert_eq!(stats.stages.unwrap().steps, 5);
+                let mut noise = crate::sampler::Noise::new(seed);
+                for (k, c) in out[0].chunks_exact(4).enumerate() {
+                    let got = f32::from_ne_bytes(c.try_into().unwrap());
+                    // feat[0] is the prefix's output element 0, x0: v = x0 + k/1000.
+                    let want = noise.draw() - (x0 + k as f32 / 1000.0);
+                    assert!(
+                        (got - want).abs() < 1e-4,
+                        "{zero_copy:?} run {run} [{k}]: {got} vs {want}"
+                    );
+                }
+            }
+            assert!(
+                *dev.instantiated.lock().unwrap() >= 2,
+                "{zero_copy:?}: both plans replay graphs"
+            );
+        }
+    }
+
     #[test]
     fn a_failed_capture_falls_back_to_plain_enqueues() {
         let dev = Arc::new(HostDevice::new(false));
