@@ -179,7 +179,7 @@ impl Sampler {
                     // `fixed_small` variance, clamped at 1e-20; none at t = 0.
                     let std = (t > 0).then(|| ((1.0 - a_prev) / b_t * cur_beta).max(1e-20).sqrt());
                     for (x, &m) in x.iter_mut().zip(out) {
-                        let x0 = clip(d, predicted_x0(d.prediction, *x, m, sa, sb));
+                        let x0 = clip(d, predict(d.prediction, *x, m, sa, sb).0);
                         let mut next = c0 * x0 + cs * *x;
                         if let Some(s) = std {
                             next += s * noise();
@@ -192,11 +192,7 @@ impl Sampler {
                     let std = d.eta * variance.sqrt();
                     let dir = (1.0 - a_prev - std * std).max(0.0).sqrt();
                     for (x, &m) in x.iter_mut().zip(out) {
-                        let (x0, eps) = match d.prediction {
-                            Prediction::Epsilon => ((*x - sb * m) / sa, m),
-                            Prediction::Sample => (m, (*x - sa * m) / sb),
-                            Prediction::VPrediction => (sa * *x - sb * m, sa * m + sb * *x),
-                        };
+                        let (x0, eps) = predict(d.prediction, *x, m, sa, sb);
                         let x0 = clip(d, x0);
                         let mut next = a_prev.sqrt() * x0 + dir * eps;
                         if d.eta > 0.0 {
@@ -210,11 +206,13 @@ impl Sampler {
     }
 }
 
-fn predicted_x0(p: Prediction, x: f32, m: f32, sa: f32, sb: f32) -> f32 {
+/// diffusers' predicted original sample and noise from the model's output `m`, with
+/// `sa` = √ᾱ_t and `sb` = √(1 − ᾱ_t).
+fn predict(p: Prediction, x: f32, m: f32, sa: f32, sb: f32) -> (f32, f32) {
     match p {
-        Prediction::Epsilon => (x - sb * m) / sa,
-        Prediction::Sample => m,
-        Prediction::VPrediction => sa * x - sb * m,
+        Prediction::Epsilon => ((x - sb * m) / sa, m),
+        Prediction::Sample => (m, (x - sa * m) / sb),
+        Prediction::VPrediction => (sa * x - sb * m, sa * m + sb * x),
     }
 }
 

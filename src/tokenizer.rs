@@ -116,6 +116,8 @@ impl Tokenizer {
             .find(|b| !b.is_ascii_whitespace())
             .is_some_and(|&b| b == b'{');
         let mut dummy_prefix = false;
+        // The trainer's bos_id (`encode(add_bos=True)` adds it unless it is -1).
+        let mut sentencepiece_bos = None;
         let (def, kind) = if is_json {
             let def = Definition::from_tokenizers_slice(bytes).map_err(|e| {
                 TokenizerError::Unreadable {
@@ -141,6 +143,10 @@ impl Tokenizer {
             {
                 n.name = Some("user_defined".into());
             }
+            sentencepiece_bos = proto
+                .trainer_spec
+                .as_ref()
+                .and_then(|t| u32::try_from(t.bos_id()).ok());
             dummy_prefix = proto
                 .normalizer_spec
                 .as_ref()
@@ -183,33 +189,28 @@ impl Tokenizer {
             .max()
             .unwrap_or(1)
             .max(1);
-        let bos = match (kind, bos) {
-            // `encode(add_bos=True)` adds the trainer's bos_id unless it is -1.
-            ("sentencepiece", None) => sentencepiece_model::SentencePieceModel::from_slice(bytes)
-                .ok()
-                .and_then(|m| m.trainer().map(|t| t.bos_id()))
-                .and_then(|id| u32::try_from(id).ok()),
-            (_, None) => None,
-            (_, Some(name)) => {
-                let found = def
-                    .specials
-                    .iter()
-                    .find(|s| s.bytes == name.as_bytes())
-                    .map(|s| s.id)
-                    .or_else(|| {
-                        def.model
-                            .vocab()
-                            .iter()
-                            .find(|t| t.bytes == name.as_bytes())
-                            .map(|t| t.id)
-                    });
-                Some(
-                    found.ok_or_else(|| {
+        let bos =
+            match (kind, bos) {
+                ("sentencepiece", None) => sentencepiece_bos,
+                (_, None) => None,
+                (_, Some(name)) => {
+                    let found = def
+                        .specials
+                        .iter()
+                        .find(|s| s.bytes == name.as_bytes())
+                        .map(|s| s.id)
+                        .or_else(|| {
+                            def.model
+                                .vocab()
+                                .iter()
+                                .find(|t| t.bytes == name.as_bytes())
+                                .map(|t| t.id)
+                        });
+                    Some(found.ok_or_else(|| {
                         TokenizerError::Bos(format!("it has no token \"{name}\""))
-                    })?,
-                )
-            }
-        };
+                    })?)
+                }
+            };
         let inner = Kitoken::from_definition(def).map_err(|e| TokenizerError::Unreadable {
             sentencepiece: e.to_string(),
             json: e.to_string(),

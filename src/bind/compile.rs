@@ -97,13 +97,7 @@ impl Plan {
     /// Checks `policy`'s bindings against the engine's I/O and compiles them; `cfg` gives the
     /// request limits and, for the default policy, the planner's bindings.
     pub fn compile(cfg: &Config, policy: &PolicySpec, io: &IoSpec) -> Result<Plan, ConfigError> {
-        let names = |specs: &[crate::engine::TensorSpec]| {
-            specs
-                .iter()
-                .map(|s| format!("'{}' {} {:?}", s.name, s.dtype, s.shape))
-                .collect::<Vec<_>>()
-                .join(", ")
-        };
+        let names = crate::engine::describe;
         io.check_sizes().map_err(|m| invalid("engine.model", m))?;
         let mut inputs = Vec::new();
         let mut host_buffers = Vec::new();

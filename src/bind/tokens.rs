@@ -6,7 +6,7 @@
 use std::sync::Arc;
 
 use super::{InputBinding, Plan};
-use crate::config::{ConfigError, ModelSource, TokenizerConfig, invalid};
+use crate::config::{ConfigError, TokenizerConfig, invalid};
 use crate::dtype::ElemType;
 use crate::engine::{InputBuffer, TensorSpec};
 use crate::limits::{MAX_PROMPT_BYTES, MAX_PROMPT_STATE};
@@ -76,16 +76,6 @@ fn max_id(t: ElemType) -> Option<i64> {
     })
 }
 
-/// The bytes of a tokenizer file.
-fn read(file: &ModelSource) -> Result<std::borrow::Cow<'static, [u8]>, String> {
-    match file {
-        ModelSource::File(p) => std::fs::read(p)
-            .map(std::borrow::Cow::Owned)
-            .map_err(|e| format!("cannot read {}: {e}", p.display())),
-        ModelSource::Embedded { bytes, .. } => Ok(std::borrow::Cow::Borrowed(bytes)),
-    }
-}
-
 /// Where a tokenized prompt's ids and mask go, checked against the engine: binding `i`,
 /// whose ids are the engine input `ids`; `state` is the pi0.5 state's binding.
 pub(super) fn compile(
@@ -120,7 +110,8 @@ pub(super) fn compile(
             ));
         }
     }
-    let bytes = read(&t.file).map_err(|m| invalid(k("tokenizer.file"), m))?;
+    let bytes = crate::engine::model_bytes(&t.file)
+        .map_err(|e| invalid(k("tokenizer.file"), e.to_string()))?;
     let tokenizer = Tokenizer::load(&bytes, t.bos.as_deref())
         .map_err(|e| invalid(k("tokenizer.file"), format!("{}: {e}", t.file.describe())))?;
     if t.bos.is_some() && tokenizer.kind() == "sentencepiece" {

@@ -728,22 +728,22 @@ fn inputs(
             let mask = o.tokenizer.as_ref().map(|t| t.mask_tensor.clone());
             o.tensor.clone().into_iter().chain(mask)
         };
+        if let (Some(t), Some(m)) = (&b.tensor, &b.tokenizer)
+            && m.mask_tensor == *t
+        {
+            return Err(cx.invalid(
+                k("tokenizer.mask_tensor"),
+                format!("\"{t}\" is the ids' tensor too; the mask needs its own input"),
+            ));
+        }
         for t in engine_inputs(b) {
-            let earlier = inputs[..i]
+            if let Some(j) = inputs[..i]
                 .iter()
-                .position(|o| engine_inputs(o).any(|n| n == t));
-            let twice = b.tensor.as_deref() == Some(t.as_str())
-                && b.tokenizer.as_ref().is_some_and(|m| m.mask_tensor == t);
-            if let Some(j) = earlier.filter(|_| !twice) {
+                .position(|o| engine_inputs(o).any(|n| n == t))
+            {
                 return Err(cx.invalid(
                     k("tensor"),
                     format!("engine input \"{t}\" is already bound by inputs[{j}]"),
-                ));
-            }
-            if twice {
-                return Err(cx.invalid(
-                    k("tokenizer.mask_tensor"),
-                    format!("\"{t}\" is the ids' tensor too; the mask needs its own input"),
                 ));
             }
         }

@@ -25,6 +25,15 @@ pub struct TensorSpec {
     pub shape: Vec<usize>,
 }
 
+/// Tensors as error messages list them: `'name' dtype [shape]`, comma-separated.
+pub fn describe(specs: &[TensorSpec]) -> String {
+    specs
+        .iter()
+        .map(|s| format!("'{}' {} {:?}", s.name, s.dtype, s.shape))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 impl TensorSpec {
     pub fn elements(&self) -> usize {
         self.shape.iter().product()

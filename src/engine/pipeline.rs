@@ -30,8 +30,9 @@ pub struct Pipeline {
     x_in: usize,
     time_in: usize,
     time_type: ElemType,
-    /// `update = "model"`: the step graph's `dt` input; its output is the next sample.
-    dt_in: Option<usize>,
+    /// `update = "model"`: the step graph's `dt` input and its type; the graph's output is the
+    /// next sample.
+    dt_in: Option<(usize, ElemType)>,
     out: usize,
     out_type: ElemType,
     /// The sample and the step graph's output, as float32.
@@ -41,14 +42,6 @@ pub struct Pipeline {
     max_steps: usize,
     /// The initial sample comes from the request (the last input), for reference tests.
     inject_noise: bool,
-}
-
-fn spec_list(specs: &[TensorSpec]) -> String {
-    specs
-        .iter()
-        .map(|s| format!("'{}' {} {:?}", s.name, s.dtype, s.shape))
-        .collect::<Vec<_>>()
-        .join(", ")
 }
 
 /// A pipeline that does not fit together: the message names both ends.
@@ -76,7 +69,7 @@ impl Pipeline {
                 .ok_or_else(|| {
                     wiring(format!(
                         "{key} = \"{name}\": the step graph has no such input; its inputs are: {}",
-                        spec_list(&dio.inputs)
+                        super::describe(&dio.inputs)
                     ))
                 })
         };
@@ -93,7 +86,7 @@ impl Pipeline {
                         s.name, s.dtype, s.shape
                     )));
                 }
-                Some(i)
+                Some((i, s.dtype))
             }
         };
         let out = dio
@@ -104,7 +97,7 @@ impl Pipeline {
                 wiring(format!(
                     "sampler.output = \"{}\": the step graph has no such output; its outputs are: {}",
                     cfg.output,
-                    spec_list(&dio.outputs)
+                    super::describe(&dio.outputs)
                 ))
             })?;
         let (xs, ts, os) = (&dio.inputs[x_in], &dio.inputs[time_in], &dio.outputs[out]);
@@ -138,7 +131,7 @@ impl Pipeline {
                     wiring(format!(
                         "denoise.wire.{to} = \"{from}\": the prefix ([engine]) has no such output; \
                      its outputs are: {}",
-                        spec_list(&pio.outputs)
+                        super::describe(&pio.outputs)
                     ))
                 })?;
             let (ps, ds) = (&pio.outputs[p], &dio.inputs[d]);
@@ -149,7 +142,7 @@ impl Pipeline {
                     ps.name, ps.dtype, ps.shape, ds.name, ds.dtype, ds.shape
                 )));
             }
-            if d == x_in || d == time_in || Some(d) == dt_in {
+            if d == x_in || d == time_in || dt_in.is_some_and(|(i, _)| i == d) {
                 return Err(wiring(format!(
                     "denoise.wire.{to}: '{to}' is the sampler's {}",
                     if d == x_in {
@@ -164,7 +157,10 @@ impl Pipeline {
             wires.push((p, d));
         }
         for (i, s) in dio.inputs.iter().enumerate() {
-            if i != x_in && i != time_in && Some(i) != dt_in && !wires.iter().any(|&(_, d)| d == i)
+            if i != x_in
+                && i != time_in
+                && dt_in.is_none_or(|(d, _)| d != i)
+                && !wires.iter().any(|&(_, d)| d == i)
             {
                 return Err(wiring(format!(
                     "step-graph input '{}' {} {:?} is fed by nothing: wire it to a prefix output \
@@ -291,9 +287,8 @@ impl Engine for Pipeline {
                 Time::Discrete(t) => t as f64,
             };
             fill_bytes(self.time_type, t, self.denoise_in[self.time_in].bytes_mut());
-            if let Some(d) = self.dt_in {
+            if let Some((d, ty)) = self.dt_in {
                 let dt = -1.0f32 / steps as f32;
-                let ty = self.denoise.io().inputs[d].dtype;
                 fill_bytes(ty, f64::from(dt), self.denoise_in[d].bytes_mut());
             }
             self.denoise

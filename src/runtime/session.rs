@@ -66,12 +66,7 @@ impl Sessions {
     /// Like [`Sessions::begin_infer`], also handing out the session's pacing state (cleared
     /// when the session starts afresh). The session is then the current one.
     pub fn begin(&mut self, id: Option<&SessionId>) -> (bool, &mut SessionPacing) {
-        if let Some(id) = id {
-            self.current.clone_from(id);
-        }
-        self.tick += 1;
-        let tick = self.tick;
-        let e = self.entry(tick);
+        let (tick, e) = self.touch(id);
         e.last_used = tick;
         e.count += 1;
         let fresh = e.count == 1;
@@ -84,12 +79,7 @@ impl Sessions {
     /// `endpoint: reset`: the session's next inference starts afresh, and its filters and
     /// latency window are cleared.
     pub fn reset(&mut self, id: Option<&SessionId>) {
-        if let Some(id) = id {
-            self.current.clone_from(id);
-        }
-        self.tick += 1;
-        let tick = self.tick;
-        let e = self.entry(tick);
+        let (_, e) = self.touch(id);
         e.count = 0;
         e.pacing.clear();
     }
@@ -105,12 +95,7 @@ impl Sessions {
     /// `reset_on_prompt_change`: records the session's prompt (a hash) and, when it differs
     /// from the previous one, resets the session as `endpoint: reset` would. True if it did.
     pub fn prompt_changed(&mut self, id: Option<&SessionId>, prompt: u64) -> bool {
-        if let Some(id) = id {
-            self.current.clone_from(id);
-        }
-        self.tick += 1;
-        let tick = self.tick;
-        let e = self.entry(tick);
+        let (_, e) = self.touch(id);
         let changed = e.prompt.is_some_and(|p| p != prompt);
         e.prompt = Some(prompt);
         if changed {
@@ -122,23 +107,14 @@ impl Sessions {
 
     /// The token cache of `id` (or the current session), which becomes the current session.
     pub fn prompt_cache(&mut self, id: Option<&SessionId>) -> &mut crate::bind::PromptCache {
-        if let Some(id) = id {
-            self.current.clone_from(id);
-        }
-        self.tick += 1;
-        let tick = self.tick;
-        &mut self.entry(tick).tokens
+        &mut self.touch(id).1.tokens
     }
 
     /// The next seed of `id`'s (or the current session's) own stream, for a request that
     /// names none; the stream starts, seeded from the OS, at the session's first draw.
     pub fn next_seed(&mut self, id: Option<&SessionId>) -> u64 {
-        if let Some(id) = id {
-            self.current.clone_from(id);
-        }
-        self.tick += 1;
-        let tick = self.tick;
-        self.entry(tick)
+        self.touch(id)
+            .1
             .seeds
             .get_or_insert_with(crate::sampler::SeedStream::from_os)
             .next_seed()
@@ -163,6 +139,16 @@ impl Sessions {
 
     pub fn is_empty(&self) -> bool {
         self.entries.is_empty()
+    }
+
+    /// Makes `id` (if given) the current session, ticks, and finds or makes its entry.
+    fn touch(&mut self, id: Option<&SessionId>) -> (u64, &mut Entry) {
+        if let Some(id) = id {
+            self.current.clone_from(id);
+        }
+        self.tick += 1;
+        let tick = self.tick;
+        (tick, self.entry(tick))
     }
 
     fn entry(&mut self, tick: u64) -> &mut Entry {
