@@ -4,6 +4,10 @@ affects both alike). Used by cross/jetson-verify to hold the TensorRT backend ag
 backend on a Jetson; works against any two servers speaking openpi.
 
     python benches/compare_backends.py PORT_A PORT_B [--profile aloha] [--n 200] [--atol 0.05]
+                                       [--seed]
+
+`--seed` sends a `seed` with each observation (the request's index), so that two servers of a
+pipeline (configs/flow.toml, configs/diffusion.toml) draw the same noise and must agree.
 
 Prints max |A - B| over every action, round-trip p50/p99 and the servers' own infer_ms p50 for
 each, and exits 1 if the actions differ by more than --atol (fp16 engines differ from fp32 by
@@ -24,10 +28,12 @@ ap = argparse.ArgumentParser()
 ap.add_argument("port_a", type=int)
 ap.add_argument("port_b", type=int)
 ap.add_argument("--host", default="127.0.0.1")
-ap.add_argument("--profile", default="aloha", choices=["aloha", "droid", "libero"])
+ap.add_argument("--profile", default="aloha",
+                choices=["aloha", "droid", "libero", "flow", "diffusion"])
 ap.add_argument("--n", type=int, default=200)
 ap.add_argument("--warmup", type=int, default=20)
 ap.add_argument("--atol", type=float, default=0.05)
+ap.add_argument("--seed", action="store_true")
 args = ap.parse_args()
 
 clients = [wcp.WebsocketClientPolicy(args.host, p) for p in (args.port_a, args.port_b)]
@@ -37,6 +43,8 @@ infer = [[], []]
 worst = 0.0
 for i in range(args.warmup + args.n):
     obs = observation(args.profile, rng)
+    if args.seed:
+        obs["seed"] = i
     actions = []
     for k, c in enumerate(clients):
         t = time.perf_counter()

@@ -69,6 +69,16 @@ pub enum Time {
     Discrete(i64),
 }
 
+impl Time {
+    /// As a number, for writing into the time tensor's own type.
+    pub fn value(self) -> f64 {
+        match self {
+            Time::Continuous(t) => f64::from(t),
+            Time::Discrete(t) => t as f64,
+        }
+    }
+}
+
 impl Sampler {
     pub fn flow() -> Sampler {
         Sampler {
@@ -134,6 +144,11 @@ impl Sampler {
         }
     }
 
+    /// `update = "model"`'s `dt` input: openpi's `-1/steps`.
+    pub fn dt(&self, steps: usize) -> f64 {
+        f64::from(-1.0f32 / steps as f32)
+    }
+
     /// diffusers' `set_timesteps` with `timestep_spacing = "leading"`: step `i` of `steps`
     /// is `(steps - 1 - i) · (T / steps)`.
     fn timestep(&self, i: usize, steps: usize) -> usize {
@@ -160,15 +175,7 @@ impl Sampler {
             }
             Kind::Ddpm | Kind::Ddim => {
                 let Some(d) = &self.diffusion else { return };
-                let t = self.timestep(i, steps);
-                let prev = t as i64 - (self.alphas_cumprod.len() / steps.max(1)) as i64;
-                let a_t = self.alphas_cumprod[t];
-                let a_prev = if prev >= 0 {
-                    self.alphas_cumprod[prev as usize]
-                } else {
-                    // DDPM's `one`; DDIM's `final_alpha_cumprod` with `set_alpha_to_one`.
-                    1.0
-                };
+                let (t, a_t, a_prev) = self.alphas(i, steps);
                 let b_t = 1.0 - a_t;
                 let (sa, sb) = (a_t.sqrt(), b_t.sqrt());
                 if self.kind == Kind::Ddpm {
@@ -202,6 +209,168 @@ impl Sampler {
                     }
                 }
             }
+        }
+    }
+
+    /// Step `i` of `steps`: its training timestep t, ᾱ_t and ᾱ_prev (1 before the first
+    /// timestep: DDPM's `one`; DDIM's `final_alpha_cumprod` with `set_alpha_to_one`).
+    fn alphas(&self, i: usize, steps: usize) -> (usize, f32, f32) {
+        let t = self.timestep(i, steps);
+        let prev = t as i64 - (self.alphas_cumprod.len() / steps.max(1)) as i64;
+        let a_prev = if prev >= 0 {
+            self.alphas_cumprod[prev as usize]
+        } else {
+            1.0
+        };
+        (t, self.alphas_cumprod[t], a_prev)
+    }
+
+    /// Step `i` of `steps` as the device kernel applies it ([`Update`]): the same update as
+    /// [`Sampler::step`], its per-step constants folded into ten coefficients.
+    pub fn update(&self, i: usize, steps: usize) -> Update {
+        let mut u = Update {
+            p1: 0.0,
+            p2: 0.0,
+            e1: 0.0,
+            e2: 1.0,
+            a: 0.0,
+            b: 1.0,
+            c: 0.0,
+            s: 0.0,
+            lo: f32::MIN,
+            hi: f32::MAX,
+        };
+        let Some(d) = self.diffusion.as_ref().filter(|_| self.kind != Kind::Flow) else {
+            u.c = -1.0f32 / steps as f32;
+            return u;
+        };
+        let (t, a_t, a_prev) = self.alphas(i, steps);
+        let b_t = 1.0 - a_t;
+        let (sa, sb) = (a_t.sqrt(), b_t.sqrt());
+        (u.p1, u.p2, u.e1, u.e2) = match d.prediction {
+            Prediction::Epsilon => (1.0 / sa, -sb / sa, 0.0, 1.0),
+            Prediction::Sample => (0.0, 1.0, 1.0 / sb, -sa / sb),
+            Prediction::VPrediction => (sa, -sb, sb, sa),
+        };
+        if let Some(r) = d.clip {
+            (u.lo, u.hi) = (-r, r);
+        }
+        if self.kind == Kind::Ddpm {
+            let cur_alpha = a_t / a_prev;
+            let cur_beta = 1.0 - cur_alpha;
+            u.a = a_prev.sqrt() * cur_beta / b_t;
+            u.b = cur_alpha.sqrt() * (1.0 - a_prev) / b_t;
+            u.c = 0.0;
+            if t > 0 {
+                u.s = ((1.0 - a_prev) / b_t * cur_beta).max(1e-20).sqrt();
+            }
+        } else {
+            let variance = (1.0 - a_prev) / b_t * (1.0 - a_t / a_prev);
+            let std = d.eta * variance.sqrt();
+            u.a = a_prev.sqrt();
+            u.b = 0.0;
+            u.c = (1.0 - a_prev - std * std).max(0.0).sqrt();
+            if d.eta > 0.0 {
+                u.s = std;
+            }
+        }
+        u
+    }
+
+    /// Whether step `i` of `steps` draws fresh noise (one value per element, in order), as
+    /// [`Sampler::step`] does: DDPM on every step but t = 0, DDIM when `eta` > 0.
+    pub fn draws_noise(&self, i: usize, steps: usize) -> bool {
+        match (self.kind, &self.diffusion) {
+            (Kind::Ddpm, Some(_)) => self.timestep(i, steps) > 0,
+            (Kind::Ddim, Some(d)) => d.eta > 0.0,
+            _ => false,
+        }
+    }
+}
+
+/// One step's update as ten coefficients: the form policyd's device kernel applies
+/// (`src/engine/tensorrt/update.ptx`), so that a TensorRT pipeline keeps its sample on the
+/// GPU. With the sample x, the model's output m and the step's fresh noise z:
+///
+/// ```text
+/// x0 = min(max(p1·x + p2·m, lo), hi)   (diffusers' predicted sample, clipped)
+/// e  = e1·x + e2·m                      (its predicted noise)
+/// x' = a·x0 + b·x + c·e + s·z
+/// ```
+///
+/// Flow is `b = 1, c = dt, e2 = 1`; DDPM and DDIM fold diffusers' per-step constants into
+/// `p`, `e`, `a`, `b`, `c` and the standard deviation `s`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Update {
+    pub p1: f32,
+    pub p2: f32,
+    pub e1: f32,
+    pub e2: f32,
+    pub a: f32,
+    pub b: f32,
+    pub c: f32,
+    pub s: f32,
+    pub lo: f32,
+    pub hi: f32,
+}
+
+impl Update {
+    /// Its size in device memory: ten float32s, in field order.
+    pub const BYTES: usize = 40;
+
+    /// `update = "model"`: the step graph's output is the next sample (`x' = m`, exactly).
+    pub fn take_output() -> Update {
+        Update {
+            p1: 0.0,
+            p2: 0.0,
+            e1: 0.0,
+            e2: 1.0,
+            a: 0.0,
+            b: 0.0,
+            c: 1.0,
+            s: 0.0,
+            lo: f32::MIN,
+            hi: f32::MAX,
+        }
+    }
+
+    /// The update of one element, rounded exactly as the kernel rounds it (every product and
+    /// sum separately, in this order; `max`/`min` pass a NaN's other operand, as PTX's do).
+    pub fn apply(&self, x: f32, m: f32, z: f32) -> f32 {
+        let x0 = (self.p1 * x + self.p2 * m).max(self.lo).min(self.hi);
+        let e = self.e1 * x + self.e2 * m;
+        let next = self.a * x0 + self.b * x + self.c * e;
+        if self.s != 0.0 {
+            next + self.s * z
+        } else {
+            next
+        }
+    }
+
+    /// Writes the ten coefficients, little-endian (the kernel's layout), into `out[..40]`.
+    pub fn write(&self, out: &mut [u8]) {
+        let v = [
+            self.p1, self.p2, self.e1, self.e2, self.a, self.b, self.c, self.s, self.lo, self.hi,
+        ];
+        for (c, v) in out.chunks_exact_mut(4).zip(v) {
+            c.copy_from_slice(&v.to_le_bytes());
+        }
+    }
+
+    /// Reads what [`Update::write`] wrote.
+    pub fn read(b: &[u8]) -> Update {
+        let f = |i: usize| f32::from_le_bytes([b[4 * i], b[4 * i + 1], b[4 * i + 2], b[4 * i + 3]]);
+        Update {
+            p1: f(0),
+            p2: f(1),
+            e1: f(2),
+            e2: f(3),
+            a: f(4),
+            b: f(5),
+            c: f(6),
+            s: f(7),
+            lo: f(8),
+            hi: f(9),
         }
     }
 }
@@ -427,6 +596,81 @@ mod tests {
         s.step(9, 10, &mut a, &[0.2], || 0.0);
         s.step(9, 10, &mut b, &[0.2], || 1.0);
         assert_eq!(a, b);
+    }
+
+    /// The kernel's form of every sampler gives what `step` gives: flow to the bit, DDPM and
+    /// DDIM (every prediction type, clipped or not, with and without noise) to float rounding.
+    #[test]
+    fn the_kernel_form_is_the_same_update() {
+        let mut samplers = vec![Sampler::flow()];
+        for kind in [Kind::Ddpm, Kind::Ddim] {
+            for prediction in [
+                Prediction::Epsilon,
+                Prediction::Sample,
+                Prediction::VPrediction,
+            ] {
+                for (clip, eta) in [(Some(1.0), 0.0), (None, 0.0), (Some(1.5), 0.7)] {
+                    samplers.push(Sampler::diffusion(
+                        kind,
+                        Diffusion {
+                            train_timesteps: 100,
+                            betas: Betas::SquaredCosCapV2,
+                            beta_start: 0.0001,
+                            beta_end: 0.02,
+                            prediction,
+                            clip,
+                            eta,
+                        },
+                    ));
+                }
+            }
+        }
+        let xs = [-3.0f32, -0.7, 0.0, 0.25, 0.5, 1.2, 2.9];
+        let ms = [-1.1f32, -0.1, 0.2, 0.6, 0.05, 1.7, -2.2];
+        for s in &samplers {
+            for steps in [1, 3, 10, 100] {
+                for i in 0..steps {
+                    let u = s.update(i, steps);
+                    let mut bytes = [0u8; Update::BYTES];
+                    u.write(&mut bytes);
+                    assert_eq!(Update::read(&bytes), u);
+                    let mut x = xs;
+                    let mut z = 0.3f32;
+                    s.step(i, steps, &mut x, &ms, || {
+                        z += 0.1;
+                        z
+                    });
+                    // Noise is read only on steps that draw it.
+                    assert!(u.s == 0.0 || s.draws_noise(i, steps));
+                    let mut z = 0.3f32;
+                    for k in 0..xs.len() {
+                        let noise = if s.draws_noise(i, steps) {
+                            z += 0.1;
+                            z
+                        } else {
+                            0.0
+                        };
+                        let got = u.apply(xs[k], ms[k], noise);
+                        if s.kind == Kind::Flow {
+                            assert_eq!(got, x[k], "flow step {i} of {steps}");
+                        } else {
+                            assert!(
+                                (got - x[k]).abs() <= 2e-5 * x[k].abs().max(1.0),
+                                "{:?} {:?} step {i} of {steps} [{k}]: {got} vs {}",
+                                s.kind,
+                                s.diffusion,
+                                x[k]
+                            );
+                        }
+                    }
+                }
+            }
+        }
+        // Noise is drawn where `step` draws it: DDPM all but the last step, DDIM with eta.
+        let ddpm = lerobot(Kind::Ddpm);
+        assert!(ddpm.draws_noise(0, 10) && !ddpm.draws_noise(9, 10));
+        assert!(!lerobot(Kind::Ddim).draws_noise(0, 10));
+        assert!(!Sampler::flow().draws_noise(0, 10));
     }
 
     #[test]

@@ -5,43 +5,55 @@
 //! output is the final sample; the request's seed and step count arrive through
 //! [`Engine::run_sampled`].
 //!
-//! The loop runs on the host: each step copies the sample into the step graph's input and
-//! reads its output back (a GPU backend pays a round trip per step).
+//! This loop runs on the host: each step copies the sample into the step graph's input and
+//! reads its output back. It serves the CPU backend; on TensorRT the same loop runs on the
+//! device (`tensorrt::device_loop`), sharing the wiring checked here ([`Wiring`]).
 
 use std::time::Instant;
 
 use super::{Engine, EngineError, InputBuffer, IoSpec, RunStats, Sampling, Stages, TensorSpec};
 use crate::config::PipelineConfig;
 use crate::dtype::ElemType;
-use crate::sampler::{Noise, Sampler, Time};
+use crate::sampler::{Noise, Sampler};
 use crate::transform::{fill_bytes, load_f64};
+
+/// How a prefix feeds a step graph and what the sampler binds: checked once, used by the
+/// host loop here and by the TensorRT loop on the device (`tensorrt::device_loop`).
+#[derive(Clone, Debug)]
+pub struct Wiring {
+    /// (prefix output, step-graph input).
+    pub wires: Vec<(usize, usize)>,
+    /// Step-graph inputs: the sample, the time and its type, and with `update = "model"` the
+    /// `dt` input and its type (the graph's output is then the next sample).
+    pub x_in: usize,
+    pub time_in: usize,
+    pub time_type: ElemType,
+    pub dt_in: Option<(usize, ElemType)>,
+    /// The step-graph output the sampler reads, and its type.
+    pub out: usize,
+    pub out_type: ElemType,
+    /// The pipeline as one engine: the prefix's inputs (and the injected noise), the sample.
+    pub io: IoSpec,
+    pub sampler: Sampler,
+    /// Elements of the sample.
+    pub n: usize,
+    pub steps: usize,
+    pub max_steps: usize,
+    /// The initial sample comes from the request (the last input), for reference tests.
+    pub inject_noise: bool,
+}
 
 /// The prefix and the step graph, wired, with the sampler and its buffers.
 pub struct Pipeline {
     prefix: Box<dyn Engine>,
     denoise: Box<dyn Engine>,
-    sampler: Sampler,
-    io: IoSpec,
+    w: Wiring,
     prefix_out: Vec<Vec<u8>>,
     denoise_in: Vec<Box<dyn InputBuffer>>,
     denoise_out: Vec<Vec<u8>>,
-    /// (prefix output, step-graph input).
-    wires: Vec<(usize, usize)>,
-    x_in: usize,
-    time_in: usize,
-    time_type: ElemType,
-    /// `update = "model"`: the step graph's `dt` input and its type; the graph's output is the
-    /// next sample.
-    dt_in: Option<(usize, ElemType)>,
-    out: usize,
-    out_type: ElemType,
     /// The sample and the step graph's output, as float32.
     x: Vec<f32>,
     model_out: Vec<f32>,
-    steps: usize,
-    max_steps: usize,
-    /// The initial sample comes from the request (the last input), for reference tests.
-    inject_noise: bool,
 }
 
 /// A pipeline that does not fit together: the message names both ends.
@@ -52,16 +64,12 @@ fn wiring(message: String) -> EngineError {
     }
 }
 
-impl Pipeline {
-    /// Wires `prefix` to `denoise` as `cfg` says, checking every end: a wired pair must match
-    /// exactly in dtype and shape, every step-graph input must be the sample, the time or
-    /// wired, and the sample, the time and the output must be shaped as the sampler needs.
-    pub fn new(
-        prefix: Box<dyn Engine>,
-        denoise: Box<dyn Engine>,
-        cfg: &PipelineConfig,
-    ) -> Result<Pipeline, EngineError> {
-        let (pio, dio) = (prefix.io().clone(), denoise.io().clone());
+impl Wiring {
+    /// Wires a prefix with outputs `pio` to a step graph `dio` as `cfg` says, checking every
+    /// end: a wired pair must match exactly in dtype and shape, every step-graph input must be
+    /// the sample, the time or wired, and the sample, the time and the output must be shaped
+    /// as the sampler needs.
+    pub fn new(pio: &IoSpec, dio: &IoSpec, cfg: &PipelineConfig) -> Result<Wiring, EngineError> {
         let input = |name: &str, key: &str| {
             dio.inputs
                 .iter()
@@ -192,11 +200,7 @@ impl Pipeline {
             None => Sampler::flow(),
             Some(d) => Sampler::diffusion(cfg.kind, d.clone()),
         };
-        let n = xs.elements();
-        Ok(Pipeline {
-            prefix_out: pio.outputs.iter().map(|s| vec![0u8; s.bytes()]).collect(),
-            denoise_in: denoise.alloc_inputs()?,
-            denoise_out: dio.outputs.iter().map(|s| vec![0u8; s.bytes()]).collect(),
+        Ok(Wiring {
             wires,
             x_in,
             time_in,
@@ -204,15 +208,69 @@ impl Pipeline {
             dt_in,
             out,
             out_type: os.dtype,
-            x: vec![0.0; n],
-            model_out: vec![0.0; n],
+            io,
+            sampler,
+            n: xs.elements(),
             steps: cfg.steps,
             max_steps: cfg.max_steps,
             inject_noise: cfg.inject_noise,
+        })
+    }
+
+    /// The step count a request runs: its own, within 1..=max_steps.
+    pub fn steps_for(&self, sampling: Sampling) -> usize {
+        (sampling.steps as usize).clamp(1, self.max_steps)
+    }
+
+    /// The pipeline's input buffers: the prefix's, then the injected noise's if any.
+    pub fn alloc_inputs(
+        &self,
+        prefix: &dyn Engine,
+    ) -> Result<Vec<Box<dyn InputBuffer>>, EngineError> {
+        let mut bufs = prefix.alloc_inputs()?;
+        if self.inject_noise {
+            bufs.push(Box::new(super::HostBuffer(vec![0; self.n * 4])));
+        }
+        Ok(bufs)
+    }
+
+    /// The default sampling of a plain [`Engine::run`].
+    pub fn default_sampling(&self) -> Sampling {
+        Sampling {
+            seed: 0,
+            steps: self.steps as u32,
+        }
+    }
+}
+
+impl Pipeline {
+    /// Wires `prefix` to `denoise` as `cfg` says ([`Wiring::new`]) and allocates the loop's
+    /// buffers.
+    pub fn new(
+        prefix: Box<dyn Engine>,
+        denoise: Box<dyn Engine>,
+        cfg: &PipelineConfig,
+    ) -> Result<Pipeline, EngineError> {
+        let w = Wiring::new(prefix.io(), denoise.io(), cfg)?;
+        Ok(Pipeline {
+            prefix_out: prefix
+                .io()
+                .outputs
+                .iter()
+                .map(|s| vec![0u8; s.bytes()])
+                .collect(),
+            denoise_in: denoise.alloc_inputs()?,
+            denoise_out: denoise
+                .io()
+                .outputs
+                .iter()
+                .map(|s| vec![0u8; s.bytes()])
+                .collect(),
+            x: vec![0.0; w.n],
+            model_out: vec![0.0; w.n],
             prefix,
             denoise,
-            sampler,
-            io,
+            w,
         })
     }
 }
@@ -223,15 +281,11 @@ impl Engine for Pipeline {
     }
 
     fn io(&self) -> &IoSpec {
-        &self.io
+        &self.w.io
     }
 
     fn alloc_inputs(&self) -> Result<Vec<Box<dyn InputBuffer>>, EngineError> {
-        let mut bufs = self.prefix.alloc_inputs()?;
-        if self.inject_noise {
-            bufs.push(Box::new(super::HostBuffer(vec![0; self.x.len() * 4])));
-        }
-        Ok(bufs)
+        self.w.alloc_inputs(self.prefix.as_ref())
     }
 
     fn run(
@@ -240,10 +294,7 @@ impl Engine for Pipeline {
         outputs: &mut [Vec<u8>],
         reset: bool,
     ) -> Result<RunStats, EngineError> {
-        let sampling = Sampling {
-            seed: 0,
-            steps: self.steps as u32,
-        };
+        let sampling = self.w.default_sampling();
         self.run_sampled(inputs, outputs, reset, sampling)
     }
 
@@ -255,65 +306,55 @@ impl Engine for Pipeline {
         sampling: Sampling,
     ) -> Result<RunStats, EngineError> {
         let t0 = Instant::now();
-        let steps = (sampling.steps as usize).clamp(1, self.max_steps);
+        let w = &self.w;
+        let steps = w.steps_for(sampling);
         let n_prefix = self.prefix.io().inputs.len();
         let (prefix_in, noise_in) = inputs.split_at_mut(n_prefix.min(inputs.len()));
         self.prefix.run(prefix_in, &mut self.prefix_out, reset)?;
-        for &(p, d) in &self.wires {
+        for &(p, d) in &w.wires {
             self.denoise_in[d]
                 .bytes_mut()
                 .copy_from_slice(&self.prefix_out[p]);
         }
         let t1 = Instant::now();
         let mut noise = Noise::new(sampling.seed);
-        match noise_in.first_mut().filter(|_| self.inject_noise) {
-            Some(given) => {
-                for (x, c) in self.x.iter_mut().zip(given.bytes_mut().chunks_exact(4)) {
-                    *x = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
-                }
-            }
+        match noise_in.first_mut().filter(|_| w.inject_noise) {
+            Some(given) => read_f32(given.bytes_mut(), &mut self.x),
             None => noise.fill(&mut self.x),
         }
         for i in 0..steps {
-            for (c, x) in self.denoise_in[self.x_in]
+            for (c, x) in self.denoise_in[w.x_in]
                 .bytes_mut()
                 .chunks_exact_mut(4)
                 .zip(&self.x)
             {
                 c.copy_from_slice(&x.to_le_bytes());
             }
-            let t = match self.sampler.time(i, steps) {
-                Time::Continuous(t) => f64::from(t),
-                Time::Discrete(t) => t as f64,
-            };
-            fill_bytes(self.time_type, t, self.denoise_in[self.time_in].bytes_mut());
-            if let Some((d, ty)) = self.dt_in {
-                let dt = -1.0f32 / steps as f32;
-                fill_bytes(ty, f64::from(dt), self.denoise_in[d].bytes_mut());
+            fill_bytes(
+                w.time_type,
+                w.sampler.time(i, steps).value(),
+                self.denoise_in[w.time_in].bytes_mut(),
+            );
+            if let Some((d, ty)) = w.dt_in {
+                fill_bytes(ty, w.sampler.dt(steps), self.denoise_in[d].bytes_mut());
             }
             self.denoise
                 .run(&mut self.denoise_in, &mut self.denoise_out, false)?;
-            let out = &self.denoise_out[self.out];
-            if self.out_type == ElemType::F32 {
-                for (m, c) in self.model_out.iter_mut().zip(out.chunks_exact(4)) {
-                    *m = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
-                }
+            let out = &self.denoise_out[w.out];
+            if w.out_type == ElemType::F32 {
+                read_f32(out, &mut self.model_out);
             } else {
                 for (k, m) in self.model_out.iter_mut().enumerate() {
-                    *m = load_f64(self.out_type, out, k) as f32;
+                    *m = load_f64(w.out_type, out, k) as f32;
                 }
             }
             if !self.model_out.iter().all(|v| v.is_finite()) {
-                return Err(EngineError::Run(format!(
-                    "step {} of {steps}: the step graph's output '{}' holds NaN or infinity",
-                    i + 1,
-                    self.denoise.io().outputs[self.out].name
-                )));
+                return Err(not_finite(i, steps, &self.denoise.io().outputs[w.out].name));
             }
-            if self.dt_in.is_some() {
+            if w.dt_in.is_some() {
                 self.x.copy_from_slice(&self.model_out);
             } else {
-                self.sampler
+                w.sampler
                     .step(i, steps, &mut self.x, &self.model_out, || noise.draw());
             }
         }
@@ -346,15 +387,30 @@ impl Engine for Pipeline {
             format!(
                 "pipeline     prefix outputs + step-graph inputs and outputs + sample and \
                  prediction ({} values), alphas ({})",
-                self.x.len(),
-                self.sampler.alphas_cumprod().len()
+                self.w.n,
+                self.w.sampler.alphas_cumprod().len()
             ),
             bytes(&self.prefix_out)
                 + steps_in
                 + bytes(&self.denoise_out)
-                + 8 * self.x.len() as u64
-                + 4 * self.sampler.alphas_cumprod().len() as u64,
+                + 8 * self.w.n as u64
+                + 4 * self.w.sampler.alphas_cumprod().len() as u64,
         ));
         lines
     }
+}
+
+/// Little-endian float32s from `bytes` into `out`.
+pub fn read_f32(bytes: &[u8], out: &mut [f32]) {
+    for (x, c) in out.iter_mut().zip(bytes.chunks_exact(4)) {
+        *x = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+    }
+}
+
+/// A step graph's output that held NaN or infinity: the engine failure a request gets.
+pub fn not_finite(i: usize, steps: usize, output: &str) -> EngineError {
+    EngineError::Run(format!(
+        "step {} of {steps}: the step graph's output '{output}' holds NaN or infinity",
+        i + 1
+    ))
 }

@@ -70,17 +70,57 @@ fn shape_hints(spec: &PolicySpec) -> Vec<(String, Vec<usize>)> {
 /// Opens the engine a policy names, with the backend its config chose: its model, or for a
 /// pipeline the prefix and the step graph wired together.
 pub fn open_engine(spec: &PolicySpec) -> Result<Box<dyn Engine>, PolicyError> {
+    #[cfg(feature = "tensorrt")]
+    if spec.engine.backend == Backend::Tensorrt
+        && let Some(p) = &spec.pipeline
+    {
+        return open_tensorrt_pipeline(spec, p);
+    }
     let prefix = open_model(spec, &spec.model)?;
     let Some(p) = &spec.pipeline else {
         return Ok(prefix);
     };
-    let denoise = open_model(spec, &p.denoise).map_err(|e| match e {
-        PolicyError::Engine(e) => crate::config::invalid("denoise.model", e.to_string()).into(),
-        e => e,
-    })?;
+    let denoise = open_model(spec, &p.denoise).map_err(in_denoise)?;
     let pipeline = crate::engine::pipeline::Pipeline::new(prefix, denoise, p)
         .map_err(|e| crate::config::invalid("denoise", e.to_string()))?;
     Ok(Box::new(pipeline))
+}
+
+/// A step graph that failed to open, said of `denoise.model`.
+fn in_denoise(e: PolicyError) -> PolicyError {
+    match e {
+        PolicyError::Engine(e) => crate::config::invalid("denoise.model", e.to_string()).into(),
+        e => e,
+    }
+}
+
+/// A TensorRT pipeline: both plans on one device (one stream), the sampler's loop on it.
+#[cfg(feature = "tensorrt")]
+fn open_tensorrt_pipeline(
+    spec: &PolicySpec,
+    p: &crate::config::PipelineConfig,
+) -> Result<Box<dyn Engine>, PolicyError> {
+    use crate::engine::tensorrt;
+    let e = &spec.engine;
+    let (api, device) = tensorrt::open_device(e.device, e.tensorrt_library.as_deref())?;
+    let prefix = tensorrt::load(api, &device, &spec.model, &trt_options(spec, &spec.model))?;
+    let denoise = tensorrt::load(api, &device, &p.denoise, &trt_options(spec, &p.denoise))
+        .map_err(|e| in_denoise(e.into()))?;
+    tensorrt::device_loop::build(prefix, denoise, p)
+        .map_err(|e| crate::config::invalid("denoise", e.to_string()).into())
+}
+
+/// `[engine]`'s TensorRT settings for one plan.
+#[cfg(feature = "tensorrt")]
+fn trt_options(spec: &PolicySpec, model: &ModelSource) -> crate::engine::tensorrt::Options {
+    let e = &spec.engine;
+    crate::engine::tensorrt::Options {
+        model: model.describe(),
+        dla_core: e.dla_core,
+        cuda_graph: e.cuda_graph,
+        zero_copy: e.zero_copy,
+        shapes: shape_hints(spec),
+    }
 }
 
 /// Opens one model file on the policy's backend.
@@ -113,18 +153,11 @@ fn open_model(spec: &PolicySpec, model: &ModelSource) -> Result<Box<dyn Engine>,
         #[cfg(feature = "tensorrt")]
         Backend::Tensorrt => {
             let e = &spec.engine;
-            let opts = crate::engine::tensorrt::Options {
-                model: model.describe(),
-                dla_core: e.dla_core,
-                cuda_graph: e.cuda_graph,
-                zero_copy: e.zero_copy,
-                shapes: shape_hints(spec),
-            };
             Ok(Box::new(crate::engine::tensorrt::open(
                 model,
                 e.device,
                 e.tensorrt_library.as_deref(),
-                &opts,
+                &trt_options(spec, model),
             )?))
         }
         #[allow(unreachable_patterns)]

@@ -3,8 +3,26 @@ only numpy, so the on-device scripts (benches/compare_backends.py) can use it on
 import numpy as np
 
 
+# configs/flow.toml's cameras (pi0's).
+CAMS = ["base_0_rgb", "left_wrist_0_rgb", "right_wrist_0_rgb"]
+
+
+def flow_obs(rng, prompt="pick up the red block"):
+    return {"images": {c: rng.integers(0, 256, (224, 224, 3), dtype=np.uint8) for c in CAMS},
+            "state": rng.standard_normal(32).astype(np.float32), "prompt": prompt}
+
+
+def diffusion_obs(rng):
+    return {"observation/state": rng.standard_normal((2, 2)).astype(np.float32),
+            "observation/image": rng.integers(0, 256, (2, 96, 96, 3), dtype=np.uint8)}
+
+
 def observation(profile, rng):
     img = lambda shape: rng.integers(0, 256, shape, dtype=np.uint8)
+    if profile == "flow":
+        return flow_obs(rng)
+    if profile == "diffusion":
+        return diffusion_obs(rng)
     if profile == "aloha":
         return {"state": rng.random(14), "images": {c: img((3, 224, 224)) for c in
                 ["cam_high", "cam_low", "cam_left_wrist", "cam_right_wrist"]}, "prompt": "fold"}

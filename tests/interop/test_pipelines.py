@@ -16,22 +16,12 @@ import pytest
 import websockets.sync.client as wsc
 from openpi_client import msgpack_numpy as openpi_mn
 from openpi_client import websocket_client_policy as wcp
+from profiles import CAMS, diffusion_obs, flow_obs
 from test_openpi import free_port, start_policyd
 from test_tokenizer import PaligemmaReference
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 MODELS = ROOT / "models"
-CAMS = ["base_0_rgb", "left_wrist_0_rgb", "right_wrist_0_rgb"]
-
-
-def flow_obs(rng, prompt="pick up the red block"):
-    return {"images": {c: rng.integers(0, 256, (224, 224, 3), dtype=np.uint8) for c in CAMS},
-            "state": rng.standard_normal(32).astype(np.float32), "prompt": prompt}
-
-
-def diffusion_obs(rng):
-    return {"observation/state": rng.standard_normal((2, 2)).astype(np.float32),
-            "observation/image": rng.integers(0, 256, (2, 96, 96, 3), dtype=np.uint8)}
 
 
 def session(name):

@@ -41,6 +41,43 @@ pub struct HostAlloc {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Graph(pub u64);
 
+/// A loaded kernel: its module and function handles.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Kernel {
+    pub module: u64,
+    pub function: u64,
+}
+
+/// The timing events a run records on the stream: its start, the end of a pipeline's prefix,
+/// and its end.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mark {
+    Start,
+    Split,
+    End,
+}
+
+/// One launch of the sampler's update kernel (`update.ptx`): the sample `x` (updated in place),
+/// the step graph's output `m`, the step's noise (0 when it draws none), its ten coefficients
+/// (`sampler::Update`), the word that records the first step whose output was not finite, the
+/// element count and the step's index.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct UpdateArgs {
+    pub x: DevicePtr,
+    pub m: DevicePtr,
+    pub noise: DevicePtr,
+    pub coef: DevicePtr,
+    pub flag: DevicePtr,
+    pub n: u32,
+    pub step: u32,
+}
+
+/// The PTX of the update kernel and its entry point.
+pub const UPDATE_PTX: &str = include_str!("update.ptx");
+pub const UPDATE_KERNEL: &str = "policyd_sample_update";
+/// Threads per block of an update launch.
+pub const UPDATE_BLOCK: u32 = 256;
+
 /// What the TensorRT engine needs from CUDA. Methods take `&self`: the device is shared (by
 /// `Arc`) between the engine and the page-locked buffers it hands to the slots, which free
 /// themselves through it; stream work happens on the engine worker thread only.
@@ -74,10 +111,33 @@ pub trait Device: Send + Sync {
     /// # Safety
     /// `dst` is page-locked host memory of `bytes` bytes that lives until the copy has run.
     unsafe fn copy_dtoh(&self, dst: *mut u8, src: DevicePtr, bytes: usize) -> Result<(), GpuError>;
-    /// Records the start (`false`) or end (`true`) timing event on the stream.
-    fn mark(&self, end: bool) -> Result<(), GpuError>;
-    /// Waits for the end event; the device time between the two events.
+    /// # Safety
+    /// Both ranges are device memory (or mapped host memory) of `bytes` bytes that lives until
+    /// the copy has run.
+    unsafe fn copy_dtod(
+        &self,
+        dst: DevicePtr,
+        src: DevicePtr,
+        bytes: usize,
+    ) -> Result<(), GpuError>;
+    /// Records a timing event on the stream.
+    fn mark(&self, at: Mark) -> Result<(), GpuError>;
+    /// Waits for the end event; the device time between the start and end events.
     fn finish(&self) -> Result<Duration, GpuError>;
+    /// After [`Device::finish`]: the device time between the start and split events.
+    fn split(&self) -> Result<Duration, GpuError>;
+    /// Loads the update kernel ([`UPDATE_PTX`]), JIT-compiling it for this GPU.
+    fn load_update(&self) -> Result<Kernel, GpuError>;
+    /// # Safety
+    /// `kernel` came from [`Device::load_update`], no work queued with it is still to run, and
+    /// it is not used afterwards.
+    unsafe fn unload(&self, kernel: Kernel);
+    /// Queues one update launch on the stream, `UPDATE_BLOCK` threads per block.
+    ///
+    /// # Safety
+    /// Every address in `args` is live device memory of the sizes the kernel reads and writes
+    /// until the launch has run.
+    unsafe fn launch_update(&self, kernel: Kernel, args: &UpdateArgs) -> Result<(), GpuError>;
     /// Waits for everything queued on the stream (errors ignored by callers that are
     /// tearing down).
     fn synchronize(&self) -> Result<(), GpuError>;
@@ -106,7 +166,10 @@ mod cuda {
     use cudarc::driver::safe::CudaContext;
     use cudarc::driver::sys;
 
-    use super::{Device, DevicePtr, GpuError, Graph, HostAlloc};
+    use super::{
+        Device, DevicePtr, GpuError, Graph, HostAlloc, Kernel, Mark, UPDATE_BLOCK, UPDATE_KERNEL,
+        UPDATE_PTX, UpdateArgs,
+    };
 
     /// Whether libcuda can be opened. cudarc panics on any call when it cannot, so this is
     /// asked before anything else.
@@ -121,6 +184,7 @@ mod cuda {
         ctx: Arc<CudaContext>,
         stream: sys::CUstream,
         start: sys::CUevent,
+        split: sys::CUevent,
         end: sys::CUevent,
         name: String,
         integrated: bool,
@@ -149,6 +213,8 @@ mod cuda {
                 .map_err(err("cuStreamCreate"))?;
             let start = result::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT)
                 .map_err(err("cuEventCreate"))?;
+            let split = result::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT)
+                .map_err(err("cuEventCreate"))?;
             // The worker sleeps on the end event rather than spinning a core: on a Jetson the
             // CPU is shared with the robot's own stack.
             let end = result::event::create(sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC)
@@ -157,6 +223,7 @@ mod cuda {
                 ctx,
                 stream,
                 start,
+                split,
                 end,
                 name,
                 integrated,
@@ -265,10 +332,90 @@ mod cuda {
                 .map_err(err("cuMemcpyDtoHAsync"))
         }
 
-        fn mark(&self, end: bool) -> Result<(), GpuError> {
-            let ev = if end { self.end } else { self.start };
+        unsafe fn copy_dtod(
+            &self,
+            dst: DevicePtr,
+            src: DevicePtr,
+            bytes: usize,
+        ) -> Result<(), GpuError> {
+            // SAFETY: the caller guarantees both ranges are live for the copy.
+            unsafe { result::memcpy_dtod_async(dst, src, bytes, self.stream) }
+                .map_err(err("cuMemcpyDtoDAsync"))
+        }
+
+        fn mark(&self, at: Mark) -> Result<(), GpuError> {
+            let ev = match at {
+                Mark::Start => self.start,
+                Mark::Split => self.split,
+                Mark::End => self.end,
+            };
             // SAFETY: live event and stream of this context.
             unsafe { result::event::record(ev, self.stream) }.map_err(err("cuEventRecord"))
+        }
+
+        fn split(&self) -> Result<Duration, GpuError> {
+            // SAFETY: live events, both recorded on the stream and complete (after `finish`).
+            let ms = unsafe { result::event::elapsed(self.start, self.split) }
+                .map_err(err("cuEventElapsedTime"))?;
+            Ok(Duration::from_secs_f64(f64::from(ms.max(0.0)) / 1000.0))
+        }
+
+        fn load_update(&self) -> Result<Kernel, GpuError> {
+            self.bind()?;
+            let ptx = std::ffi::CString::new(UPDATE_PTX)
+                .map_err(|e| GpuError::new("cuModuleLoadData", e))?;
+            let name = std::ffi::CString::new(UPDATE_KERNEL)
+                .map_err(|e| GpuError::new("cuModuleGetFunction", e))?;
+            // SAFETY: a NUL-terminated PTX image; the module is unloaded if the lookup fails.
+            unsafe {
+                let module = result::module::load_data(ptx.as_ptr().cast())
+                    .map_err(err("cuModuleLoadData (JIT of update.ptx)"))?;
+                match result::module::get_function(module, name) {
+                    Ok(f) => Ok(Kernel {
+                        module: module as u64,
+                        function: f as u64,
+                    }),
+                    Err(e) => {
+                        let _ = result::module::unload(module);
+                        Err(err("cuModuleGetFunction")(e))
+                    }
+                }
+            }
+        }
+
+        unsafe fn unload(&self, kernel: Kernel) {
+            if self.bind().is_ok() {
+                // SAFETY: the caller passes a loaded module once, its work done.
+                let _ = unsafe { result::module::unload(kernel.module as sys::CUmodule) };
+            }
+        }
+
+        unsafe fn launch_update(&self, kernel: Kernel, a: &UpdateArgs) -> Result<(), GpuError> {
+            let (mut x, mut m, mut noise, mut coef, mut flag, mut n, mut step) =
+                (a.x, a.m, a.noise, a.coef, a.flag, a.n, a.step);
+            let mut params: [*mut c_void; 7] = [
+                (&raw mut x).cast(),
+                (&raw mut m).cast(),
+                (&raw mut noise).cast(),
+                (&raw mut coef).cast(),
+                (&raw mut flag).cast(),
+                (&raw mut n).cast(),
+                (&raw mut step).cast(),
+            ];
+            let blocks = a.n.div_ceil(UPDATE_BLOCK).max(1);
+            // SAFETY: the parameters match the kernel's (.u64 ×5, .u32 ×2) and are read
+            // during the call; the caller guarantees the addresses.
+            unsafe {
+                result::launch_kernel(
+                    kernel.function as sys::CUfunction,
+                    (blocks, 1, 1),
+                    (UPDATE_BLOCK, 1, 1),
+                    0,
+                    self.stream,
+                    &mut params,
+                )
+            }
+            .map_err(err("cuLaunchKernel"))
         }
 
         fn finish(&self) -> Result<Duration, GpuError> {
@@ -345,6 +492,7 @@ mod cuda {
                 unsafe {
                     let _ = result::stream::synchronize(self.stream);
                     let _ = result::event::destroy(self.start);
+                    let _ = result::event::destroy(self.split);
                     let _ = result::event::destroy(self.end);
                     let _ = result::stream::destroy(self.stream);
                 }

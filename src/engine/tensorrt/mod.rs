@@ -14,6 +14,7 @@
 //! run it against stand-ins of both (`standin.rs`); the real ones need the `tensorrt` feature.
 
 pub mod device;
+pub mod device_loop;
 pub mod shim;
 #[cfg(test)]
 mod standin;
@@ -22,7 +23,7 @@ use std::any::Any;
 use std::ffi::CString;
 use std::sync::{Arc, Mutex};
 
-use device::{Device, DevicePtr, Graph, HostAlloc};
+use device::{Device, DevicePtr, Graph, HostAlloc, Mark};
 use shim::{Handle, ShimApi};
 
 use super::{Engine, EngineError, InputBuffer, IoSpec, RunStats, TensorSpec};
@@ -145,6 +146,8 @@ pub struct TensorRtEngine {
     graphs: Vec<Option<Graph>>,
     /// Zero-copy: the slot whose input addresses TensorRT holds now.
     bound_slot: Option<usize>,
+    /// A pipeline's prefix: outputs stay on the device (no copy out).
+    keep_outputs: bool,
     runs: u64,
     scratch: u64,
     device_bytes: u64,
@@ -262,6 +265,7 @@ impl TensorRtEngine {
             slots: Arc::new(Mutex::new(Vec::new())),
             graphs: Vec::new(),
             bound_slot: None,
+            keep_outputs: false,
             runs: 0,
             scratch: handle.scratch_size(),
             device_bytes: 0,
@@ -366,7 +370,7 @@ impl TensorRtEngine {
         }
         // SAFETY: the device's own stream, in the context the engine was loaded in.
         unsafe { handle.enqueue(stream) }.map_err(|e| run_err("enqueueV3", e))?;
-        if !self.zero_copy {
+        if !self.zero_copy && !self.keep_outputs {
             for o in &self.outputs {
                 // SAFETY: the staging buffer is page-locked, `bytes` long, owned by the engine.
                 unsafe {
@@ -407,9 +411,13 @@ impl TensorRtEngine {
         if self.zero_copy && self.bound_slot != Some(slot) {
             // New tensor addresses: TensorRT finishes its deferred setup in an ordinary
             // enqueue, so run one before capturing with them.
-            self.device.mark(false).map_err(|e| run_err("event", e))?;
+            self.device
+                .mark(Mark::Start)
+                .map_err(|e| run_err("event", e))?;
             self.enqueue_slot(slot, addrs)?;
-            self.device.mark(true).map_err(|e| run_err("event", e))?;
+            self.device
+                .mark(Mark::End)
+                .map_err(|e| run_err("event", e))?;
             self.device.finish().map_err(|e| run_err("sync", e))?;
         }
         self.device
@@ -429,10 +437,10 @@ impl TensorRtEngine {
     fn settle_after_capture(&mut self, slot: usize, addrs: &SlotAddrs) {
         let settled = self
             .device
-            .mark(false)
+            .mark(Mark::Start)
             .map_err(|e| run_err("event", e))
             .and_then(|_| self.enqueue_slot(slot, addrs))
-            .and_then(|_| self.device.mark(true).map_err(|e| run_err("event", e)))
+            .and_then(|_| self.device.mark(Mark::End).map_err(|e| run_err("event", e)))
             .and_then(|_| self.device.synchronize().map_err(|e| run_err("sync", e)));
         self.counts.settled += 1;
         if let Err(e) = settled {
@@ -445,6 +453,127 @@ impl TensorRtEngine {
             // SAFETY: captured by this device, dropped once, never launched again.
             unsafe { self.device.destroy_graph(g) };
         }
+    }
+}
+
+/// What a pipeline on the device ([`device_loop::DeviceLoop`]) asks of its two engines.
+impl TensorRtEngine {
+    /// Binds the context to this thread, finds the slot `inputs` belong to and, the first
+    /// time a slot is seen after a run, captures its graph: everything a run does before it
+    /// queues work.
+    pub(crate) fn prepare(
+        &mut self,
+        inputs: &mut [Box<dyn InputBuffer>],
+    ) -> Result<usize, EngineError> {
+        self.device.bind().map_err(|e| run_err("bind", e))?;
+        let mut slot = None;
+        for b in inputs.iter_mut() {
+            let s = b
+                .as_any_mut()
+                .downcast_mut::<SlotInput>()
+                .ok_or_else(|| EngineError::Run("input buffer from another backend".into()))?
+                .slot;
+            if slot.is_some_and(|x| x != s) {
+                return Err(EngineError::Run(
+                    "input buffers from different slots".into(),
+                ));
+            }
+            slot = Some(s);
+        }
+        let slot = slot.ok_or_else(|| EngineError::Run("no input buffers".into()))?;
+        if inputs.len() != self.inputs.len() {
+            return Err(EngineError::Run(format!(
+                "expected {} inputs, got {}",
+                self.inputs.len(),
+                inputs.len()
+            )));
+        }
+        // TensorRT wants one ordinary enqueue before a capture (it sets up lazily there).
+        if self.use_graphs && !self.graphs_failed && self.runs > 0 {
+            let known = self.slots.lock().unwrap_or_else(|e| e.into_inner()).len();
+            if self.graphs.get(slot).is_none_or(Option::is_none) && slot < known {
+                self.capture_all();
+            }
+        }
+        Ok(slot)
+    }
+
+    /// Queues `slot`'s run on the stream: its graph, or plain copies and an enqueue.
+    pub(crate) fn queue(&mut self, slot: usize) -> Result<(), EngineError> {
+        match self.graphs.get(slot).copied().flatten() {
+            Some(g) => {
+                self.device
+                    .launch(g)
+                    .map_err(|e| run_err("graph launch", e))?;
+                self.counts.graph += 1;
+            }
+            None => {
+                let slots = self.slots.clone();
+                let slots = slots.lock().unwrap_or_else(|e| e.into_inner());
+                let addrs = slots
+                    .get(slot)
+                    .ok_or_else(|| EngineError::Run("unknown slot".into()))?;
+                self.enqueue_slot(slot, addrs)?;
+                self.counts.plain += 1;
+            }
+        }
+        self.runs += 1;
+        Ok(())
+    }
+
+    /// Stops copying outputs back to the host: a prefix's outputs are read on the device by
+    /// the step graph. Called before the first run, so no graph holds the copies.
+    pub(crate) fn keep_outputs_on_device(&mut self) {
+        self.keep_outputs = true;
+    }
+
+    /// Where output `i` lives in the device's address space.
+    pub(crate) fn output_address(&self, i: usize) -> DevicePtr {
+        let o = &self.outputs[i];
+        if self.zero_copy {
+            o.staging.alloc.device
+        } else {
+            o.t.device
+        }
+    }
+
+    /// Points input `i` at memory the caller owns (a step graph reads the prefix's outputs
+    /// and the sampler's buffers), freeing the engine's own buffer for it.
+    pub(crate) fn feed_input(&mut self, i: usize, address: DevicePtr) -> Result<(), EngineError> {
+        let handle = self
+            .handle
+            .as_mut()
+            .ok_or_else(|| EngineError::Run("the TensorRT engine is closed".into()))?;
+        let t = &mut self.inputs[i];
+        handle
+            .set_tensor_address(&t.name, address)
+            .map_err(|e| run_err("setTensorAddress", e))?;
+        if t.device != 0 {
+            // SAFETY: the engine's own buffer, no longer bound and never queued (no run yet).
+            unsafe { self.device.free_device(t.device) };
+            self.device_bytes -= t.bytes as u64;
+            t.device = 0;
+        }
+        Ok(())
+    }
+
+    /// Queues one enqueue with the addresses as they are: no copies (a step graph whose
+    /// inputs were all given with [`TensorRtEngine::feed_input`]).
+    pub(crate) fn enqueue_fed(&mut self) -> Result<(), EngineError> {
+        let handle = self
+            .handle
+            .as_mut()
+            .ok_or_else(|| EngineError::Run("the TensorRT engine is closed".into()))?;
+        // SAFETY: the device's own stream, in the context the engine was loaded in.
+        unsafe { handle.enqueue(self.device.stream()) }.map_err(|e| run_err("enqueueV3", e))
+    }
+
+    pub(crate) fn device(&self) -> &Arc<dyn Device> {
+        &self.device
+    }
+
+    pub(crate) fn graphs_enabled(&self) -> bool {
+        self.use_graphs
     }
 }
 
@@ -544,60 +673,22 @@ impl Engine for TensorRtEngine {
         _reset: bool,
     ) -> Result<RunStats, EngineError> {
         // A TensorRT plan keeps no state between runs, so `reset` has nothing to drop.
-        self.device.bind().map_err(|e| run_err("bind", e))?;
-        let mut slot = None;
-        for b in inputs.iter_mut() {
-            let s = b
-                .as_any_mut()
-                .downcast_mut::<SlotInput>()
-                .ok_or_else(|| EngineError::Run("input buffer from another backend".into()))?
-                .slot;
-            if slot.is_some_and(|x| x != s) {
-                return Err(EngineError::Run(
-                    "input buffers from different slots".into(),
-                ));
-            }
-            slot = Some(s);
-        }
-        let slot = slot.ok_or_else(|| EngineError::Run("no input buffers".into()))?;
-        if inputs.len() != self.inputs.len() || outputs.len() != self.outputs.len() {
+        if outputs.len() != self.outputs.len() {
             return Err(EngineError::Run(format!(
-                "expected {} inputs and {} outputs, got {} and {}",
-                self.inputs.len(),
+                "expected {} outputs, got {}",
                 self.outputs.len(),
-                inputs.len(),
                 outputs.len()
             )));
         }
-        // TensorRT wants one ordinary enqueue before a capture (it sets up lazily there).
-        if self.use_graphs && !self.graphs_failed && self.runs > 0 {
-            let known = self.slots.lock().unwrap_or_else(|e| e.into_inner()).len();
-            if self.graphs.get(slot).is_none_or(Option::is_none) && slot < known {
-                self.capture_all();
-            }
-        }
-        let graph = self.graphs.get(slot).copied().flatten();
-        self.device.mark(false).map_err(|e| run_err("event", e))?;
-        match graph {
-            Some(g) => {
-                self.device
-                    .launch(g)
-                    .map_err(|e| run_err("graph launch", e))?;
-                self.counts.graph += 1;
-            }
-            None => {
-                let slots = self.slots.clone();
-                let slots = slots.lock().unwrap_or_else(|e| e.into_inner());
-                let addrs = slots
-                    .get(slot)
-                    .ok_or_else(|| EngineError::Run("unknown slot".into()))?;
-                self.enqueue_slot(slot, addrs)?;
-                self.counts.plain += 1;
-            }
-        }
-        self.device.mark(true).map_err(|e| run_err("event", e))?;
+        let slot = self.prepare(inputs)?;
+        self.device
+            .mark(Mark::Start)
+            .map_err(|e| run_err("event", e))?;
+        self.queue(slot)?;
+        self.device
+            .mark(Mark::End)
+            .map_err(|e| run_err("event", e))?;
         let compute = self.device.finish().map_err(|e| run_err("sync", e))?;
-        self.runs += 1;
         for (o, out) in self.outputs.iter().zip(outputs.iter_mut()) {
             let bytes = o.staging.bytes();
             if bytes.len() != out.len() {
@@ -665,6 +756,30 @@ pub fn open(
     library: Option<&std::path::Path>,
     opts: &Options,
 ) -> Result<TensorRtEngine, EngineError> {
+    let (api, dev) = open_device(ordinal, library)?;
+    load(api, &dev, model, opts)
+}
+
+/// Loads `model` on a device [`open_device`] opened (a pipeline's two plans share one device,
+/// so that their work goes on one stream).
+#[cfg(feature = "tensorrt")]
+pub fn load(
+    api: &'static ShimApi,
+    device: &Arc<dyn Device>,
+    model: &crate::config::ModelSource,
+    opts: &Options,
+) -> Result<TensorRtEngine, EngineError> {
+    let plan = crate::engine::model_bytes(model)?;
+    TensorRtEngine::new(api, device.clone(), &plan, opts)
+}
+
+/// Probes for the CUDA driver and libnvinfer (cudarc panics without libcuda), checks that
+/// libnvinfer is the TensorRT policyd was compiled against, and opens CUDA device `ordinal`.
+#[cfg(feature = "tensorrt")]
+pub fn open_device(
+    ordinal: u32,
+    library: Option<&std::path::Path>,
+) -> Result<(&'static ShimApi, Arc<dyn Device>), EngineError> {
     let api = &shim::linked::API;
     let mut missing = Vec::new();
     if !device::driver_present() {
@@ -711,13 +826,12 @@ pub fn open(
         backend: "tensorrt",
         reason: format!("CUDA device {ordinal} cannot be used: {e}"),
     })?;
-    let plan = crate::engine::model_bytes(model)?;
     log::info!(
         "tensorrt: TensorRT {} (compiled against {})",
         shim::version_string(lib_version.unwrap_or(-1)),
         shim::version_string(header)
     );
-    TensorRtEngine::new(api, Arc::new(dev), &plan, opts)
+    Ok((api, Arc::new(dev)))
 }
 
 #[cfg(test)]

@@ -14,13 +14,17 @@
 //! profile <name> <min dims> <max dims>   # optimisation profile 0 of a dynamic input
 //! fail_enqueue <n>      # the n-th enqueue fails
 //! no_capture            # enqueue refuses to run while the stream captures
+//! step                  # compute as a step graph (below)
 //! ```
 //!
 //! Like TensorRT, it logs through one process-wide logger (`set_logger`), which must be set
 //! before the first engine is loaded.
 //!
 //! and computes, for every float32 output element k, `x0 + k / 1000`, where x0 is the first
-//! input's first element (float32 or uint8): so a test sees which observation ran.
+//! input's first element (float32 or uint8): so a test sees which observation ran. A `step`
+//! plan computes `0.5·x[k] + Σ first elements of the other inputs + k / 1000` instead, x being
+//! its first input (float32), so a sampler's loop depends on the sample, the time and what
+//! the prefix wired in.
 
 use std::alloc::Layout;
 use std::collections::HashMap;
@@ -28,10 +32,47 @@ use std::ffi::{CStr, CString, c_char, c_void};
 use std::sync::Mutex;
 use std::time::Duration;
 
-use super::device::{Device, DevicePtr, GpuError, Graph, HostAlloc};
+use super::device::{Device, DevicePtr, GpuError, Graph, HostAlloc, Kernel, Mark, UpdateArgs};
 use super::shim::{LogFn, OK, RawEngine, ShimApi};
 
 const ERR: i32 = -1;
+
+// ---------------------------------------------------------------------------------------------
+// Allocations, counted per thread: the unit tests' global allocator (this module is built for
+// tests only), so a test can check that a request path allocates nothing.
+
+thread_local! {
+    static ALLOCATIONS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+struct Counting;
+
+// SAFETY: forwards to the system allocator; the counter is a const-initialised thread-local
+// that never allocates.
+unsafe impl std::alloc::GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        let _ = ALLOCATIONS.try_with(|c| c.set(c.get() + 1));
+        // SAFETY: the caller's contract, passed on.
+        unsafe { std::alloc::System.alloc(layout) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: as above.
+        unsafe { std::alloc::System.dealloc(ptr, layout) }
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        let _ = ALLOCATIONS.try_with(|c| c.set(c.get() + 1));
+        // SAFETY: as above.
+        unsafe { std::alloc::System.realloc(ptr, layout, new_size) }
+    }
+}
+
+#[global_allocator]
+static COUNTING: Counting = Counting;
+
+/// Heap allocations made so far by the calling thread.
+pub fn allocations() -> u64 {
+    ALLOCATIONS.with(|c| c.get())
+}
 
 // ---------------------------------------------------------------------------------------------
 // The device.
@@ -46,6 +87,8 @@ enum Op {
     },
     /// Run the stand-in engine with the addresses it had when this was queued.
     Compute { engine: usize, addrs: [usize; 8] },
+    /// The update kernel, emulated by `sampler::Update::apply` (the arithmetic the PTX does).
+    Update(UpdateArgs),
 }
 
 #[derive(Default)]
@@ -64,6 +107,9 @@ pub struct HostDevice {
     /// Operations run (not recorded), and of those the copies, for tests.
     pub executed: Mutex<u64>,
     pub copies: Mutex<u64>,
+    /// Update kernels launched (run, not recorded) and modules loaded and not unloaded.
+    pub updates: Mutex<u64>,
+    pub modules: Mutex<i64>,
     /// Graphs instantiated, captures aborted, stream synchronisations.
     pub instantiated: Mutex<u64>,
     pub aborted: Mutex<u64>,
@@ -79,6 +125,8 @@ impl HostDevice {
             stream: Mutex::new(Stream::default()),
             executed: Mutex::new(0),
             copies: Mutex::new(0),
+            updates: Mutex::new(0),
+            modules: Mutex::new(0),
             instantiated: Mutex::new(0),
             aborted: Mutex::new(0),
             synced: Mutex::new(0),
@@ -130,20 +178,23 @@ impl HostDevice {
         self.stream.lock().unwrap().capturing.is_some()
     }
 
+    /// Panics unless `p .. p + bytes` lies in one live allocation.
+    fn check_live(&self, p: usize, bytes: usize, what: &str) {
+        let live = self.live.lock().unwrap();
+        assert!(
+            live.iter()
+                .any(|(&a, l)| p >= a && p + bytes <= a + l.size()),
+            "{what} {p:#x} (+{bytes}) is not live device or host memory"
+        );
+    }
+
     fn execute(&self, op: Op) {
         *self.executed.lock().unwrap() += 1;
         match op {
             Op::Copy { dst, src, bytes } => {
                 *self.copies.lock().unwrap() += 1;
-                let live = self.live.lock().unwrap();
-                for (p, what) in [(dst, "destination"), (src, "source")] {
-                    assert!(
-                        live.iter()
-                            .any(|(&a, l)| p >= a && p + bytes <= a + l.size()),
-                        "copy {what} {p:#x} (+{bytes}) is not live device or host memory"
-                    );
-                }
-                drop(live);
+                self.check_live(dst, bytes, "copy destination");
+                self.check_live(src, bytes, "copy source");
                 // SAFETY: both ranges were just checked to be live allocations.
                 unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, bytes) };
             }
@@ -152,6 +203,35 @@ impl HostDevice {
                 // engine outlives its stream work in these tests.
                 let e = unsafe { &*(engine as *const StandinEngine) };
                 e.compute(&addrs);
+            }
+            Op::Update(a) => {
+                *self.updates.lock().unwrap() += 1;
+                let (n, u) = (a.n as usize, crate::sampler::Update::BYTES);
+                self.check_live(a.x as usize, 4 * n, "update x");
+                self.check_live(a.m as usize, 4 * n, "update m");
+                self.check_live(a.coef as usize, u, "update coefficients");
+                self.check_live(a.flag as usize, 4, "update flag");
+                // SAFETY: every range was just checked to be a live allocation.
+                let (coef, x, m, flag) = unsafe {
+                    (
+                        std::slice::from_raw_parts(a.coef as *const u8, u),
+                        std::slice::from_raw_parts_mut(a.x as *mut f32, n),
+                        std::slice::from_raw_parts(a.m as *const f32, n),
+                        &mut *(a.flag as *mut u32),
+                    )
+                };
+                let coef = crate::sampler::Update::read(coef);
+                let noise = (coef.s != 0.0).then(|| {
+                    self.check_live(a.noise as usize, 4 * n, "update noise");
+                    // SAFETY: checked just above.
+                    unsafe { std::slice::from_raw_parts(a.noise as *const f32, n) }
+                });
+                for k in 0..n {
+                    if !m[k].is_finite() {
+                        *flag = (*flag).min(a.step);
+                    }
+                    x[k] = coef.apply(x[k], m[k], noise.map_or(0.0, |z| z[k]));
+                }
             }
         }
     }
@@ -215,11 +295,42 @@ impl Device for HostDevice {
         });
         Ok(())
     }
-    fn mark(&self, _end: bool) -> Result<(), GpuError> {
+    unsafe fn copy_dtod(
+        &self,
+        dst: DevicePtr,
+        src: DevicePtr,
+        bytes: usize,
+    ) -> Result<(), GpuError> {
+        self.submit(Op::Copy {
+            dst: dst as usize,
+            src: src as usize,
+            bytes,
+        });
+        Ok(())
+    }
+    fn mark(&self, _at: Mark) -> Result<(), GpuError> {
         Ok(())
     }
     fn finish(&self) -> Result<Duration, GpuError> {
         Ok(Duration::from_micros(250))
+    }
+    fn split(&self) -> Result<Duration, GpuError> {
+        Ok(Duration::from_micros(100))
+    }
+    fn load_update(&self) -> Result<Kernel, GpuError> {
+        *self.modules.lock().unwrap() += 1;
+        Ok(Kernel {
+            module: 1,
+            function: 2,
+        })
+    }
+    unsafe fn unload(&self, kernel: Kernel) {
+        assert_eq!(kernel.module, 1, "not a module this device loaded");
+        *self.modules.lock().unwrap() -= 1;
+    }
+    unsafe fn launch_update(&self, _kernel: Kernel, args: &UpdateArgs) -> Result<(), GpuError> {
+        self.submit(Op::Update(*args));
+        Ok(())
     }
     fn synchronize(&self) -> Result<(), GpuError> {
         *self.synced.lock().unwrap() += 1;
@@ -255,12 +366,14 @@ impl Device for HostDevice {
         *self.aborted.lock().unwrap() += 1;
     }
     fn launch(&self, graph: Graph) -> Result<(), GpuError> {
+        // Taken out and put back rather than cloned: a replay allocates nothing, as CUDA's.
         let ops = self.stream.lock().unwrap().graphs[graph.0 as usize]
-            .clone()
+            .take()
             .ok_or_else(|| GpuError::new("launch", "destroyed graph"))?;
-        for op in ops {
+        for &op in &ops {
             self.execute(op);
         }
+        self.stream.lock().unwrap().graphs[graph.0 as usize] = Some(ops);
         Ok(())
     }
     unsafe fn destroy_graph(&self, graph: Graph) {
@@ -292,6 +405,7 @@ pub struct StandinEngine {
     tensors: Mutex<Vec<Tensor>>,
     fail_enqueue: Option<u64>,
     no_capture: bool,
+    step: bool,
     enqueues: Mutex<u64>,
 }
 
@@ -312,11 +426,34 @@ fn resolved(ts: &[Tensor], t: &Tensor) -> Vec<i64> {
         .collect()
 }
 
+/// The element count of [`resolved`], without allocating (compute runs in request paths that
+/// tests check allocate nothing).
+fn elements(ts: &[Tensor], t: &Tensor) -> usize {
+    if t.input {
+        return t
+            .shape_set
+            .as_ref()
+            .unwrap_or(&t.dims)
+            .iter()
+            .product::<i64>() as usize;
+    }
+    let batch = ts
+        .iter()
+        .find(|t| t.input)
+        .map(|t| t.shape_set.as_ref().unwrap_or(&t.dims)[0])
+        .unwrap_or(1);
+    t.dims
+        .iter()
+        .map(|&d| if d < 0 { batch } else { d })
+        .product::<i64>() as usize
+}
+
 impl StandinEngine {
     fn parse(plan: &str) -> Result<StandinEngine, String> {
         let mut tensors = Vec::new();
         let mut fail_enqueue = None;
         let mut no_capture = false;
+        let mut step = false;
         let dims = |d: &str, line: &str| -> Result<Vec<i64>, String> {
             d.split(',')
                 .map(|d| d.parse().map_err(|_| format!("bad dims in {line}")))
@@ -358,6 +495,7 @@ impl StandinEngine {
                 }
                 ["fail_enqueue", n] => fail_enqueue = n.parse().ok(),
                 ["no_capture"] => no_capture = true,
+                ["step"] => step = true,
                 _ => return Err(format!("not a plan line: {line}")),
             }
         }
@@ -365,11 +503,15 @@ impl StandinEngine {
             tensors: Mutex::new(tensors),
             fail_enqueue,
             no_capture,
+            step,
             enqueues: Mutex::new(0),
         })
     }
 
     fn compute(&self, addrs: &[usize; 8]) {
+        if self.step {
+            return self.compute_step(addrs);
+        }
         let t = self.tensors.lock().unwrap();
         let first = t.iter().position(|t| t.input).unwrap();
         // SAFETY: the address was checked live when it was set, and tests keep it so.
@@ -381,14 +523,55 @@ impl StandinEngine {
             }
         };
         for (i, out) in t.iter().enumerate().filter(|(_, t)| !t.input) {
-            let n: i64 = resolved(&t, out).iter().product();
+            let n = elements(&t, out);
             if out.dtype != 0 {
                 continue;
             }
             // SAFETY: output buffers are sized by the engine from the same shape.
-            let o = unsafe { std::slice::from_raw_parts_mut(addrs[i] as *mut f32, n as usize) };
+            let o = unsafe { std::slice::from_raw_parts_mut(addrs[i] as *mut f32, n) };
             for (k, v) in o.iter_mut().enumerate() {
                 *v = x0 + k as f32 / 1000.0;
+            }
+        }
+    }
+}
+
+impl StandinEngine {
+    /// A `step` plan: `0.5·x[k] + Σ first elements of the other inputs + k / 1000`.
+    fn compute_step(&self, addrs: &[usize; 8]) {
+        let t = self.tensors.lock().unwrap();
+        let xi = t
+            .iter()
+            .position(|t| t.input)
+            .expect("a step plan has inputs");
+        let nx = elements(&t, &t[xi]);
+        // SAFETY: input buffers are sized from the same shapes by the engine or the pipeline.
+        let x = unsafe { std::slice::from_raw_parts(addrs[xi] as *const f32, nx) };
+        let shift: f32 = (xi + 1..t.len())
+            .filter(|&i| t[i].input)
+            .map(|i| {
+                let a = addrs[i];
+                // SAFETY: as above; one element of the input's own type.
+                unsafe {
+                    match t[i].dtype {
+                        0 => *(a as *const f32),
+                        3 => *(a as *const i32) as f32,
+                        5 => f32::from(*(a as *const u8)),
+                        8 => *(a as *const i64) as f32,
+                        _ => 0.0,
+                    }
+                }
+            })
+            .sum();
+        for (i, out) in t.iter().enumerate().filter(|(_, t)| !t.input) {
+            let n = elements(&t, out);
+            if out.dtype != 0 {
+                continue;
+            }
+            // SAFETY: output buffers are sized by the engine from the same shape.
+            let o = unsafe { std::slice::from_raw_parts_mut(addrs[i] as *mut f32, n) };
+            for (k, v) in o.iter_mut().enumerate() {
+                *v = 0.5 * x[k % x.len()] + shift + k as f32 / 1000.0;
             }
         }
     }
