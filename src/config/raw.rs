@@ -138,7 +138,7 @@ pub(super) struct RawSampler {
     /// `update = "model"`: the step-graph input taking `dt`.
     #[serde(default)]
     pub(super) dt: Option<String>,
-    /// Tests: the initial sample comes from the request (an input named as `x`).
+    /// Tests: the noise comes from the request (inputs named as `x` and `<x>_step_noise`).
     #[serde(default)]
     pub(super) inject_noise: bool,
 }

@@ -35,11 +35,15 @@ pub struct Wiring {
     /// The pipeline as one engine: the prefix's inputs (and the injected noise), the sample.
     pub io: IoSpec,
     pub sampler: Sampler,
+    /// Whether a step can draw fresh noise (DDPM, DDIM with `eta` > 0).
+    pub noisy: bool,
     /// Elements of the sample.
     pub n: usize,
     pub steps: usize,
     pub max_steps: usize,
-    /// The initial sample comes from the request (the last input), for reference tests.
+    /// Tests: the noise comes from the request, in inputs after the prefix's: the initial
+    /// sample (named as `x`), and for a noisy sampler every step's noise (`<x>_step_noise`,
+    /// `[max_steps, elements of x]`).
     pub inject_noise: bool,
 }
 
@@ -182,23 +186,35 @@ impl Wiring {
             dtype: ElemType::F32,
             shape: xs.shape.clone(),
         };
+        let sampler = match &cfg.diffusion {
+            None => Sampler::flow(),
+            Some(d) => Sampler::diffusion(cfg.kind, d.clone()),
+        };
+        // With `max_steps`, every step count's noisy steps are noisy too (DDPM: all but t = 0).
+        let noisy =
+            dt_in.is_none() && (0..cfg.max_steps).any(|i| sampler.draws_noise(i, cfg.max_steps));
         let mut inputs = pio.inputs.clone();
         if cfg.inject_noise {
-            if inputs.iter().any(|s| s.name == cfg.x) {
-                return Err(wiring(format!(
-                    "sampler.inject_noise: the prefix already has an input '{}'",
-                    cfg.x
-                )));
+            let step_noise = TensorSpec {
+                name: format!("{}_step_noise", cfg.x),
+                dtype: ElemType::F32,
+                shape: vec![cfg.max_steps, xs.elements()],
+            };
+            for name in [&sample.name, &step_noise.name] {
+                if inputs.iter().any(|s| &s.name == name) {
+                    return Err(wiring(format!(
+                        "sampler.inject_noise: the prefix already has an input '{name}'"
+                    )));
+                }
             }
             inputs.push(sample.clone());
+            if noisy {
+                inputs.push(step_noise);
+            }
         }
         let io = IoSpec {
             inputs,
             outputs: vec![sample],
-        };
-        let sampler = match &cfg.diffusion {
-            None => Sampler::flow(),
-            Some(d) => Sampler::diffusion(cfg.kind, d.clone()),
         };
         Ok(Wiring {
             wires,
@@ -210,6 +226,7 @@ impl Wiring {
             out_type: os.dtype,
             io,
             sampler,
+            noisy,
             n: xs.elements(),
             steps: cfg.steps,
             max_steps: cfg.max_steps,
@@ -228,8 +245,8 @@ impl Wiring {
         prefix: &dyn Engine,
     ) -> Result<Vec<Box<dyn InputBuffer>>, EngineError> {
         let mut bufs = prefix.alloc_inputs()?;
-        if self.inject_noise {
-            bufs.push(Box::new(super::HostBuffer(vec![0; self.n * 4])));
+        for s in &self.io.inputs[bufs.len()..] {
+            bufs.push(Box::new(super::HostBuffer(vec![0; s.bytes()])));
         }
         Ok(bufs)
     }
@@ -318,10 +335,15 @@ impl Engine for Pipeline {
         }
         let t1 = Instant::now();
         let mut noise = Noise::new(sampling.seed);
-        match noise_in.first_mut().filter(|_| w.inject_noise) {
+        let (x0, mut step_noise) = match noise_in {
+            [x0, rest @ ..] if w.inject_noise => (Some(x0), rest.first_mut()),
+            _ => (None, None),
+        };
+        match x0 {
             Some(given) => read_f32(given.bytes_mut(), &mut self.x),
             None => noise.fill(&mut self.x),
         }
+        let n = w.n;
         for i in 0..steps {
             for (c, x) in self.denoise_in[w.x_in]
                 .bytes_mut()
@@ -353,6 +375,15 @@ impl Engine for Pipeline {
             }
             if w.dt_in.is_some() {
                 self.x.copy_from_slice(&self.model_out);
+            } else if let Some(given) = step_noise.as_mut() {
+                let z = &given.bytes_mut()[4 * n * i..4 * n * (i + 1)];
+                let mut k = 0;
+                let draw = || {
+                    let v = f32::from_le_bytes([z[k], z[k + 1], z[k + 2], z[k + 3]]);
+                    k += 4;
+                    v
+                };
+                w.sampler.step(i, steps, &mut self.x, &self.model_out, draw);
             } else {
                 w.sampler
                     .step(i, steps, &mut self.x, &self.model_out, || noise.draw());

@@ -404,7 +404,7 @@ pub fn check(cfg: &Config, origin: &str) -> Result<String, PolicyError> {
                         .join(", ")
                 },
                 if p.inject_noise {
-                    "; the initial sample comes from the request (inject_noise, for tests)"
+                    "; the noise comes from the request (inject_noise, for tests)"
                 } else {
                     ""
                 }

@@ -80,17 +80,55 @@ def ddim_reference(obs, noise, num_steps=10, T=100):
     return x[0]
 
 
-def injected(config, tmp_path, shape):
-    """`config` with the initial sample taken from the request's `noise`."""
+def ddpm_reference(obs, noise, num_steps, step_noise, T=100):
+    """diffusers `DDPMScheduler.step` (epsilon, clip_sample to [-1, 1], variance_type
+    "fixed_small", timestep_spacing "leading"): the posterior mean plus std * noise on every
+    step but t = 0, the noise of step i being `step_noise[i]`."""
+    feed = {"state": obs["observation/state"][None],
+            "image": (obs["observation/image"].astype(np.float32) / 255).transpose(0, 3, 1, 2)[None]}
+    cond = DIFF_ENCODER.run(None, feed)[0]
+    ac = alphas_cumprod(T)
+    ratio = T // num_steps
+    timesteps = (np.arange(0, num_steps) * ratio).round()[::-1].astype(np.int64)
+    x = noise[None].astype(np.float32)
+    for i, t in enumerate(timesteps):
+        eps = DIFF_UNET.run(None, {"x": x, "timestep": np.array([t], np.int64), "global_cond": cond})[0]
+        prev = t - ratio
+        a_t, a_prev = ac[t], (ac[prev] if prev >= 0 else np.float32(1.0))
+        b_t, b_prev = 1 - a_t, 1 - a_prev
+        cur_alpha = a_t / a_prev
+        cur_beta = 1 - cur_alpha
+        x0 = np.clip((x - np.sqrt(b_t) * eps) / np.sqrt(a_t), -1, 1)
+        mean = (np.sqrt(a_prev) * cur_beta / b_t) * x0 + (np.sqrt(cur_alpha) * b_prev / b_t) * x
+        if t > 0:
+            std = np.sqrt(max(b_prev / b_t * cur_beta, 1e-20))
+            mean = mean + std * step_noise[i].reshape(x.shape)
+        x = mean.astype(np.float32)
+    return x[0]
+
+
+def injected(config, tmp_path, shape, ddpm=False):
+    """`config` with the initial sample taken from the request's `noise` (and with `ddpm`, the
+    diffusion demo as DDPM, every step's noise from `step_noise`)."""
     text = (ROOT / "configs" / config).read_text().replace('"../models/', f'"{MODELS}/')
+    x = 'x_t' if 'flow' in config else 'x'
+    step_noise = f"""[[inputs]]
+key = "step_noise"
+tensor = "{x}_step_noise"
+dtypes = ["float32"]
+shape = [100, {int(np.prod(shape))}]
+
+""" if ddpm else ""
     text = text.replace("[[outputs]]", f"""[[inputs]]
 key = "noise"
-tensor = "{'x_t' if 'flow' in config else 'x'}"
+tensor = "{x}"
 dtypes = ["float32"]
 shape = {list(shape)}
 
-[[outputs]]""", 1)
+{step_noise}[[outputs]]""", 1)
     text = text.replace("[sampler]\n", "[sampler]\ninject_noise = true\n", 1)
+    if ddpm:
+        text = text.replace('kind = "ddim"', 'kind = "ddpm"', 1)
     path = tmp_path / config
     path.write_text(text)
     return path
@@ -114,6 +152,34 @@ def test_actions_match_the_reference_for_the_same_noise(tmp_path, config, make, 
             assert np.max(np.abs(reply["actions"] - want)) <= 1e-4, (config, steps)
             timing = reply["policy_timing"]
             assert timing["steps"] == steps and timing["prefix_ms"] > 0 and timing["denoise_ms"] > 0
+    finally:
+        proc.terminate()
+        proc.wait(timeout=15)
+
+
+def test_ddpm_matches_the_reference_with_injected_step_noise(tmp_path):
+    """DDPM draws fresh noise every step but the last: with all of it injected, policyd's
+    actions equal diffusers' formulas over onnxruntime, at 10, 4 and 1 steps."""
+    port = free_port()
+    proc = start_policyd(injected("diffusion.toml", tmp_path, (16, 2), ddpm=True), port)
+    try:
+        client = wcp.WebsocketClientPolicy("127.0.0.1", port)
+        rng = np.random.default_rng(13)
+        results = []
+        for steps in [10, 4, 1]:
+            obs = diffusion_obs(rng)
+            noise = rng.standard_normal((16, 2)).astype(np.float32)
+            step_noise = rng.standard_normal((100, 32)).astype(np.float32)
+            reply = client.infer(dict(obs, noise=noise, step_noise=step_noise,
+                                      sampling_params={"num_inference_steps": steps}))
+            want = ddpm_reference(obs, noise, steps, step_noise)
+            assert np.max(np.abs(reply["actions"] - want)) <= 1e-4, steps
+            results.append((obs, noise, step_noise, reply["actions"]))
+        # The step noise matters: the same request with other step noise, other actions.
+        obs, noise, step_noise, actions = results[0]
+        other = client.infer(dict(obs, noise=noise, step_noise=step_noise[::-1].copy(),
+                                  sampling_params={"num_inference_steps": 10}))["actions"]
+        assert np.max(np.abs(other - actions)) > 1e-3
     finally:
         proc.terminate()
         proc.wait(timeout=15)

@@ -101,8 +101,6 @@ pub struct DeviceLoop {
     /// The block on the device, and its host mirror.
     block: DevicePtr,
     host: Pinned,
-    /// Whether the sampler can draw noise on a step (DDPM, DDIM with `eta` > 0).
-    noisy: bool,
     /// The step-graph output the update reads.
     m: DevicePtr,
     use_graphs: bool,
@@ -136,18 +134,26 @@ pub fn build(
             cfg,
         )?));
     }
-    Ok(Box::new(DeviceLoop::new(prefix, denoise, cfg)?))
+    Ok(Box::new(DeviceLoop::wired(prefix, denoise, w)?))
 }
 
 impl DeviceLoop {
     /// Wires the two plans on their shared device: the step graph's inputs pointed at the
     /// prefix's outputs and at the loop's block, the update kernel loaded, the block allocated.
     pub fn new(
-        mut prefix: TensorRtEngine,
+        prefix: TensorRtEngine,
         denoise: TensorRtEngine,
         cfg: &PipelineConfig,
     ) -> Result<DeviceLoop, EngineError> {
         let w = Wiring::new(prefix.io(), denoise.io(), cfg)?;
+        DeviceLoop::wired(prefix, denoise, w)
+    }
+
+    fn wired(
+        mut prefix: TensorRtEngine,
+        denoise: TensorRtEngine,
+        w: Wiring,
+    ) -> Result<DeviceLoop, EngineError> {
         let err =
             |what: &str, e: &dyn std::fmt::Display| load_err("[denoise]", format!("{what}: {e}"));
         if w.out_type != ElemType::F32 {
@@ -161,10 +167,7 @@ impl DeviceLoop {
             return Err(err("the step graph", &"is not on the prefix's device"));
         }
         prefix.keep_outputs_on_device();
-        // With `max_steps`, every step count's noisy steps are noisy too (DDPM: all but t = 0).
-        let noisy =
-            w.dt_in.is_none() && (0..w.max_steps).any(|i| w.sampler.draws_noise(i, w.max_steps));
-        let layout = Layout::new(w.n, w.max_steps, noisy);
+        let layout = Layout::new(w.n, w.max_steps, w.noisy);
         let kernel = device
             .load_update()
             .map_err(|e| err("the sampler's update kernel (update.ptx)", &e))?;
@@ -198,7 +201,6 @@ impl DeviceLoop {
             layout,
             block,
             host,
-            noisy,
             graphs_failed: false,
             graphs: heapless::Vec::new(),
             plain_loops: 0,
@@ -244,12 +246,16 @@ impl DeviceLoop {
     /// `seed`, or the injected noise), `dt`, the flag, every step's record and noise. The draws
     /// come in the host loop's order (the sample, then each noisy step's values), so a seed
     /// gives the same noise on both.
-    fn fill(&mut self, steps: usize, seed: u64, injected: Option<&mut Box<dyn InputBuffer>>) {
+    fn fill(&mut self, steps: usize, seed: u64, injected: &mut [Box<dyn InputBuffer>]) {
         let (l, w, n) = (self.layout, &self.w, self.w.n);
         let h = self.host.bytes_mut();
         let mut noise = Noise::new(seed);
         let put = |h: &mut [u8], at: usize, v: f32| h[at..at + 4].copy_from_slice(&v.to_le_bytes());
-        match injected {
+        let (x0, mut step_noise) = match injected {
+            [x0, rest @ ..] if w.inject_noise => (Some(x0), rest.first_mut()),
+            _ => (None, None),
+        };
+        match x0 {
             Some(b) => h[l.x..l.x + 4 * n].copy_from_slice(&b.bytes_mut()[..4 * n]),
             None => {
                 for k in 0..n {
@@ -275,10 +281,17 @@ impl DeviceLoop {
                 t,
                 &mut h[r + TIME_AT..r + TIME_AT + time_bytes],
             );
-            if self.noisy && w.dt_in.is_none() && w.sampler.draws_noise(i, steps) {
+            if self.w.noisy && w.sampler.draws_noise(i, steps) {
                 let z = l.noise + 4 * n * i;
-                for k in 0..n {
-                    put(h, z + 4 * k, noise.draw());
+                match step_noise.as_mut() {
+                    Some(b) => {
+                        h[z..z + 4 * n].copy_from_slice(&b.bytes_mut()[4 * n * i..4 * n * (i + 1)])
+                    }
+                    None => {
+                        for k in 0..n {
+                            put(h, z + 4 * k, noise.draw());
+                        }
+                    }
                 }
             }
         }
@@ -298,7 +311,7 @@ impl DeviceLoop {
             self.device
                 .copy_htod(dev, host, l.record(steps))
                 .map_err(|e| run_err("upload", e))?;
-            if self.noisy {
+            if self.w.noisy {
                 self.device
                     .copy_htod(at(l.noise), host.add(l.noise), 4 * n * steps)
                     .map_err(|e| run_err("upload", e))?;
@@ -316,7 +329,7 @@ impl DeviceLoop {
             let args = UpdateArgs {
                 x: at(l.x),
                 m: self.m,
-                noise: if self.noisy {
+                noise: if self.w.noisy {
                     at(l.noise + 4 * n * i)
                 } else {
                     0
@@ -440,8 +453,7 @@ impl Engine for DeviceLoop {
         let slot = self.prefix.prepare(prefix_in)?;
         // Before `fill`: a failed capture runs a throwaway loop through the mirror.
         let graph = self.graph(steps);
-        let injected = extra.first_mut().filter(|_| self.w.inject_noise);
-        self.fill(steps, sampling.seed, injected);
+        self.fill(steps, sampling.seed, extra);
         let event = |e| run_err("event", e);
         self.device.mark(Mark::Start).map_err(event)?;
         self.prefix.queue(slot)?;
@@ -489,7 +501,7 @@ impl Engine for DeviceLoop {
                  the device and page-locked",
                 self.w.n,
                 self.w.max_steps,
-                if self.noisy {
+                if self.w.noisy {
                     ", noise for every step"
                 } else {
                     ""
@@ -807,6 +819,42 @@ tensor = "x"
                 }
             }
         }
+    }
+
+    /// Injected noise (the test-only `inject_noise`): the initial sample and DDPM's per-step
+    /// noise from the request reach both loops, which then agree; other step noise, other
+    /// actions.
+    #[test]
+    fn injected_noise_reaches_both_loops() {
+        let p = pipeline(&format!("{DDPM}\ninject_noise = true"));
+        let mut host = host_loop(STEP_INT_TIME, &p);
+        let (_dev, mut dl) = device_loop(STEP_INT_TIME, &p, &opts(true, ZeroCopy::Off));
+        let names: Vec<&str> = dl.io().inputs.iter().map(|s| s.name.as_str()).collect();
+        assert_eq!(names, ["state", "x", "x_step_noise"]);
+        assert_eq!(dl.io().inputs[2].shape, [10, 70]);
+        let (mut a, mut b) = (dl.alloc_inputs().unwrap(), host.alloc_inputs().unwrap());
+        let mut results = Vec::new();
+        for salt in [0.0f32, 0.0, 0.5] {
+            for bufs in [&mut a, &mut b] {
+                for (j, buf) in bufs[1..].iter_mut().enumerate() {
+                    for (k, c) in buf.bytes_mut().chunks_exact_mut(4).enumerate() {
+                        let v = ((k * 7 + j * 3) % 11) as f32 / 5.0 - 1.0 + salt * j as f32;
+                        c.copy_from_slice(&v.to_le_bytes());
+                    }
+                }
+            }
+            let (got, _) = run(&mut dl, &mut a, 0.3, 1, 6).unwrap();
+            let (want, _) = run(&mut host, &mut b, 0.3, 99, 6).unwrap();
+            for (k, (g, w)) in got.iter().zip(&want).enumerate() {
+                assert!((g - w).abs() <= 1e-4 * w.abs().max(1.0), "[{k}] {g} vs {w}");
+            }
+            results.push(got);
+        }
+        assert_eq!(
+            results[0], results[1],
+            "the seed does not matter: the noise is given"
+        );
+        assert_ne!(results[1], results[2], "other step noise, other actions");
     }
 
     /// A step graph whose output is not float32 keeps the host loop; the budget names the
