@@ -857,6 +857,53 @@ tensor = "x"
         assert_ne!(results[1], results[2], "other step noise, other actions");
     }
 
+    /// Loaded as a policy (plan compiled against it, slots allocated, warm-up through
+    /// `Engine::run`), budgeted, and everything freed when the policy goes.
+    #[test]
+    fn serves_as_a_policy() {
+        let text = r#"
+[engine]
+model = "prefix.plan"
+slots = 3
+warmup_runs = 2
+[denoise]
+model = "step.plan"
+wire = { feat = "features" }
+[sampler]
+kind = "flow"
+steps = 5
+x = "x"
+time = "t"
+output = "v"
+[[inputs]]
+key = "state"
+tensor = "state"
+dtypes = ["float32"]
+shape = [8]
+[[outputs]]
+tensor = "x"
+"#;
+        let cfg = crate::config::Config::parse(text, "t", Some(std::path::Path::new("."))).unwrap();
+        let spec = cfg.default_policy();
+        let p = spec.pipeline.clone().unwrap();
+        let (dev, dl) = device_loop(STEP, &p, &opts(true, ZeroCopy::On));
+        let loaded = crate::policy::build::load_engine(&cfg, spec, Box::new(dl)).unwrap();
+        assert_eq!(loaded.backend, "tensorrt");
+        let budget = loaded.budget.render();
+        assert!(budget.contains("sampler loop"), "{budget}");
+        assert!(
+            *dev.updates.lock().unwrap() >= 5,
+            "warm-up ran the loop: {budget}"
+        );
+        drop(loaded);
+        assert_eq!(
+            dev.live(),
+            0,
+            "slots, engines and the loop freed their memory"
+        );
+        assert_eq!(*dev.modules.lock().unwrap(), 0);
+    }
+
     /// A step graph whose output is not float32 keeps the host loop; the budget names the
     /// loop's buffers when it is on the device.
     #[test]
