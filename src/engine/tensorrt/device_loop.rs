@@ -281,7 +281,7 @@ impl DeviceLoop {
                 t,
                 &mut h[r + TIME_AT..r + TIME_AT + time_bytes],
             );
-            if self.w.noisy && w.sampler.draws_noise(i, steps) {
+            if w.noisy && w.sampler.draws_noise(i, steps) {
                 let z = l.noise + 4 * n * i;
                 match step_noise.as_mut() {
                     Some(b) => {
