@@ -144,6 +144,21 @@ impl Sampler {
         }
     }
 
+    /// The times of every step of `steps`, in order: [`Sampler::time`] of 0, 1, …, with flow's
+    /// float32 accumulation carried from step to step rather than redone for each.
+    pub fn times(&self, steps: usize) -> impl Iterator<Item = Time> + '_ {
+        let dt = -1.0f32 / steps as f32;
+        let mut t = 1.0f32;
+        (0..steps).map(move |i| match self.kind {
+            Kind::Flow => {
+                let now = t;
+                t += dt;
+                Time::Continuous(now)
+            }
+            Kind::Ddpm | Kind::Ddim => Time::Discrete(self.timestep(i, steps) as i64),
+        })
+    }
+
     /// `update = "model"`'s `dt` input: openpi's `-1/steps`.
     pub fn dt(&self, steps: usize) -> f64 {
         f64::from(-1.0f32 / steps as f32)
@@ -477,6 +492,16 @@ mod tests {
         let mut x = [1.0f32, 2.0];
         s.step(0, 10, &mut x, &[10.0, -10.0], || 0.0);
         assert_eq!(x, [0.0, 3.0]);
+    }
+
+    #[test]
+    fn times_are_every_steps_time() {
+        for s in [Sampler::flow(), lerobot(Kind::Ddim)] {
+            for steps in [1, 3, 10, 100] {
+                let each: Vec<Time> = (0..steps).map(|i| s.time(i, steps)).collect();
+                assert_eq!(s.times(steps).collect::<Vec<_>>(), each);
+            }
+        }
     }
 
     #[test]

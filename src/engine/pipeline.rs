@@ -344,7 +344,7 @@ impl Engine for Pipeline {
             None => noise.fill(&mut self.x),
         }
         let n = w.n;
-        for i in 0..steps {
+        for (i, time) in w.sampler.times(steps).enumerate() {
             for (c, x) in self.denoise_in[w.x_in]
                 .bytes_mut()
                 .chunks_exact_mut(4)
@@ -354,7 +354,7 @@ impl Engine for Pipeline {
             }
             fill_bytes(
                 w.time_type,
-                w.sampler.time(i, steps).value(),
+                time.value(),
                 self.denoise_in[w.time_in].bytes_mut(),
             );
             if let Some((d, ty)) = w.dt_in {

@@ -268,17 +268,16 @@ impl DeviceLoop {
         }
         h[l.flag..l.flag + 4].copy_from_slice(&u32::MAX.to_le_bytes());
         let time_bytes = w.time_type.size();
-        for i in 0..steps {
+        for (i, time) in w.sampler.times(steps).enumerate() {
             let r = l.record(i);
             let u = match w.dt_in {
                 Some(_) => Update::take_output(),
                 None => w.sampler.update(i, steps),
             };
             u.write(&mut h[r..r + Update::BYTES]);
-            let t = w.sampler.time(i, steps).value();
             fill_bytes(
                 w.time_type,
-                t,
+                time.value(),
                 &mut h[r + TIME_AT..r + TIME_AT + time_bytes],
             );
             if w.noisy && w.sampler.draws_noise(i, steps) {
@@ -542,12 +541,14 @@ mod tests {
     const STEP_DT: &str =
         "input x 0 1,10,7\ninput feat 0 1,4\ninput t 0 1\ninput dt 0 1\noutput v 0 1,10,7\nstep";
 
-    fn pipeline(sampler: &str) -> PipelineConfig {
-        let cfg = crate::config::Config::parse(
+    /// The test pipeline's config: `sampler`'s keys, and `engine`'s lines under `[engine]`.
+    fn config(sampler: &str, engine: &str) -> crate::config::Config {
+        crate::config::Config::parse(
             &format!(
                 r#"
 [engine]
 model = "prefix.plan"
+{engine}
 [denoise]
 model = "step.plan"
 wire = {{ feat = "features" }}
@@ -566,10 +567,17 @@ tensor = "x"
 "#
             ),
             "test",
-            None,
+            Some(std::path::Path::new(".")),
         )
-        .unwrap();
-        cfg.default_policy().pipeline.clone().unwrap()
+        .unwrap()
+    }
+
+    fn pipeline(sampler: &str) -> PipelineConfig {
+        config(sampler, "")
+            .default_policy()
+            .pipeline
+            .clone()
+            .unwrap()
     }
 
     const FLOW: &str = "kind = \"flow\"\nsteps = 5\nmax_steps = 12";
@@ -861,29 +869,7 @@ tensor = "x"
     /// `Engine::run`), budgeted, and everything freed when the policy goes.
     #[test]
     fn serves_as_a_policy() {
-        let text = r#"
-[engine]
-model = "prefix.plan"
-slots = 3
-warmup_runs = 2
-[denoise]
-model = "step.plan"
-wire = { feat = "features" }
-[sampler]
-kind = "flow"
-steps = 5
-x = "x"
-time = "t"
-output = "v"
-[[inputs]]
-key = "state"
-tensor = "state"
-dtypes = ["float32"]
-shape = [8]
-[[outputs]]
-tensor = "x"
-"#;
-        let cfg = crate::config::Config::parse(text, "t", Some(std::path::Path::new("."))).unwrap();
+        let cfg = config("kind = \"flow\"\nsteps = 5", "slots = 3\nwarmup_runs = 2");
         let spec = cfg.default_policy();
         let p = spec.pipeline.clone().unwrap();
         let (dev, dl) = device_loop(STEP, &p, &opts(true, ZeroCopy::On));

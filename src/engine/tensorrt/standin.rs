@@ -410,42 +410,23 @@ pub struct StandinEngine {
 }
 
 /// A tensor's shape as the context resolves it: an input's set shape, or an output whose
-/// dynamic dims take the first input's first dim.
-fn resolved(ts: &[Tensor], t: &Tensor) -> Vec<i64> {
-    if t.input {
-        return t.shape_set.clone().unwrap_or_else(|| t.dims.clone());
-    }
-    let batch = ts
-        .iter()
-        .find(|t| t.input)
-        .map(|t| t.shape_set.as_ref().unwrap_or(&t.dims)[0])
-        .unwrap_or(1);
-    t.dims
-        .iter()
-        .map(|&d| if d < 0 { batch } else { d })
-        .collect()
+/// dynamic dims take the first input's first dim. An iterator, so that compute (in request
+/// paths that tests check allocate nothing) can count elements without a vector.
+fn resolved<'a>(ts: &'a [Tensor], t: &'a Tensor) -> impl Iterator<Item = i64> + 'a {
+    let set = |t: &'a Tensor| t.shape_set.as_ref().unwrap_or(&t.dims);
+    let batch = ts.iter().find(|t| t.input).map(|t| set(t)[0]).unwrap_or(1);
+    let (dims, input) = if t.input {
+        (set(t), true)
+    } else {
+        (&t.dims, false)
+    };
+    dims.iter()
+        .map(move |&d| if d < 0 && !input { batch } else { d })
 }
 
-/// The element count of [`resolved`], without allocating (compute runs in request paths that
-/// tests check allocate nothing).
+/// The element count of [`resolved`].
 fn elements(ts: &[Tensor], t: &Tensor) -> usize {
-    if t.input {
-        return t
-            .shape_set
-            .as_ref()
-            .unwrap_or(&t.dims)
-            .iter()
-            .product::<i64>() as usize;
-    }
-    let batch = ts
-        .iter()
-        .find(|t| t.input)
-        .map(|t| t.shape_set.as_ref().unwrap_or(&t.dims)[0])
-        .unwrap_or(1);
-    t.dims
-        .iter()
-        .map(|&d| if d < 0 { batch } else { d })
-        .product::<i64>() as usize
+    resolved(ts, t).product::<i64>() as usize
 }
 
 impl StandinEngine {
@@ -758,7 +739,7 @@ unsafe extern "C" fn context_shape(
     let Some(t) = ts.iter().find(|t| t.name.as_c_str() == name) else {
         return put(err, n, "unknown tensor");
     };
-    let d = resolved(&ts, t);
+    let d: Vec<i64> = resolved(&ts, t).collect();
     // SAFETY: out-pointers are valid; `dims` holds 8 entries.
     unsafe {
         *nb = d.len() as i32;
