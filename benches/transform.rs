@@ -29,7 +29,7 @@ fn bench(c: &mut Criterion) {
     let n = 224 * 224 * 3;
     let img = image(n);
     // openpi's image scaling, uint8 → [-1, 1].
-    let to_unit = Affine::normalize(2.0 / 255.0, -1.0, &[], &[]);
+    let to_unit = Affine::normalize(2.0 / 255.0, -1.0, &[], &[], 1e-6);
 
     let t = Transform::elementwise(U8, F32, n, to_unit.clone());
     bench_one(c, "u8->f32 scaled, CHW kept (ALOHA camera)", &t, &img);
@@ -47,6 +47,7 @@ fn bench(c: &mut Criterion) {
         0.0,
         &[0.485, 0.456, 0.406],
         &[0.229, 0.224, 0.225],
+        1e-6,
     );
     let t = Transform::permuted(U8, F32, &hwc, &[2, 0, 1], imagenet);
     bench_one(c, "u8->f32 per-channel mean/std, HWC->CHW", &t, &img);
@@ -63,13 +64,13 @@ fn bench(c: &mut Criterion) {
     let state: Vec<u8> = (0..14)
         .flat_map(|i| (i as f64 * 0.3).to_le_bytes())
         .collect();
-    let t = Transform::elementwise(F64, F32, 14, Affine::normalize(1.0, 0.0, &mean, &std));
+    let t = Transform::elementwise(F64, F32, 14, Affine::normalize(1.0, 0.0, &mean, &std, 1e-6));
     bench_one(c, "f64->f32 state [14], per-feature mean/std", &t, &state);
 
     let actions: Vec<u8> = (0..50 * 14)
         .flat_map(|i| (i as f32 * 1e-3).to_le_bytes())
         .collect();
-    let t = Transform::first_columns(F32, F32, &[50, 14], 14, Affine::unnormalize(&mean, &std));
+    let t = Transform::first_columns(F32, F32, &[50, 14], 14, Affine::unnormalize(&mean, &std, 1e-6));
     bench_one(c, "f32 actions [50, 14], unnormalised", &t, &actions);
 }
 

@@ -17,6 +17,9 @@ pub const MAX_PROMPT_BYTES: usize = 1 << 20;
 pub const MAX_PROMPT_STATE: usize = 256;
 /// Largest `sampler.max_steps` (DDPM's 1000 training timesteps, one step each).
 pub const MAX_SAMPLER_STEPS: usize = 1000;
+/// Largest `[[inputs]] history`: frames of one key an engine input holds (LeRobot's
+/// `n_obs_steps` is 1 or 2 for its policies).
+pub const MAX_HISTORY: usize = 16;
 /// Most policies one config may declare.
 pub const MAX_POLICIES: usize = 16;
 /// Largest `engine.slots` (the scheduler's queue is a fixed array of this size).

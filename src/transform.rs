@@ -109,8 +109,9 @@ pub enum Affine {
 impl Affine {
     pub const IDENTITY: Affine = Affine::Scalar { a: 1.0, b: 0.0 };
 
-    /// openpi's normalisation of an input: `((x·scale + offset) − mean) / (std + 1e-6)`.
-    pub fn normalize(scale: f64, offset: f64, mean: &[f64], std: &[f64]) -> Affine {
+    /// openpi's normalisation of an input, `((x·scale + offset) − mean) / (std + eps)` (openpi's
+    /// `eps` is 1e-6, LeRobot's 1e-8; LeRobot's min/max arrive resolved into mean/std).
+    pub fn normalize(scale: f64, offset: f64, mean: &[f64], std: &[f64], eps: f64) -> Affine {
         if mean.is_empty() {
             return Affine::Scalar {
                 a: scale,
@@ -121,19 +122,20 @@ impl Affine {
             .iter()
             .zip(std)
             .map(|(m, s)| {
-                let inv = 1.0 / (s + 1e-6);
+                let inv = 1.0 / (s + eps);
                 (scale * inv, (offset - m) * inv)
             })
             .unzip();
         Affine::Indexed { a, b }
     }
 
-    /// openpi's `Unnormalize` of an output: `x · (std + 1e-6) + mean`.
-    pub fn unnormalize(mean: &[f64], std: &[f64]) -> Affine {
+    /// The un-normalisation of an output: `x · (std + eps) + mean` (openpi's `Unnormalize`
+    /// with eps 1e-6; LeRobot's with 0).
+    pub fn unnormalize(mean: &[f64], std: &[f64], eps: f64) -> Affine {
         if mean.is_empty() {
             return Affine::IDENTITY;
         }
-        let (a, b) = mean.iter().zip(std).map(|(m, s)| (s + 1e-6, *m)).unzip();
+        let (a, b) = mean.iter().zip(std).map(|(m, s)| (s + eps, *m)).unzip();
         Affine::Indexed { a, b }
     }
 
@@ -613,7 +615,7 @@ mod tests {
             ElemType::U8,
             ElemType::F32,
             3,
-            Affine::normalize(1.0 / 255.0, 0.0, &[], &[]),
+            Affine::normalize(1.0 / 255.0, 0.0, &[], &[], 1e-6),
         );
         let mut dst = vec![0u8; 12];
         assert!(t.apply(&src, ByteOrder::Little, &mut dst));
@@ -658,7 +660,7 @@ mod tests {
             ElemType::F64,
             ElemType::F32,
             2,
-            Affine::normalize(1.0, 0.0, &[1.0, 2.0], &[1.0, 2.0]),
+            Affine::normalize(1.0, 0.0, &[1.0, 2.0], &[1.0, 2.0], 1e-6),
         );
         let mut dst = vec![0u8; 8];
         assert!(t.apply(&src, ByteOrder::Big, &mut dst));
@@ -681,7 +683,7 @@ mod tests {
             ElemType::F64,
             &[2, 3],
             2,
-            Affine::unnormalize(&[10.0, 20.0], &[1.0, 1.0]),
+            Affine::unnormalize(&[10.0, 20.0], &[1.0, 1.0], 1e-6),
         );
         let mut dst = vec![0u8; t.dst_bytes()];
         assert!(t.apply(&src, ByteOrder::Little, &mut dst));
@@ -719,7 +721,8 @@ mod tests {
         let shape = [32usize, 24, 3];
         let n: usize = shape.iter().product();
         let src: Vec<u8> = (0..4096).map(|i| (i * 37 % 256) as u8).collect();
-        let per_channel = Affine::normalize(2.0 / 255.0, -1.0, &[0.1, -0.2, 0.3], &[0.5, 1.5, 2.0]);
+        let per_channel =
+            Affine::normalize(2.0 / 255.0, -1.0, &[0.1, -0.2, 0.3], &[0.5, 1.5, 2.0], 1e-6);
         let cases = [
             Transform::permuted(
                 ElemType::U8,
@@ -772,6 +775,7 @@ mod tests {
                     0.0,
                     &[0.5; 12],
                     &[1.0, 2.0, 3.0, 4.0, 0.5, 0.25, 1.0, 2.0, 3.0, 4.0, 0.5, 0.25],
+                    1e-6,
                 ),
             ),
             Transform::first_columns(
@@ -779,7 +783,7 @@ mod tests {
                 ElemType::F32,
                 &[n / 4, 4],
                 3,
-                Affine::unnormalize(&[1.0, 2.0, 3.0], &[0.5, 0.25, 2.0]),
+                Affine::unnormalize(&[1.0, 2.0, 3.0], &[0.5, 0.25, 2.0], 1e-6),
             ),
         ];
         for t in cases {

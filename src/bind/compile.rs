@@ -167,15 +167,22 @@ impl Plan {
                     perm[rank - 3 + j] = rank - 3 + pj;
                 }
             }
-            let seen_by_engine: Vec<usize> = perm.iter().map(|&p| b.shape[p]).collect();
-            if token_binding.is_none() && squeeze_to(&spec.shape, rank) != seen_by_engine.as_slice()
+            let mut seen_by_engine: Vec<usize> = perm.iter().map(|&p| b.shape[p]).collect();
+            if b.history > 1 {
+                seen_by_engine.insert(0, b.history);
+            }
+            let engine_rank = seen_by_engine.len();
+            if token_binding.is_none()
+                && squeeze_to(&spec.shape, engine_rank) != seen_by_engine.as_slice()
             {
                 return Err(invalid(
                     k("shape"),
                     format!(
                         "wire shape {:?}{} does not match model input '{}' of shape {:?}",
                         b.shape,
-                        if b.layout.perm().is_some() {
+                        if b.history > 1 {
+                            format!(" (with history = {}: {seen_by_engine:?})", b.history)
+                        } else if b.layout.perm().is_some() {
                             format!(" (after layout: {seen_by_engine:?})")
                         } else {
                             String::new()
@@ -194,14 +201,15 @@ impl Plan {
                     ),
                 ));
             }
-            let affine = Affine::normalize(b.scale, b.offset, &b.mean, &b.std);
+            let affine = Affine::normalize(b.scale, b.offset, &b.mean, &b.std, b.eps);
             let inputs_affine = affine.clone();
+            let frame_elements = spec.elements() / b.history;
             let accepted = b
                 .dtypes()
                 .iter()
                 .map(|&t| {
                     let tr = if perm.iter().enumerate().all(|(j, &p)| j == p) {
-                        Transform::elementwise(t, spec.dtype, spec.elements(), affine.clone())
+                        Transform::elementwise(t, spec.dtype, frame_elements, affine.clone())
                     } else {
                         Transform::permuted(t, spec.dtype, &b.shape, &perm, affine.clone())
                     };
@@ -233,6 +241,8 @@ impl Plan {
                 } else {
                     Vec::new()
                 },
+                history: b.history,
+                frame_bytes: frame_elements * spec.dtype.size(),
             });
         }
         for spec in &io.inputs {
@@ -281,6 +291,26 @@ impl Plan {
                     ),
                 ));
             }
+            let mut src_shape = src_shape;
+            let mut offset = 0;
+            if let Some((start, end)) = o.rows {
+                let have = if src_shape.len() >= 2 {
+                    src_shape[0]
+                } else {
+                    0
+                };
+                if end > have {
+                    return Err(invalid(
+                        k("rows"),
+                        format!(
+                            "[{start}, {end}] exceeds the first axis of output '{}' {:?}",
+                            spec.name, spec.shape
+                        ),
+                    ));
+                }
+                offset = start * src_shape[1..].iter().product::<usize>() * spec.dtype.size();
+                src_shape[0] = end - start;
+            }
             let mut shape = src_shape.clone();
             if let Some(l) = shape.last_mut() {
                 *l = cols;
@@ -295,7 +325,7 @@ impl Plan {
                     ),
                 ));
             }
-            let affine = Affine::unnormalize(&o.mean, &o.std);
+            let affine = Affine::unnormalize(&o.mean, &o.std, o.eps);
             let src_shape = if src_shape.is_empty() {
                 vec![1]
             } else {
@@ -314,6 +344,7 @@ impl Plan {
                 ),
                 vllm: Transform::first_columns(spec.dtype, ElemType::F32, &src_shape, cols, affine),
                 shape,
+                offset,
             });
         }
         check_vllm_metadata(policy, &outputs)?;
@@ -353,6 +384,7 @@ impl Plan {
         } else {
             None
         };
+        let history_bytes = inputs.iter().map(|b| (b.history - 1) * b.frame_bytes).sum();
         Ok(Plan {
             inputs,
             outputs,
@@ -381,6 +413,7 @@ impl Plan {
                 .pipeline
                 .as_ref()
                 .map(|p| (p.steps as u32, p.max_steps as u32)),
+            history_bytes,
         })
     }
 }

@@ -82,6 +82,45 @@ impl Plan {
         h
     }
 
+    /// Completes the inputs with `history` for a session's request just decoded: its frame is
+    /// the last; `history` holds the session's previous frames, which fill the others, and
+    /// then takes the newest ones for its next request. A session's first request (`fresh`:
+    /// new, reset, or another policy) repeats its frame in every position, as LeRobot's
+    /// `populate_queues` fills its observation queues. Copies only: the session's buffer is
+    /// allocated once, on its first request to this plan.
+    pub fn stack_history(
+        &self,
+        bufs: &mut [Box<dyn InputBuffer>],
+        history: &mut History,
+        fresh: bool,
+    ) {
+        if self.history_bytes == 0 {
+            return;
+        }
+        let fresh = fresh || history.plan != self.id || history.frames.len() != self.history_bytes;
+        if history.frames.len() != self.history_bytes {
+            history.frames = vec![0; self.history_bytes];
+        }
+        history.plan = self.id;
+        let mut at = 0;
+        for b in self.inputs.iter().filter(|b| b.history > 1) {
+            let keep = (b.history - 1) * b.frame_bytes;
+            let buf = bufs[b.index].bytes_mut();
+            let (older, newest) = buf.split_at_mut(keep);
+            let kept = &mut history.frames[at..at + keep];
+            if fresh {
+                for f in older.chunks_exact_mut(b.frame_bytes) {
+                    f.copy_from_slice(newest);
+                }
+            } else {
+                older.copy_from_slice(kept);
+            }
+            // The next request's previous frames: these, without the oldest.
+            kept.copy_from_slice(&buf[b.frame_bytes..]);
+            at += keep;
+        }
+    }
+
     /// Fills every input with its fill value (for warm-up).
     pub fn fill_all(&self, bufs: &mut [Box<dyn InputBuffer>]) {
         for b in &self.inputs {
@@ -224,7 +263,9 @@ impl Visitor for SlotWriter<'_> {
         {
             link.offer_image(a.data);
         }
-        let dst = self.bufs[b.index].bytes_mut();
+        // With `history`, the request's frame is the last of the input's frames.
+        let buf = self.bufs[b.index].bytes_mut();
+        let dst = &mut buf[(b.history - 1) * b.frame_bytes..];
         let ok = match pos {
             Some(p) if b.accepted[p].0 == a.storage => b.accepted[p].1.apply(a.data, a.order, dst),
             // A scalar whose value travels in another type (openpi sends a float32 scalar as a
@@ -362,4 +403,13 @@ fn n_utf8_total(data: &[u8], order: crate::dtype::ByteOrder) -> usize {
         .filter_map(char::from_u32)
         .map(char::len_utf8)
         .sum()
+}
+
+/// A session's previous frames for the inputs with `history` (LeRobot's observation queues),
+/// in fixed buffers: sized once for a plan, then only copied into.
+#[derive(Debug, Default)]
+pub struct History {
+    /// The plan the frames were taken for (0: none yet).
+    plan: u64,
+    frames: Vec<u8>,
 }

@@ -12,6 +12,7 @@ mod input;
 mod output;
 mod tokens;
 
+pub use input::History;
 pub use output::{Chunk, Reply, ReplyParts};
 pub use tokens::{PromptCache, TokenBinding, Tokenized};
 
@@ -47,6 +48,11 @@ pub struct InputBinding {
     /// For a one-element input: a transform from each storage type (indexed by `ElemType as
     /// usize`), since scalars travel as native msgpack numbers of any type.
     pub scalar: Vec<Transform>,
+    /// Frames the engine input holds (`history`): a request's frame lands in the last, the
+    /// session's previous ones fill the rest ([`Plan::stack_history`]).
+    pub history: usize,
+    /// Engine bytes of one frame.
+    pub frame_bytes: usize,
 }
 
 /// One engine output sent under one reply key.
@@ -60,6 +66,8 @@ pub struct OutputBinding {
     pub openpi: Transform,
     /// Engine output → float32 (the vllm-omni route always sends float32).
     pub vllm: Transform,
+    /// Bytes of the engine output before the first kept row (`rows`).
+    pub offset: usize,
 }
 
 /// The compiled plan.
@@ -90,6 +98,8 @@ pub struct Plan {
     pub id: u64,
     /// A pipeline's steps: (default, most a request may ask for).
     pub sampling: Option<(u32, u32)>,
+    /// Bytes a session keeps of its previous frames, over every binding with `history` > 1.
+    pub history_bytes: usize,
 }
 
 /// The request path's side of the planner: which bindings it reads and fills. Indices

@@ -10,6 +10,15 @@ use crate::protocol::Encoder;
 use crate::protocol::dialect::{Outputs, Precision};
 use crate::transform::{Transform, all_finite};
 
+impl OutputBinding {
+    /// The bytes of an engine output that `tr` reads: its kept rows (`rows`), or the whole
+    /// output. A short buffer gives what there is, which `Transform::apply` then refuses.
+    fn source<'b>(&self, output: &'b [u8], tr: &Transform) -> &'b [u8] {
+        let len = tr.src_len * tr.src_type.size();
+        output.get(self.offset..self.offset + len).unwrap_or(output)
+    }
+}
+
 impl Plan {
     /// Names the first output that would reach the wire holding NaN or infinity, if any.
     /// The values are checked as sent in `precision` (after un-normalisation and the cast to
@@ -27,7 +36,7 @@ impl Plan {
                 Precision::Float32 => &o.vllm,
             };
             let sent = scratch.get_mut(..tr.dst_bytes())?;
-            let finite = tr.apply(&outputs[o.index], ByteOrder::Little, sent)
+            let finite = tr.apply(o.source(&outputs[o.index], tr), ByteOrder::Little, sent)
                 && all_finite(tr.dst_type, sent, ByteOrder::Little);
             (!finite).then_some(self.io.outputs[o.index].name.as_str())
         })
@@ -59,7 +68,7 @@ impl Plan {
         tr: &Transform,
         r: &mut ReplyParts<'_>,
     ) {
-        let src: &[u8] = &r.outputs[o.index];
+        let src: &[u8] = o.source(&r.outputs[o.index], tr);
         let bytes = tr.dst_bytes();
         let rows = o.shape.first().copied().unwrap_or(1);
         let Chunk { start, end } = r.chunk;

@@ -804,6 +804,7 @@ fn inputs(
             }
             if matches!(b.layout.as_deref(), Some("hwc_to_chw" | "chw_to_hwc"))
                 || !b.mean.is_empty()
+                || !b.min.is_empty()
                 || b.scale != 1.0
                 || b.offset != 0.0
                 || b.allow_non_finite
@@ -873,14 +874,28 @@ fn inputs(
         if !b.scale.is_finite() || !b.offset.is_finite() || !b.fill.is_finite() {
             return Err(cx.invalid(k("scale"), "scale, offset and fill must be finite numbers"));
         }
-        check_norm(
-            cx,
-            &k("mean"),
-            &k("std"),
-            &b.mean,
-            &b.std,
-            &[1, *shape.last().unwrap_or(&1), count],
-        )?;
+        let norm = RawNorm {
+            mean: &b.mean,
+            std: &b.std,
+            min: &b.min,
+            max: &b.max,
+            eps: b.eps,
+        };
+        let (mean, std, eps) =
+            norm.resolve(cx, i, "inputs", &[1, *shape.last().unwrap_or(&1), count])?;
+        let history = b.history.unwrap_or(1);
+        if !(1..=crate::limits::MAX_HISTORY).contains(&history) {
+            return Err(cx.invalid(
+                k("history"),
+                format!(
+                    "must be 1 to {} frames, got {history}",
+                    crate::limits::MAX_HISTORY
+                ),
+            ));
+        }
+        if history > 1 && (is_text(b) || tokens.is_some()) {
+            return Err(cx.invalid(k("history"), "applies to numeric inputs, not text"));
+        }
         out.push(InputConfig {
             key: b.key.clone(),
             tensor: b.tensor.clone(),
@@ -893,8 +908,10 @@ fn inputs(
             layout,
             scale: b.scale,
             offset: b.offset,
-            mean: b.mean.clone(),
-            std: b.std.clone(),
+            mean,
+            std,
+            eps,
+            history,
             optional: b.optional,
             fill: b.fill,
             engine_shape: b.engine_shape.clone(),
@@ -962,12 +979,39 @@ fn outputs(cx: &Keys, outputs: &[RawOutput]) -> Result<Vec<OutputConfig>, Config
             return Err(cx.invalid(k("columns"), "must be positive"));
         }
         // Lengths against the action dimension are checked once the engine is known.
-        check_norm(cx, &k("mean"), &k("std"), &o.mean, &o.std, &[])?;
+        let norm = RawNorm {
+            mean: &o.mean,
+            std: &o.std,
+            min: &o.min,
+            max: &o.max,
+            eps: o.eps,
+        };
+        let (mean, std, eps) = norm.resolve(cx, i, "outputs", &[])?;
+        let rows = match o.rows {
+            None => None,
+            Some([start, end]) if start < end => Some((start, end)),
+            Some([start, end]) => {
+                return Err(cx.invalid(
+                    k("rows"),
+                    format!("[{start}, {end}] keeps no row; give [start, end] with start < end"),
+                ));
+            }
+        };
         // Every reply is float32 on the vllm-omni route (and with dtype = "float32"): a
         // coefficient past its range would put infinity on the wire for any output.
-        // (`std` enters as `std + 1e-6`.)
+        // (`std` enters as `std + eps`.)
         let f32_max = f64::from(f32::MAX);
-        for (key, values, pad) in [("mean", &o.mean, 0.0), ("std", &o.std, 1e-6)] {
+        let key_of = |k: &'static str| {
+            if o.min.is_empty() {
+                k
+            } else if k == "mean" {
+                "min"
+            } else {
+                "max"
+            }
+        };
+        for (key, values, pad) in [("mean", &mean, 0.0), ("std", &std, eps)] {
+            let key = key_of(key);
             if let Some(v) = values.iter().find(|v| (*v + pad).abs() > f32_max) {
                 return Err(cx.invalid(
                     k(key),
@@ -984,8 +1028,10 @@ fn outputs(cx: &Keys, outputs: &[RawOutput]) -> Result<Vec<OutputConfig>, Config
             key: o.key.clone(),
             dtype,
             columns: o.columns,
-            mean: o.mean.clone(),
-            std: o.std.clone(),
+            mean,
+            std,
+            eps,
+            rows,
         });
     }
     Ok(out)
@@ -1166,6 +1212,89 @@ pub(super) fn planner(p: &RawPlanner, base: Option<&Path>) -> Result<PlannerConf
         return Err(cx.invalid("planner.ready_marker", "must not be empty"));
     }
     Ok(resolved)
+}
+
+/// A binding's normalisation keys as written: openpi's mean/std or LeRobot's min/max, and eps.
+struct RawNorm<'a> {
+    mean: &'a [f64],
+    std: &'a [f64],
+    min: &'a [f64],
+    max: &'a [f64],
+    eps: Option<f64>,
+}
+
+impl RawNorm<'_> {
+    /// Checks the keys of `{side}[{i}]` and resolves them into `(mean, std, eps)` for
+    /// `(x − mean)/(std + eps)` (inputs) and `x·(std + eps) + mean` (outputs). LeRobot's
+    /// MIN_MAX, `2(x − min)/d − 1` and `(x + 1)/2·d + min` with `d = max − min` (`eps` where
+    /// that is 0), is the same map with `mean = min + d/2`, `std = d/2` and no epsilon.
+    fn resolve(
+        &self,
+        cx: &Keys,
+        i: usize,
+        side: &str,
+        allowed: &[usize],
+    ) -> Result<(Vec<f64>, Vec<f64>, f64), ConfigError> {
+        let k = |f: &str| format!("{side}[{i}].{f}");
+        if let Some(e) = self.eps
+            && (!e.is_finite() || e < 0.0)
+        {
+            return Err(cx.invalid(
+                k("eps"),
+                format!("must be finite and non-negative, got {e}"),
+            ));
+        }
+        if self.min.is_empty() && self.max.is_empty() {
+            check_norm(cx, &k("mean"), &k("std"), self.mean, self.std, allowed)?;
+            let eps = self.eps.unwrap_or(1e-6);
+            if side == "inputs" && self.std.iter().any(|s| s + eps <= 0.0) {
+                return Err(cx.invalid(
+                    k("std"),
+                    "std + eps must be positive (it divides); give a positive eps or std",
+                ));
+            }
+            return Ok((self.mean.to_vec(), self.std.to_vec(), eps));
+        }
+        if !self.mean.is_empty() || !self.std.is_empty() {
+            return Err(cx.invalid(
+                k("min"),
+                "min/max (LeRobot's MIN_MAX) and mean/std are two normalisations; give one pair",
+            ));
+        }
+        // min takes mean's checks of length and finiteness (its sign is free).
+        check_norm(
+            cx,
+            &k("min"),
+            &k("max"),
+            self.min,
+            &vec![0.0; self.max.len()],
+            allowed,
+        )?;
+        if self.max.iter().any(|v| !v.is_finite()) {
+            return Err(cx.invalid(k("max"), "values must be finite"));
+        }
+        if let Some(j) = self.min.iter().zip(self.max).position(|(lo, hi)| hi < lo) {
+            return Err(cx.invalid(
+                k("max"),
+                format!(
+                    "max[{j}] = {} is below min[{j}] = {}",
+                    self.max[j], self.min[j]
+                ),
+            ));
+        }
+        let eps = self.eps.unwrap_or(1e-8);
+        let half: Vec<f64> = self
+            .min
+            .iter()
+            .zip(self.max)
+            .map(|(lo, hi)| if hi == lo { eps / 2.0 } else { (hi - lo) / 2.0 })
+            .collect();
+        if side == "inputs" && half.iter().any(|h| *h <= 0.0) {
+            return Err(cx.invalid(k("eps"), "must be positive where max == min (it divides)"));
+        }
+        let mid = self.min.iter().zip(&half).map(|(lo, h)| lo + h).collect();
+        Ok((mid, half, 0.0))
+    }
 }
 
 /// mean/std must come together, with equal lengths from `allowed` (empty: any length),

@@ -407,12 +407,17 @@ pub struct InputConfig {
     /// Expected wire shape.
     pub shape: Vec<usize>,
     pub layout: Layout,
-    /// `y = ((x·scale + offset) − mean) / (std + 1e-6)`.
+    /// `y = ((x·scale + offset) − mean) / (std + eps)`.
     pub scale: f64,
     pub offset: f64,
-    /// Per-feature (length of the wire shape's last axis), per-element, or one value.
+    /// Per-feature (length of the wire shape's last axis), per-element, or one value. A
+    /// LeRobot `min`/`max` binding is resolved into these (`mean` the midpoint, `std` half
+    /// the range, `eps` 0): the same map, written once.
     pub mean: Vec<f64>,
     pub std: Vec<f64>,
+    pub eps: f64,
+    /// Frames the engine input holds: this one and the session's `history − 1` before it.
+    pub history: usize,
     /// May be absent from a request; the engine input is then filled with `fill`.
     pub optional: bool,
     pub fill: f64,
@@ -487,9 +492,13 @@ pub struct OutputConfig {
     pub dtype: ElemType,
     /// Keep only the first N entries of the last axis (openpi's `actions[:, :14]`).
     pub columns: Option<usize>,
-    /// Un-normalisation `x·(std + 1e-6) + mean`, per action dimension (or one value).
+    /// Un-normalisation `x·(std + eps) + mean`, per action dimension (or one value); LeRobot's
+    /// `min`/`max` resolved as for inputs.
     pub mean: Vec<f64>,
     pub std: Vec<f64>,
+    pub eps: f64,
+    /// Rows `[start, end)` of the first axis kept (the whole axis when `None`).
+    pub rows: Option<(usize, usize)>,
 }
 
 /// How an input's axes are rearranged on the way to the engine.

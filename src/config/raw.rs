@@ -396,7 +396,7 @@ pub(super) struct RawInput {
     /// `hwc_to_chw`, `chw_to_hwc` or `none`.
     #[serde(default)]
     pub(super) layout: Option<String>,
-    /// `y = ((x·scale + offset) − mean) / (std + 1e-6)`.
+    /// `y = ((x·scale + offset) − mean) / (std + eps)`.
     #[serde(default = "one")]
     pub(super) scale: f64,
     #[serde(default)]
@@ -406,6 +406,19 @@ pub(super) struct RawInput {
     pub(super) mean: Vec<f64>,
     #[serde(default)]
     pub(super) std: Vec<f64>,
+    /// LeRobot's MIN_MAX instead of mean/std: `2·(x·scale + offset − min)/(max − min) − 1`.
+    #[serde(default)]
+    pub(super) min: Vec<f64>,
+    #[serde(default)]
+    pub(super) max: Vec<f64>,
+    /// mean/std: the epsilon added to `std` (default 1e-6, openpi's; LeRobot's is 1e-8).
+    /// min/max: the denominator used where `max == min` (default 1e-8, LeRobot's).
+    #[serde(default)]
+    pub(super) eps: Option<f64>,
+    /// Frames of this key the engine input holds (LeRobot's `n_obs_steps`): the request sends
+    /// one, policyd keeps the session's previous ones.
+    #[serde(default)]
+    pub(super) history: Option<usize>,
     /// May be absent from a request; the engine input is then filled with `fill`.
     #[serde(default)]
     pub(super) optional: bool,
@@ -472,11 +485,22 @@ pub(super) struct RawOutput {
     /// Keep only the first N entries of the last axis (openpi's `actions[:, :14]`).
     #[serde(default)]
     pub(super) columns: Option<usize>,
-    /// Un-normalisation `x·(std + 1e-6) + mean`, per action dimension (or one value).
+    /// Un-normalisation `x·(std + eps) + mean`, per action dimension (or one value).
     #[serde(default)]
     pub(super) mean: Vec<f64>,
     #[serde(default)]
     pub(super) std: Vec<f64>,
+    /// LeRobot's MIN_MAX un-normalisation instead: `(x + 1)/2·(max − min) + min`.
+    #[serde(default)]
+    pub(super) min: Vec<f64>,
+    #[serde(default)]
+    pub(super) max: Vec<f64>,
+    /// As for inputs (mean/std default 1e-6; LeRobot un-normalises with 0).
+    #[serde(default)]
+    pub(super) eps: Option<f64>,
+    /// Keep rows `[start, end)` of the output's first axis (LeRobot Diffusion's action slice).
+    #[serde(default)]
+    pub(super) rows: Option<[usize; 2]>,
 }
 
 fn actions() -> String {

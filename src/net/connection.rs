@@ -540,6 +540,11 @@ where
                 self.check_prompt(&policy, meta.session_id.as_ref(), slot);
                 let (reset, _) = self.sessions.begin(meta.session_id.as_ref());
                 self.count_sessions();
+                plan.stack_history(
+                    &mut slot.inputs,
+                    self.sessions.history(meta.session_id.as_ref()),
+                    reset,
+                );
                 slot.prepare(
                     self.ticket(Kind::Infer, received, release_at, (0, 0.0)),
                     reset,
@@ -583,6 +588,11 @@ where
                     drop(lease);
                     return self.skipped(timestep, why).await;
                 }
+                plan.stack_history(
+                    &mut slot.inputs,
+                    self.sessions.history(meta.session_id.as_ref()),
+                    reset,
+                );
                 let ticket =
                     self.ticket(Kind::Observe, received, release_at, (timestep, timestamp));
                 slot.prepare(ticket, reset);

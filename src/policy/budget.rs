@@ -73,6 +73,17 @@ impl Budget {
             ));
             lines.push(("tokenizer    file as stored".to_string(), t.file_size));
         }
+        if plan.history_bytes > 0 {
+            // Each session's previous frames (`history`), allocated at its first request.
+            let sessions = cfg.server.max_sessions as u64;
+            let per_session = plan.history_bytes as u64;
+            lines.push((
+                format!(
+                    "history      {conns} × {sessions} sessions × previous frames {per_session}"
+                ),
+                conns * sessions * per_session,
+            ));
+        }
         if let Some(g) = plan.planner.as_ref().and_then(|t| t.geometry) {
             lines.push((
                 "planner      camera frame handed to the planner".to_string(),

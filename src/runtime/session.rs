@@ -30,6 +30,8 @@ struct Entry {
     tokens: crate::bind::PromptCache,
     /// Seeds for its requests that name none (a pipeline's noise), from the OS at its start.
     seeds: Option<crate::sampler::SeedStream>,
+    /// Its previous frames of the inputs with `history`.
+    history: crate::bind::History,
 }
 
 /// Sessions of one connection.
@@ -110,6 +112,11 @@ impl Sessions {
         &mut self.touch(id).1.tokens
     }
 
+    /// The previous frames of `id` (or the current session), which becomes the current one.
+    pub fn history(&mut self, id: Option<&SessionId>) -> &mut crate::bind::History {
+        &mut self.touch(id).1.history
+    }
+
     /// The next seed of `id`'s (or the current session's) own stream, for a request that
     /// names none; the stream starts, seeded from the OS, at the session's first draw.
     pub fn next_seed(&mut self, id: Option<&SessionId>) -> u64 {
@@ -155,6 +162,7 @@ impl Sessions {
         if let Some(i) = self.entries.iter().position(|e| e.id == self.current) {
             return &mut self.entries[i];
         }
+        let mut history = crate::bind::History::default();
         if self.entries.len() >= self.limit {
             let lru = self
                 .entries
@@ -163,7 +171,9 @@ impl Sessions {
                 .min_by_key(|(_, e)| e.last_used)
                 .map(|(i, _)| i)
                 .unwrap_or(0);
-            self.entries.swap_remove(lru);
+            // The evicted session's frame buffer serves the new one (its first request
+            // overwrites it, being fresh): eviction allocates nothing.
+            history = self.entries.swap_remove(lru).history;
         }
         let _ = self.entries.push(Entry {
             id: self.current.clone(),
@@ -173,6 +183,7 @@ impl Sessions {
             prompt: None,
             tokens: crate::bind::PromptCache::default(),
             seeds: None,
+            history,
         });
         let last = self.entries.len() - 1;
         &mut self.entries[last]

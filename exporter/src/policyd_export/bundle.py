@@ -1,0 +1,123 @@
+"""A bundle: everything policyd needs to serve one exported policy, in one directory.
+
+    policyd.toml            the CPU config (`policyd --config BUNDLE/policyd.toml`)
+    *.onnx                  the graphs (weights in `<graph>.onnx.data` past 1.8 GB)
+    policyd.tensorrt.toml   the same policy on TensorRT plans, once built on the board
+    build-plans.sh          trtexec commands that build those plans (run on the Jetson)
+    export.json             what was exported and checked (read by `policyd-export verify`)
+
+The bundle is written into a temporary directory beside the target and renamed into place, so
+a failed export leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+
+import tomli_w
+
+from . import __version__
+from .checkpoint import Checkpoint
+from .errors import ExportError
+from .families import Exported
+
+MANIFEST = "export.json"
+CONFIG = "policyd.toml"
+TRT_CONFIG = "policyd.tensorrt.toml"
+TRT_SCRIPT = "build-plans.sh"
+
+
+def prepare(out: Path, force: bool) -> Path:
+    """A fresh temporary directory beside `out`; `out` itself may exist only with `force`."""
+    if out.exists() and not force:
+        raise ExportError(f"{out}: already exists; pass --force to replace it")
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"{out}: exists and is not a directory")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+
+
+def commit(tmp: Path, out: Path) -> None:
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+    out.chmod(0o755)
+
+
+def _toml(header: str, body: dict) -> str:
+    lines = "".join(f"# {line}\n".replace("# \n", "#\n") for line in header.splitlines())
+    return lines + "\n" + tomli_w.dumps(body)
+
+
+def write(tmp: Path, ckpt: Checkpoint, exported: Exported) -> None:
+    """Writes the configs, the TensorRT script and the manifest next to the graphs in `tmp`."""
+    config = {"server": {"host": "127.0.0.1", "port": 8000}, **exported.config}
+    graphs = [g.file for g in exported.graphs]
+    header = (
+        f"policyd config written by policyd-export {__version__} from the LeRobot {ckpt.type} "
+        f"checkpoint\n{ckpt.path.resolve()}\n"
+        "Serve it with `policyd --config policyd.toml`; request keys are the LeRobot observation\n"
+        "names, images uint8 HWC at the checkpoint's resolution. Normalisation is the\n"
+        "checkpoint's own (policy_preprocessor / policy_postprocessor statistics)."
+    )
+    (tmp / CONFIG).write_text(_toml(header, config))
+    trt = copy.deepcopy(config)
+    trt["engine"] = {"backend": "tensorrt", "model": _plan(trt["engine"]["model"])}
+    if "denoise" in trt:
+        trt["denoise"]["model"] = _plan(trt["denoise"]["model"])
+    trt_header = (
+        "The same policy on TensorRT: build the plans on the board first (./build-plans.sh),\n"
+        "then `policyd --config policyd.tensorrt.toml` (a policyd built with --features "
+        "tensorrt)."
+    )
+    (tmp / TRT_CONFIG).write_text(_toml(trt_header, trt))
+    script = [
+        "#!/bin/sh",
+        "# Builds this bundle's TensorRT plans with trtexec on the Jetson that will serve them",
+        "# (a plan is specific to its GPU and TensorRT version). TRTEXEC overrides the path;",
+        "# extra arguments go to every trtexec call (e.g. --memPoolSize=workspace:2048M).",
+        "set -eu",
+        'cd "$(dirname "$0")"',
+        'TRTEXEC=${TRTEXEC:-$(command -v trtexec || echo /usr/src/tensorrt/bin/trtexec)}',
+    ]
+    for g in graphs:
+        flags = " ".join(exported.trt_flags.get(g, []))
+        script.append(
+            f'"$TRTEXEC" --onnx={g} --saveEngine={_plan(g)} {flags} "$@"'.replace("  ", " ")
+        )
+    script.append('echo "plans built; serve with: policyd --config policyd.tensorrt.toml"')
+    (tmp / TRT_SCRIPT).write_text("\n".join(script) + "\n")
+    (tmp / TRT_SCRIPT).chmod(0o755)
+    manifest = {
+        "exporter": __version__,
+        "checkpoint": str(ckpt.path.resolve()),
+        "policy_type": ckpt.type,
+        "inputs": [
+            {
+                "feature": f.key,
+                "key": ckpt.wire_keys.get(f.key, f.key),
+                "type": f.type,
+                "shape": list(f.shape),
+            }
+            for f in ckpt.inputs
+        ],
+        "graphs": [asdict(g) for g in exported.graphs],
+        **exported.manifest,
+    }
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+
+
+def _plan(onnx_file: str) -> str:
+    return onnx_file.removesuffix(".onnx") + ".plan"
+
+
+def read_manifest(bundle: Path) -> dict:
+    path = bundle / MANIFEST
+    if not path.is_file():
+        raise ExportError(f"{bundle}: not a policyd-export bundle (no {MANIFEST})")
+    return json.loads(path.read_text())

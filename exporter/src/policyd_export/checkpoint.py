@@ -1,0 +1,217 @@
+"""What is in a LeRobot checkpoint directory, read without running any of it.
+
+`save_pretrained` writes `config.json` (the policy's type, features and hyper-parameters),
+`model.safetensors`, and the processor pipelines `policy_preprocessor.json` /
+`policy_postprocessor.json`, whose normaliser steps keep their statistics in safetensors files
+beside them. Everything the bundle needs to normalise as LeRobot does comes from those files;
+nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .errors import ExportError
+
+#: Policy types this exporter turns into bundles (config.json's "type").
+SUPPORTED = ("act", "diffusion")
+#: Types LeRobot has that are planned but not exported yet, with what stands in the way.
+PLANNED = {
+    "smolvla": "prefix + action-expert graphs with the KV cache (not exported yet)",
+    "pi0": "prefix + action-expert graphs with the KV cache (not exported yet)",
+    "pi05": "prefix + action-expert graphs with the KV cache (not exported yet)",
+}
+
+PREPROCESSOR = "policy_preprocessor.json"
+POSTPROCESSOR = "policy_postprocessor.json"
+#: Processor steps whose effect the bundle reproduces (batching and devices are no-ops there).
+KNOWN_STEPS = {
+    PREPROCESSOR: {
+        "rename_observations_processor",
+        "to_batch_processor",
+        "device_processor",
+        "normalizer_processor",
+    },
+    POSTPROCESSOR: {"unnormalizer_processor", "device_processor"},
+}
+
+
+@dataclass
+class Feature:
+    """One input or output feature: its LeRobot key, type and shape (images: C, H, W)."""
+
+    key: str
+    type: str
+    shape: tuple[int, ...]
+
+
+@dataclass
+class Norm:
+    """How LeRobot (un)normalises one feature: the mode and the statistics it reads."""
+
+    mode: str  # MEAN_STD, MIN_MAX, QUANTILES, QUANTILE10, IDENTITY
+    stats: dict[str, np.ndarray] = field(default_factory=dict)
+    eps: float = 1e-8
+
+
+@dataclass
+class Checkpoint:
+    path: Path
+    config: dict
+    type: str
+    inputs: list[Feature]
+    outputs: list[Feature]
+    #: Per feature key: its normalisation on the way in (observations) or out (actions).
+    input_norm: dict[str, Norm]
+    output_norm: dict[str, Norm]
+    #: Per feature key: the observation key a client sends (the preprocessor's rename_map
+    #: renames client keys to feature keys).
+    wire_keys: dict[str, str] = field(default_factory=dict)
+
+    def features(self, kind: str) -> list[Feature]:
+        return [f for f in self.inputs if f.type == kind]
+
+
+def _read_json(path: Path, what: str) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ExportError(f"{path}: missing ({what})") from None
+    except json.JSONDecodeError as e:
+        raise ExportError(f"{path}: not valid JSON ({e})") from None
+
+
+def _features(raw: dict, where: str) -> list[Feature]:
+    out = []
+    for key, f in (raw or {}).items():
+        try:
+            out.append(Feature(key, str(f["type"]), tuple(int(d) for d in f["shape"])))
+        except (KeyError, TypeError, ValueError):
+            raise ExportError(f"config.json: {where}.{key} needs a type and a shape") from None
+    return out
+
+
+def _normaliser(path: Path, pipeline_file: str, registry_name: str) -> tuple[dict, dict]:
+    """The normaliser step of a processor pipeline: its config and its statistics."""
+    pipeline = _read_json(
+        path / pipeline_file,
+        "LeRobot's processor pipeline; checkpoints from lerobot < 0.4 need "
+        "`python -m lerobot.processor.migrate_policy_normalization` first",
+    )
+    for s in pipeline.get("steps", []):
+        if s.get("registry_name") not in KNOWN_STEPS[pipeline_file]:
+            raise ExportError(
+                f"{path / pipeline_file}: processor step {s.get('registry_name')!r} is not "
+                f"reproduced by policyd; supported steps: "
+                f"{', '.join(sorted(KNOWN_STEPS[pipeline_file]))}"
+            )
+    steps = [s for s in pipeline.get("steps", []) if s.get("registry_name") == registry_name]
+    if not steps:
+        return {}, {}
+    step = steps[0]
+    stats: dict[str, dict[str, np.ndarray]] = {}
+    state_file = step.get("state_file")
+    if state_file:
+        from safetensors.numpy import load_file
+
+        file = path / state_file
+        if not file.is_file():
+            raise ExportError(
+                f"{file}: missing (the statistics of {pipeline_file}'s {registry_name} step); "
+                "copy it from the training run's pretrained_model directory"
+            )
+        for name, value in load_file(str(file)).items():
+            key, _, stat = name.rpartition(".")
+            stats.setdefault(key, {})[stat] = value.astype(np.float64)
+    return step.get("config", {}), stats
+
+
+def _norms(config: dict, stats: dict, features: list[Feature], side: str) -> dict[str, Norm]:
+    norm_map = config.get("norm_map", {})
+    eps = float(config.get("eps", 1e-8))
+    out = {}
+    for f in features:
+        mode = str(norm_map.get(f.type, "IDENTITY"))
+        if mode == "IDENTITY" or f.key not in stats:
+            # LeRobot passes a feature through when it has no statistics.
+            out[f.key] = Norm("IDENTITY", {}, eps)
+            continue
+        need = {
+            "MEAN_STD": ("mean", "std"),
+            "MIN_MAX": ("min", "max"),
+            "QUANTILES": ("q01", "q99"),
+            "QUANTILE10": ("q10", "q90"),
+        }.get(mode)
+        if need is None:
+            raise ExportError(f"{side}: feature {f.key} uses normalisation {mode}, unknown here")
+        missing = [n for n in need if n not in stats[f.key]]
+        if missing:
+            raise ExportError(
+                f"{side}: feature {f.key} is normalised with {mode} but its statistics lack "
+                f"{', '.join(missing)}; recompute the dataset's stats"
+            )
+        out[f.key] = Norm(mode, {n: stats[f.key][n] for n in need}, eps)
+    return out
+
+
+def load(path: str | Path) -> Checkpoint:
+    """Reads and checks a checkpoint directory; every problem is an ExportError naming the file."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ExportError(f"{path}: not a directory (give a LeRobot pretrained_model directory)")
+    if not (path / "config.json").is_file():
+        raise ExportError(
+            f"{path}: not a LeRobot checkpoint (no config.json; give the pretrained_model "
+            "directory that save_pretrained wrote)"
+        )
+    config = _read_json(path / "config.json", "the policy's config")
+    kind = config.get("type")
+    if kind not in SUPPORTED:
+        extra = f" ({kind}: {PLANNED[kind]})" if kind in PLANNED else ""
+        raise ExportError(
+            f"{path / 'config.json'}: policy type {kind!r} is not supported{extra}; "
+            f"supported: {', '.join(SUPPORTED)}"
+        )
+    if not (path / "model.safetensors").is_file():
+        raise ExportError(f"{path / 'model.safetensors'}: missing (the policy's weights)")
+    inputs = _features(config.get("input_features"), "input_features")
+    outputs = _features(config.get("output_features"), "output_features")
+    bindable = {"STATE", "VISUAL", "ENV"}
+    for f in inputs:
+        if f.type not in bindable:
+            raise ExportError(
+                f"config.json: input feature {f.key} has type {f.type}; policyd binds "
+                f"{', '.join(sorted(bindable))} inputs for {kind}"
+            )
+        if f.type == "VISUAL" and (len(f.shape) != 3 or f.shape[0] != 3):
+            raise ExportError(
+                f"config.json: image feature {f.key} has shape {list(f.shape)}; policyd binds "
+                "RGB images [3, H, W]"
+            )
+        if f.type != "VISUAL" and len(f.shape) != 1:
+            raise ExportError(
+                f"config.json: feature {f.key} has shape {list(f.shape)}; vectors only"
+            )
+    actions = [f for f in outputs if f.type == "ACTION"]
+    if len(actions) != 1 or len(outputs) != 1 or len(actions[0].shape) != 1:
+        raise ExportError("config.json: output_features must be one ACTION vector")
+    pre_cfg, pre_stats = _normaliser(path, PREPROCESSOR, "normalizer_processor")
+    renames = {}
+    for s in _read_json(path / PREPROCESSOR, "").get("steps", []):
+        if s.get("registry_name") == "rename_observations_processor":
+            renames = {v: k for k, v in s.get("config", {}).get("rename_map", {}).items()}
+    post_cfg, post_stats = _normaliser(path, POSTPROCESSOR, "unnormalizer_processor")
+    return Checkpoint(
+        path=path,
+        config=config,
+        type=kind,
+        inputs=inputs,
+        outputs=outputs,
+        input_norm=_norms(pre_cfg, pre_stats, inputs, PREPROCESSOR),
+        output_norm=_norms(post_cfg, post_stats, outputs, POSTPROCESSOR),
+        wire_keys={f.key: renames.get(f.key, f.key) for f in inputs},
+    )

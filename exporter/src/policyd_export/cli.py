@@ -1,0 +1,155 @@
+"""The `policyd-export` command.
+
+    policyd-export lerobot CHECKPOINT_DIR --out BUNDLE_DIR [--force]
+    policyd-export verify BUNDLE_DIR CHECKPOINT_DIR [--policyd PATH]
+    policyd-export rewrite IN.onnx OUT.onnx
+
+Exit status: 0 done, 1 verify found a difference, 2 bad input (the message says what to fix).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+from .errors import ExportError
+
+SUPPORTED_HELP = "supported policy types: act, diffusion"
+
+
+def _lerobot(args: argparse.Namespace) -> int:
+    from . import bundle
+    from .checkpoint import load
+    from .families import export
+
+    start = time.monotonic()
+    ckpt = load(args.checkpoint)
+    out = Path(args.out)
+    tmp = bundle.prepare(out, args.force)
+    try:
+        exported = export(ckpt, tmp, verbose=args.verbose)
+        bundle.write(tmp, ckpt, exported)
+        bundle.commit(tmp, out)
+    except BaseException:
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    print(f"exported the LeRobot {ckpt.type} policy in {time.monotonic() - start:.1f} s to {out}/")
+    for g in exported.graphs:
+        rewrites = f"; tract rewrites: {', '.join(g.rewrites)}" if g.rewrites else ""
+        print(
+            f"  {g.file}: {', '.join(g.inputs)} -> {', '.join(g.outputs)}; onnxruntime vs "
+            f"torch max abs diff {g.max_abs_diff:.2e}{rewrites}"
+        )
+    print(f"  {bundle.CONFIG}, {bundle.TRT_CONFIG}, {bundle.TRT_SCRIPT}, {bundle.MANIFEST}")
+    print(f"next: policyd check-config {out / bundle.CONFIG}")
+    print(f"      policyd-export verify {out} {args.checkpoint}")
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from .verify import table, verify
+
+    rows = verify(
+        Path(args.bundle),
+        Path(args.checkpoint),
+        policyd=args.policyd,
+        n=args.observations,
+        rtol=args.rtol,
+    )
+    print(table(rows))
+    failed = [r for r in rows if not r.ok]
+    if failed:
+        print(f"verify: {len(failed)} of {len(rows)} checks failed", file=sys.stderr)
+        return 1
+    print(f"verify: all {len(rows)} checks passed")
+    return 0
+
+
+def _rewrite(args: argparse.Namespace) -> int:
+    import onnx
+
+    from . import rewrite
+
+    src = Path(args.input)
+    if not src.is_file():
+        raise ExportError(f"{src}: no such ONNX file")
+    try:
+        model = onnx.load(str(src))
+    except Exception as e:
+        raise ExportError(f"{src}: not an ONNX model ({e})") from e
+    rewritten, report = rewrite.rewrite(model)
+    out = Path(args.output)
+    rewrite.save(rewritten, out)
+    for line in report.lines():
+        print(line)
+    if report.total():
+        diff = rewrite.check_same(src, out, rewrite.random_feeds(src))
+        print(f"onnxruntime, original vs rewritten, max abs diff: {diff:.2e}")
+        if diff > 1e-4:
+            print("rewrite: the rewritten graph differs; do not use it", file=sys.stderr)
+            return 1
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="policyd-export",
+        description="Turn LeRobot checkpoints into policyd bundles and check them.",
+    )
+    sub = p.add_subparsers(dest="command", required=True)
+    e = sub.add_parser(
+        "lerobot",
+        help="export a LeRobot checkpoint directory into a bundle",
+        description=f"Export a LeRobot pretrained_model directory ({SUPPORTED_HELP}).",
+    )
+    e.add_argument("checkpoint", help="what save_pretrained wrote: config.json, "
+                   "model.safetensors, policy_{pre,post}processor*.json and their stats")
+    e.add_argument("--out", required=True, help="the bundle directory to write")
+    e.add_argument("--force", action="store_true", help="replace --out if it exists")
+    e.add_argument("--verbose", action="store_true", help="show the ONNX exporter's output")
+    e.set_defaults(run=_lerobot)
+    v = sub.add_parser(
+        "verify",
+        help="serve a bundle with policyd and compare its actions with LeRobot's",
+        description="Serve BUNDLE with policyd, send observations with openpi-client, and "
+        "compare each reply with LeRobot's own inference from CHECKPOINT. Exit 1 on a "
+        "difference past the tolerance.",
+    )
+    v.add_argument("bundle")
+    v.add_argument("checkpoint")
+    v.add_argument("--policyd", help="the policyd binary (default: $POLICYD_BIN, then PATH)")
+    v.add_argument("--observations", type=int, default=4, help="observations sent (default 4)")
+    v.add_argument("--rtol", type=float, default=1e-4,
+                   help="tolerance relative to the largest action magnitude (default 1e-4)")
+    v.set_defaults(run=_verify)
+    r = sub.add_parser(
+        "rewrite",
+        help="apply the tract rewrites (R1-R3) to any ONNX file",
+        description="Rewrite the graph patterns tract-onnx 0.23 cannot run (CumSum over an "
+        "int64 Cast, MatMul over a Concat with an Expand) or runs slowly (Pow(x, 3)), and "
+        "check the result equals the original in onnxruntime.",
+    )
+    r.add_argument("input")
+    r.add_argument("output")
+    r.set_defaults(run=_rewrite)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    # Nothing is ever fetched: a checkpoint is a local directory.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    args = parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except ExportError as e:
+        print(f"policyd-export: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,160 @@
+"""Diffusion Policy: the observation encoder and the U-Net step, served as a policyd pipeline.
+
+LeRobot's `DiffusionModel.generate_actions` encodes `n_obs_steps` frames into one global
+condition (`_prepare_global_conditioning`), runs the scheduler's loop over the U-Net
+(`conditional_sample`), and keeps rows `[n_obs_steps − 1, n_obs_steps − 1 + n_action_steps)`.
+Here the encoder is the pipeline's prefix graph, the U-Net its step graph, the loop policyd's
+own DDPM/DDIM with the checkpoint's scheduler settings, and the slice `[[outputs]] rows`. The
+frames come from policyd's per-session history (`[[inputs]] history = n_obs_steps`), filled on
+a session's first observation as LeRobot's `populate_queues` fills its queues, so a client
+sends one frame per request.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .. import graphs
+from ..bindings import input_binding, output_binding
+from ..checkpoint import Checkpoint
+from ..errors import ExportError
+from . import Exported
+
+OBS_STATE = "observation.state"
+OBS_ENV_STATE = "observation.environment_state"
+
+
+class Encoder(nn.Module):
+    """`_prepare_global_conditioning` over flat inputs, each `[1, n_obs_steps, ...]`."""
+
+    def __init__(self, model: nn.Module, keys: list[str], images: list[str]):
+        super().__init__()
+        self.model = model
+        self.keys = keys
+        self.images = images
+
+    def forward(self, *xs: torch.Tensor) -> torch.Tensor:
+        named = dict(zip(self.keys, xs, strict=True))
+        batch = {k: v for k, v in named.items() if k not in self.images}
+        if self.images:
+            # LeRobot stacks the cameras on dim -4: [B, n_obs, n_cam, C, H, W].
+            batch["observation.images"] = torch.stack([named[k] for k in self.images], dim=-4)
+        return self.model._prepare_global_conditioning(batch)
+
+
+class Step(nn.Module):
+    """One U-Net evaluation: the noisy sample, the integer timestep, the global condition."""
+
+    def __init__(self, unet: nn.Module):
+        super().__init__()
+        self.unet = unet
+
+    def forward(self, x: torch.Tensor, timestep: torch.Tensor, global_cond: torch.Tensor) -> (
+        torch.Tensor
+    ):
+        return self.unet(x, timestep, global_cond=global_cond)
+
+
+def sampler(cfg) -> dict:  # noqa: ANN001 (a LeRobot DiffusionConfig)
+    """policyd's `[sampler]` from the checkpoint's scheduler settings (diffusers' defaults for
+    the rest: set_alpha_to_one, steps_offset 0, "leading" spacing, fixed_small variance)."""
+    kind = {"DDPM": "ddpm", "DDIM": "ddim"}.get(cfg.noise_scheduler_type)
+    if kind is None:
+        raise ExportError(
+            f"config.json: noise_scheduler_type {cfg.noise_scheduler_type!r}; policyd runs DDPM "
+            "and DDIM"
+        )
+    train = int(cfg.num_train_timesteps)
+    steps = int(cfg.num_inference_steps or train)
+    return {
+        "kind": kind,
+        "steps": steps,
+        "max_steps": min(train, 1000),
+        "x": "x",
+        "time": "timestep",
+        "output": "noise_pred",
+        "num_train_timesteps": train,
+        "beta_schedule": cfg.beta_schedule,
+        "beta_start": float(cfg.beta_start),
+        "beta_end": float(cfg.beta_end),
+        "prediction_type": cfg.prediction_type,
+        "clip_sample": bool(cfg.clip_sample),
+        "clip_sample_range": float(cfg.clip_sample_range),
+    }
+
+
+def export(ckpt: Checkpoint, policy: nn.Module, out: Path, verbose: bool) -> Exported:
+    cfg = policy.config
+    model = policy.diffusion
+    if getattr(cfg, "resize_shape", None) is not None:
+        raise ExportError(
+            "config.json: resize_shape is set; the encoder's torchvision Resize (antialiased) "
+            "is not exported yet: give the checkpoint's images at the resized resolution"
+        )
+    n_obs = int(cfg.n_obs_steps)
+    images = list(cfg.image_features)
+    by_key = {f.key: f for f in ckpt.inputs}
+    vectors = [k for k in (OBS_STATE, OBS_ENV_STATE) if k in by_key]
+    for f in ckpt.inputs:
+        if f.type != "VISUAL" and f.key not in vectors:
+            raise ExportError(
+                f"config.json: Diffusion Policy reads {OBS_STATE} and {OBS_ENV_STATE}; {f.key} "
+                "would be ignored by LeRobot too: remove it from input_features"
+            )
+    keys = vectors + images
+    gen = torch.Generator().manual_seed(0)
+    args = tuple(
+        torch.rand((1, n_obs, *by_key[k].shape), generator=gen)
+        if by_key[k].type == "VISUAL"
+        else torch.randn((1, n_obs, *by_key[k].shape), generator=gen)
+        for k in keys
+    )
+    encoder = graphs.export(
+        Encoder(model, keys, images), args, keys, ["global_cond"], out / "encoder.onnx", verbose
+    )
+    with torch.no_grad():
+        cond = Encoder(model, keys, images)(*args)
+    horizon, dim = int(cfg.horizon), ckpt.outputs[0].shape[0]
+    step_args = (
+        torch.randn((1, horizon, dim), generator=gen),
+        torch.tensor([int(cfg.num_train_timesteps) - 1], dtype=torch.long),
+        cond,
+    )
+    unet = graphs.export(
+        Step(model.unet), step_args, ["x", "timestep", "global_cond"], ["noise_pred"],
+        out / "unet.onnx", verbose,
+    )
+    start = n_obs - 1
+    rows = (start, start + int(cfg.n_action_steps))
+    if rows[1] > horizon:
+        raise ExportError(
+            f"config.json: n_action_steps {cfg.n_action_steps} with n_obs_steps {n_obs} runs "
+            f"past horizon {horizon}"
+        )
+    config = {
+        "engine": {"backend": "cpu", "model": "encoder.onnx"},
+        "denoise": {"model": "unet.onnx", "wire": {"global_cond": "global_cond"}},
+        "sampler": sampler(cfg),
+        "inputs": [input_binding(ckpt, by_key[k], k, history=n_obs) for k in keys],
+        "outputs": [output_binding(ckpt, "x", rows=rows)],
+        "metadata": {
+            "policy_type": "diffusion",
+            "action_horizon": rows[1] - rows[0],
+            "action_dim": dim,
+            "n_obs_steps": n_obs,
+        },
+    }
+    manifest = {
+        "family": "diffusion",
+        "horizon": rows[1] - rows[0],
+        "action_dim": dim,
+        "n_obs_steps": n_obs,
+        "noise": {"tensor": "x", "shape": [horizon, dim]},
+        "sampler": config["sampler"],
+    }
+    # The U-Net runs num_inference_steps times and its errors compound: fp32 by default.
+    flags = {"encoder.onnx": ["--fp16"], "unet.onnx": []}
+    return Exported(config, [encoder, unet], manifest, flags)

@@ -1,0 +1,96 @@
+"""Tracing a wrapper module into an ONNX graph policyd can load, and checking it at once.
+
+The dynamo exporter (`torch.onnx.export(..., dynamo=True)`) at opset 18, static shapes, batch 1:
+the legacy exporter writes invalid VLA graphs and fails on Diffusion's crop (docs/export.md).
+Every graph then goes through the tract rewrites (`rewrite.py`) and is compared with the torch
+module in onnxruntime before it is kept.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+import torch
+
+from . import rewrite
+from .errors import ExportError
+
+
+@dataclass
+class Graph:
+    file: str
+    inputs: list[str]
+    outputs: list[str]
+    #: onnxruntime on the saved graph vs the torch module, on the export's example inputs.
+    max_abs_diff: float
+    rewrites: list[str]
+    seconds: float
+
+
+def export(
+    module: torch.nn.Module,
+    args: tuple[torch.Tensor, ...],
+    input_names: list[str],
+    output_names: list[str],
+    path: Path,
+    verbose: bool = False,
+) -> Graph:
+    """Exports `module(*args)` to `path`, rewritten for tract and checked against torch."""
+    start = time.monotonic()
+    module = module.eval()
+    quiet = contextlib.nullcontext() if verbose else contextlib.redirect_stdout(io.StringIO())
+    for name in ("torch.onnx", "onnxscript"):
+        logging.getLogger(name).setLevel(logging.INFO if verbose else logging.ERROR)
+    try:
+        with torch.no_grad(), quiet:
+            program = torch.onnx.export(
+                module,
+                args,
+                dynamo=True,
+                opset_version=18,
+                input_names=input_names,
+                output_names=output_names,
+                verbose=verbose,
+            )
+            program.optimize()
+            raw = path.with_suffix(".raw.onnx")
+            program.save(str(raw))
+    except Exception as e:  # the exporter raises many types; all mean the same to a user
+        raise ExportError(f"torch.onnx.export failed for {path.name}: {e}") from e
+    model = onnx.load(str(raw))
+    rewritten, report = rewrite.rewrite(model)
+    rewrite.save(rewritten, path)
+    feeds = {n: a.detach().cpu().numpy() for n, a in zip(input_names, args, strict=True)}
+    if report.total():
+        same = rewrite.check_same(raw, path, feeds)
+        if same > 1e-5:
+            raise ExportError(f"{path.name}: the tract rewrites changed the outputs by {same:.3g}")
+    raw.unlink()
+    for extra in path.parent.glob(raw.name + "*"):
+        extra.unlink()
+    import onnxruntime as ort
+
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    got = sess.run(None, feeds)
+    with torch.no_grad():
+        want = module(*args)
+    want = [want] if isinstance(want, torch.Tensor) else list(want)
+    diff = max(
+        float(np.abs(g.astype(np.float64) - w.detach().cpu().numpy().astype(np.float64)).max())
+        for g, w in zip(got, want, strict=True)
+    )
+    return Graph(
+        file=path.name,
+        inputs=input_names,
+        outputs=output_names,
+        max_abs_diff=diff,
+        rewrites=[line for line in report.lines() if not line.endswith(": 0")],
+        seconds=time.monotonic() - start,
+    )

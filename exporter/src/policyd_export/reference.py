@@ -1,0 +1,110 @@
+"""LeRobot's own inference on one observation: what a bundle's served actions must equal.
+
+The path is the one LeRobot's async `policy_server` runs (`_predict_action_chunk`): uint8 HWC
+camera frames become float [0, 1] CHW with a batch axis (`raw_observation_to_observation`), the
+checkpoint's preprocessor runs (renames, batching, normalisation), then
+`predict_action_chunk`, then the postprocessor on each action of the chunk. Diffusion's
+observation queues are filled as `select_action` fills them (`populate_queues`: a session's
+first frame repeated), so a sequence of observations gives LeRobot's history too.
+
+Noise is injected for the sampling families: the initial sample through
+`predict_action_chunk(noise=...)`, and DDPM's per-step noise by replacing diffusers'
+`randn_tensor` in its DDPM scheduler with the given rows, in order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .checkpoint import Checkpoint
+from .checkpoint import load as load_checkpoint
+from .families import load_policy
+
+
+class Reference:
+    def __init__(self, checkpoint: str | Path | Checkpoint):
+        from lerobot.policies.factory import make_pre_post_processors
+
+        self.ckpt = (
+            checkpoint if isinstance(checkpoint, Checkpoint) else load_checkpoint(checkpoint)
+        )
+        self.policy = load_policy(self.ckpt)
+        self.pre, self.post = make_pre_post_processors(
+            self.policy.config, pretrained_path=str(self.ckpt.path)
+        )
+        self.reset()
+
+    def reset(self) -> None:
+        """A new episode: LeRobot's `policy.reset()` (empties Diffusion's queues)."""
+        self.policy.reset()
+
+    def _observation(self, obs: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+        out = {}
+        for f in self.ckpt.inputs:
+            key = self.ckpt.wire_keys.get(f.key, f.key)
+            v = np.asarray(obs[key])
+            if f.type == "VISUAL":
+                t = torch.from_numpy(np.ascontiguousarray(v)).permute(2, 0, 1)
+                out[key] = (t.type(torch.float32) / 255).contiguous().unsqueeze(0)
+            else:
+                out[key] = torch.from_numpy(v.astype(np.float32)).unsqueeze(0)
+        return out
+
+    @torch.no_grad()
+    def actions(
+        self,
+        obs: dict[str, np.ndarray],
+        noise: np.ndarray | None = None,
+        step_noise: np.ndarray | None = None,
+    ) -> np.ndarray:
+        """The un-normalised action chunk, [rows, action_dim], float32."""
+        batch = self.pre(self._observation(obs))
+        kind = self.ckpt.type
+        with _ddpm_noise(step_noise):
+            if kind == "diffusion":
+                chunk = self._diffusion(batch, noise)
+            else:
+                chunk = self.policy.predict_action_chunk(batch)
+        if chunk.ndim != 3:
+            chunk = chunk.unsqueeze(0)
+        rows = [self.post(chunk[:, i, :]) for i in range(chunk.shape[1])]
+        return torch.stack(rows, dim=1).squeeze(0).cpu().numpy().astype(np.float32)
+
+    def _diffusion(self, batch: dict, noise: np.ndarray | None) -> torch.Tensor:
+        from lerobot.policies.utils import populate_queues
+
+        policy = self.policy
+        batch = dict(batch)
+        if policy.config.image_features:
+            batch["observation.images"] = torch.stack(
+                [batch[k] for k in policy.config.image_features], dim=-4
+            )
+        policy._queues = populate_queues(policy._queues, batch)
+        x = None if noise is None else torch.from_numpy(np.asarray(noise, np.float32))[None]
+        return policy.predict_action_chunk(batch, noise=x)
+
+
+@contextlib.contextmanager
+def _ddpm_noise(rows: np.ndarray | None) -> Iterator[None]:
+    """diffusers' DDPM draws `randn_tensor` once per step but the last; these rows instead."""
+    if rows is None:
+        yield
+        return
+    import diffusers.schedulers.scheduling_ddpm as ddpm
+
+    queue = [torch.from_numpy(np.asarray(r, np.float32)) for r in rows]
+    original = ddpm.randn_tensor
+
+    def injected(shape: tuple, **kwargs: object) -> torch.Tensor:
+        return queue.pop(0).reshape(shape)
+
+    ddpm.randn_tensor = injected
+    try:
+        yield
+    finally:
+        ddpm.randn_tensor = original

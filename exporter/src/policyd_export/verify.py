@@ -1,0 +1,225 @@
+"""`policyd-export verify`: the bundle served by policyd against LeRobot, on the same observations.
+
+policyd serves the bundle's own config; the official openpi-client sends a sequence of
+observations (LeRobot key names, uint8 HWC images) on one connection, as a robot would, and
+each reply's actions are compared with `Reference.actions` on the same observation, after the
+same earlier ones (Diffusion's frame history). For a sampling policy the noise is injected on
+both sides: policyd takes its initial sample (and DDPM's per-step noise) from the request
+through the test-only `sampler.inject_noise`, in a copy of the config written to a temporary
+directory; the bundle itself is not touched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+import tomllib
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import tomli_w
+
+from .bundle import CONFIG, read_manifest
+from .checkpoint import Checkpoint
+from .checkpoint import load as load_checkpoint
+from .errors import ExportError
+
+
+@dataclass
+class Row:
+    what: str
+    diff: float
+    tol: float
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.diff <= self.tol)
+
+
+def find_policyd(given: str | None) -> str:
+    """The policyd binary: --policyd, $POLICYD_BIN, or `policyd` on PATH."""
+    path = given or os.environ.get("POLICYD_BIN") or shutil.which("policyd")
+    if not path or not Path(path).is_file():
+        raise ExportError(
+            "no policyd binary: pass --policyd PATH or set POLICYD_BIN (build it with "
+            "`cargo build --release`: target/release/policyd)"
+        )
+    return path
+
+
+def observations(ckpt: Checkpoint, n: int, seed: int) -> list[dict[str, np.ndarray]]:
+    """Observations in the range of the checkpoint's statistics (so normalisation matters)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        obs = {}
+        for f in ckpt.inputs:
+            key = ckpt.wire_keys.get(f.key, f.key)
+            if f.type == "VISUAL":
+                c, h, w = f.shape
+                obs[key] = rng.integers(0, 256, (h, w, c), dtype=np.uint8)
+                continue
+            norm = ckpt.input_norm[f.key]
+            d = f.shape[0]
+            if norm.mode == "MEAN_STD":
+                v = norm.stats["mean"].reshape(-1) + norm.stats["std"].reshape(-1) * (
+                    rng.standard_normal(d)
+                )
+            elif norm.mode != "IDENTITY":
+                lo, hi = (norm.stats[k].reshape(-1) for k in list(norm.stats)[:2])
+                v = lo + (hi - lo) * rng.random(d)
+            else:
+                v = rng.standard_normal(d)
+            obs[key] = v.astype(np.float32)
+        out.append(obs)
+    return out
+
+
+def injected_config(bundle: Path, manifest: dict, tmp: Path) -> tuple[Path, bool]:
+    """A copy of the bundle's config that takes its noise from the request; True when DDPM's
+    per-step noise is an input too."""
+    config = tomllib.loads((bundle / CONFIG).read_text())
+    config["engine"]["model"] = str((bundle / config["engine"]["model"]).resolve())
+    step_noise = False
+    if "denoise" in config:
+        config["denoise"]["model"] = str((bundle / config["denoise"]["model"]).resolve())
+        sampler = config["sampler"]
+        sampler["inject_noise"] = True
+        noise = manifest["noise"]
+        config["inputs"].append(
+            {"key": "noise", "tensor": noise["tensor"], "dtypes": ["float32"],
+             "shape": noise["shape"]}
+        )
+        step_noise = sampler["kind"] == "ddpm" or float(sampler.get("eta", 0.0)) > 0.0
+        if step_noise:
+            n = int(np.prod(noise["shape"]))
+            config["inputs"].append(
+                {"key": "step_noise", "tensor": f"{noise['tensor']}_step_noise",
+                 "dtypes": ["float32"], "shape": [sampler.get("max_steps", sampler["steps"]), n]}
+            )
+    config.setdefault("server", {})["host"] = "127.0.0.1"
+    path = tmp / "policyd.toml"
+    path.write_text(tomli_w.dumps(config))
+    return path, step_noise
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serve(binary: str, config: Path, timeout: float = 120.0) -> Iterator[int]:
+    """policyd serving `config` on a free loopback port, ready (/healthz 200) when yielded."""
+    port = _free_port()
+    log = tempfile.TemporaryFile()
+    proc = subprocess.Popen(
+        [binary, "--config", str(config), "--port", str(port)], stdout=log, stderr=log
+    )
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if proc.poll() is not None:
+                log.seek(0)
+                raise ExportError(f"policyd exited ({proc.returncode}):\n{log.read().decode()}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise ExportError(f"policyd did not become ready within {timeout:.0f} s")
+            time.sleep(0.05)
+        yield port
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+def verify(
+    bundle: Path,
+    checkpoint: Path,
+    policyd: str | None = None,
+    n: int = 4,
+    rtol: float = 1e-4,
+    seed: int = 0,
+) -> list[Row]:
+    """Every check as a row: the export's graph checks, then one per served observation."""
+    try:
+        from openpi_client import websocket_client_policy
+    except ImportError:
+        raise ExportError(
+            "openpi-client is not installed: `pip install --no-deps openpi-client==0.1.2 "
+            "msgpack websockets dm-tree` (it pins numpy<2, which lerobot 0.6.1 does not allow)"
+        ) from None
+    from .reference import Reference
+
+    manifest = read_manifest(bundle)
+    ckpt = load_checkpoint(checkpoint)
+    if ckpt.type != manifest["policy_type"]:
+        raise ExportError(
+            f"{checkpoint} is a {ckpt.type} checkpoint; the bundle was exported from a "
+            f"{manifest['policy_type']} one"
+        )
+    binary = find_policyd(policyd)
+    rows = [
+        Row(f"{g['file']}: onnxruntime vs torch (at export)", g["max_abs_diff"], 1e-4)
+        for g in manifest["graphs"]
+    ]
+    reference = Reference(ckpt)
+    rng = np.random.default_rng(seed + 1)
+    with tempfile.TemporaryDirectory() as tmp:
+        config, step_noise = injected_config(bundle, manifest, Path(tmp))
+        with serve(binary, config) as port:
+            client = websocket_client_policy.WebsocketClientPolicy("127.0.0.1", port)
+            for i, obs in enumerate(observations(ckpt, n, seed)):
+                request = dict(obs)
+                noise = steps = None
+                if "noise" in manifest:
+                    noise = rng.standard_normal(manifest["noise"]["shape"]).astype(np.float32)
+                    request["noise"] = noise
+                    if step_noise:
+                        sampler = manifest["sampler"]
+                        count = sampler.get("max_steps", sampler["steps"])
+                        steps = rng.standard_normal((count, noise.size)).astype(np.float32)
+                        request["step_noise"] = steps
+                served = np.asarray(client.infer(request)["actions"], dtype=np.float64)
+                want = reference.actions(obs, noise, steps).astype(np.float64)
+                if served.shape != want.shape:
+                    raise ExportError(
+                        f"policyd answered actions of shape {list(served.shape)}, LeRobot "
+                        f"{list(want.shape)}"
+                    )
+                scale = float(np.abs(want).max()) or 1.0
+                rows.append(
+                    Row(
+                        f"observation {i + 1}: policyd (tract) vs LeRobot actions {list(want.shape)}",
+                        float(np.abs(served - want).max()),
+                        rtol * scale,
+                    )
+                )
+    return rows
+
+
+def table(rows: list[Row]) -> str:
+    width = max(len(r.what) for r in rows)
+    lines = [f"{'check':<{width}}  {'max abs diff':>12}  {'tolerance':>10}  result"]
+    for r in rows:
+        lines.append(
+            f"{r.what:<{width}}  {r.diff:>12.3e}  {r.tol:>10.3e}  {'pass' if r.ok else 'FAIL'}"
+        )
+    return "\n".join(lines)
