@@ -31,8 +31,9 @@ def _values(stat: np.ndarray, feature: Feature) -> list[float]:
         return [float(v) for v in stat.reshape(-1)]
     c, h, w = feature.shape
     try:
-        full = np.broadcast_to(stat.reshape(stat.shape[-3:] if stat.ndim >= 3 else (-1, 1, 1)),
-                               (c, h, w))
+        full = np.broadcast_to(
+            stat.reshape(stat.shape[-3:] if stat.ndim >= 3 else (-1, 1, 1)), (c, h, w)
+        )
     except ValueError:
         raise ExportError(
             f"statistics of {feature.key} have shape {list(stat.shape)}, which does not "

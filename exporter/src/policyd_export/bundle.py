@@ -83,7 +83,7 @@ def write(tmp: Path, ckpt: Checkpoint, exported: Exported) -> None:
         "# extra arguments go to every trtexec call (e.g. --memPoolSize=workspace:2048M).",
         "set -eu",
         'cd "$(dirname "$0")"',
-        'TRTEXEC=${TRTEXEC:-$(command -v trtexec || echo /usr/src/tensorrt/bin/trtexec)}',
+        "TRTEXEC=${TRTEXEC:-$(command -v trtexec || echo /usr/src/tensorrt/bin/trtexec)}",
     ]
     for g in graphs:
         flags = " ".join(exported.trt_flags.get(g, []))

@@ -107,8 +107,11 @@ def parser() -> argparse.ArgumentParser:
         help="export a LeRobot checkpoint directory into a bundle",
         description=f"Export a LeRobot pretrained_model directory ({SUPPORTED_HELP}).",
     )
-    e.add_argument("checkpoint", help="what save_pretrained wrote: config.json, "
-                   "model.safetensors, policy_{pre,post}processor*.json and their stats")
+    e.add_argument(
+        "checkpoint",
+        help="what save_pretrained wrote: config.json, "
+        "model.safetensors, policy_{pre,post}processor*.json and their stats",
+    )
     e.add_argument("--out", required=True, help="the bundle directory to write")
     e.add_argument("--force", action="store_true", help="replace --out if it exists")
     e.add_argument("--verbose", action="store_true", help="show the ONNX exporter's output")
@@ -124,8 +127,12 @@ def parser() -> argparse.ArgumentParser:
     v.add_argument("checkpoint")
     v.add_argument("--policyd", help="the policyd binary (default: $POLICYD_BIN, then PATH)")
     v.add_argument("--observations", type=int, default=4, help="observations sent (default 4)")
-    v.add_argument("--rtol", type=float, default=1e-4,
-                   help="tolerance relative to the largest action magnitude (default 1e-4)")
+    v.add_argument(
+        "--rtol",
+        type=float,
+        default=1e-4,
+        help="tolerance relative to the largest action magnitude (default 1e-4)",
+    )
     v.set_defaults(run=_verify)
     r = sub.add_parser(
         "rewrite",

@@ -79,7 +79,9 @@ class Reference:
         from lerobot.policies.utils import populate_queues
 
         policy = self.policy
-        batch = dict(batch)
+        # As `select_action`: no action in the observation (the preprocessor's batch carries
+        # an empty one), the cameras stacked, then the queues.
+        batch = {k: v for k, v in batch.items() if k != "action" and isinstance(v, torch.Tensor)}
         if policy.config.image_features:
             batch["observation.images"] = torch.stack(
                 [batch[k] for k in policy.config.image_features], dim=-4

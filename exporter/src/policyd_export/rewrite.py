@@ -85,8 +85,8 @@ def _attr(node: onnx.NodeProto, name: str, default: int | None = None) -> int | 
 def _shapes(model: onnx.ModelProto) -> dict[str, list[int | None]]:
     inferred = onnx.shape_inference.infer_shapes(model)
     out = {}
-    for vi in list(inferred.graph.value_info) + list(inferred.graph.input) + list(
-        inferred.graph.output
+    for vi in (
+        list(inferred.graph.value_info) + list(inferred.graph.input) + list(inferred.graph.output)
     ):
         t = vi.type.tensor_type
         if t.HasField("shape"):
@@ -111,23 +111,31 @@ def rewrite(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Report]:
             if src is not None and src.op_type == "Cast" and _attr(src, "to") == TensorProto.INT64:
                 as32 = gr.fresh(node.input[0])
                 sum32 = gr.fresh(node.output[0])
-                new_nodes.append(helper.make_node("Cast", [src.input[0]], [as32],
-                                                  to=TensorProto.INT32))
+                new_nodes.append(
+                    helper.make_node("Cast", [src.input[0]], [as32], to=TensorProto.INT32)
+                )
                 node32 = onnx.NodeProto.FromString(node.SerializeToString())
                 node32.input[0] = as32
                 node32.output[0] = sum32
                 new_nodes.append(node32)
-                new_nodes.append(helper.make_node("Cast", [sum32], [node.output[0]],
-                                                  to=TensorProto.INT64))
+                new_nodes.append(
+                    helper.make_node("Cast", [sum32], [node.output[0]], to=TensorProto.INT64)
+                )
                 report.cumsum_int64.append(node.name or node.output[0])
                 continue
         # R2
         if node.op_type == "MatMul" and node.input[1] in gr.inits:
             cat = gr.producer.get(node.input[0])
             rank = len(shapes.get(node.input[0]) or [])
-            if cat is not None and cat.op_type == "Concat" and rank > 0 and _attr(cat, "axis") in (
-                -1,
-                rank - 1,
+            if (
+                cat is not None
+                and cat.op_type == "Concat"
+                and rank > 0
+                and _attr(cat, "axis")
+                in (
+                    -1,
+                    rank - 1,
+                )
             ):
                 parts = list(cat.input)
                 widths = [(shapes.get(p) or [None])[-1] for p in parts]
@@ -237,7 +245,12 @@ def save(model: onnx.ModelProto, path: Path) -> None:
     """Saves a graph; over 1.8 GB its weights go to `<name>.data` beside it (ONNX's protobuf
     limit is 2 GB; tract reads external data inside the model's directory)."""
     if model.ByteSize() > 1_800_000_000:
-        onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-                        location=path.name + ".data")
+        onnx.save_model(
+            model,
+            str(path),
+            save_as_external_data=True,
+            all_tensors_to_one_file=True,
+            location=path.name + ".data",
+        )
     else:
         onnx.save_model(model, str(path))

@@ -95,15 +95,23 @@ def injected_config(bundle: Path, manifest: dict, tmp: Path) -> tuple[Path, bool
         sampler["inject_noise"] = True
         noise = manifest["noise"]
         config["inputs"].append(
-            {"key": "noise", "tensor": noise["tensor"], "dtypes": ["float32"],
-             "shape": noise["shape"]}
+            {
+                "key": "noise",
+                "tensor": noise["tensor"],
+                "dtypes": ["float32"],
+                "shape": noise["shape"],
+            }
         )
         step_noise = sampler["kind"] == "ddpm" or float(sampler.get("eta", 0.0)) > 0.0
         if step_noise:
             n = int(np.prod(noise["shape"]))
             config["inputs"].append(
-                {"key": "step_noise", "tensor": f"{noise['tensor']}_step_noise",
-                 "dtypes": ["float32"], "shape": [sampler.get("max_steps", sampler["steps"]), n]}
+                {
+                    "key": "step_noise",
+                    "tensor": f"{noise['tensor']}_step_noise",
+                    "dtypes": ["float32"],
+                    "shape": [sampler.get("max_steps", sampler["steps"]), n],
+                }
             )
     config.setdefault("server", {})["host"] = "127.0.0.1"
     path = tmp / "policyd.toml"
@@ -205,13 +213,8 @@ def verify(
                         f"{list(want.shape)}"
                     )
                 scale = float(np.abs(want).max()) or 1.0
-                rows.append(
-                    Row(
-                        f"observation {i + 1}: policyd (tract) vs LeRobot actions {list(want.shape)}",
-                        float(np.abs(served - want).max()),
-                        rtol * scale,
-                    )
-                )
+                what = f"observation {i + 1}: policyd vs LeRobot actions {list(want.shape)}"
+                rows.append(Row(what, float(np.abs(served - want).max()), rtol * scale))
     return rows
 
 

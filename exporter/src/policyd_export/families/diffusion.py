@@ -52,9 +52,9 @@ class Step(nn.Module):
         super().__init__()
         self.unet = unet
 
-    def forward(self, x: torch.Tensor, timestep: torch.Tensor, global_cond: torch.Tensor) -> (
-        torch.Tensor
-    ):
+    def forward(
+        self, x: torch.Tensor, timestep: torch.Tensor, global_cond: torch.Tensor
+    ) -> torch.Tensor:
         return self.unet(x, timestep, global_cond=global_cond)
 
 
@@ -124,8 +124,12 @@ def export(ckpt: Checkpoint, policy: nn.Module, out: Path, verbose: bool) -> Exp
         cond,
     )
     unet = graphs.export(
-        Step(model.unet), step_args, ["x", "timestep", "global_cond"], ["noise_pred"],
-        out / "unet.onnx", verbose,
+        Step(model.unet),
+        step_args,
+        ["x", "timestep", "global_cond"],
+        ["noise_pred"],
+        out / "unet.onnx",
+        verbose,
     )
     start = n_obs - 1
     rows = (start, start + int(cfg.n_action_steps))

@@ -1,0 +1,110 @@
+"""Tiny seeded LeRobot checkpoints, made with LeRobot's own classes and `save_pretrained`.
+
+Random weights (nothing is downloaded: `pretrained_backbone_weights=None`) and non-trivial
+statistics: means far from 0, stds far from 1, ranges far from [-1, 1], so a bundle that skipped
+a normalisation would give visibly different actions. Sized to export in seconds.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from lerobot.configs.types import FeatureType, NormalizationMode, PolicyFeature
+from lerobot.policies.factory import make_pre_post_processors
+
+STATE = 6
+ACTION = 6
+
+
+def _stats(g: torch.Generator, features: dict[str, PolicyFeature]) -> dict:
+    stats = {}
+    for key, f in features.items():
+        if f.type is FeatureType.VISUAL:
+            c = f.shape[0]
+            mean = 0.3 + 0.4 * torch.rand(c, 1, 1, generator=g)
+            std = 0.1 + 0.3 * torch.rand(c, 1, 1, generator=g)
+            lo, hi = torch.zeros(c, 1, 1), torch.ones(c, 1, 1)
+        else:
+            d = f.shape[0]
+            mean = 3.0 * torch.randn(d, generator=g)
+            std = 0.2 + 2.0 * torch.rand(d, generator=g)
+            lo = mean - 2.5 * std
+            hi = mean + 2.5 * std
+        stats[key] = {"mean": mean, "std": std, "min": lo, "max": hi}
+    return stats
+
+
+def _save(policy: torch.nn.Module, cfg: object, out: Path, g: torch.Generator) -> Path:
+    features = {**cfg.input_features, **cfg.output_features}
+    pre, post = make_pre_post_processors(cfg, dataset_stats=_stats(g, features))
+    policy.save_pretrained(out)
+    pre.save_pretrained(out)
+    post.save_pretrained(out)
+    return out
+
+
+def act(out: Path, seed: int = 0, cameras: int = 1, h: int = 48, w: int = 64) -> Path:
+    """ACT with a ResNet18 backbone (LeRobot's only choice) on small images, a 10-step chunk."""
+    from lerobot.policies.act.configuration_act import ACTConfig
+    from lerobot.policies.act.modeling_act import ACTPolicy
+
+    torch.manual_seed(seed)
+    g = torch.Generator().manual_seed(seed)
+    inputs = {"observation.state": PolicyFeature(FeatureType.STATE, (STATE,))}
+    for i in range(cameras):
+        inputs[f"observation.images.cam{i}"] = PolicyFeature(FeatureType.VISUAL, (3, h, w))
+    cfg = ACTConfig(
+        input_features=inputs,
+        output_features={"action": PolicyFeature(FeatureType.ACTION, (ACTION,))},
+        chunk_size=10,
+        n_action_steps=10,
+        dim_model=32,
+        n_heads=2,
+        dim_feedforward=64,
+        n_encoder_layers=1,
+        n_decoder_layers=1,
+        n_vae_encoder_layers=1,
+        latent_dim=8,
+        pretrained_backbone_weights=None,
+        device="cpu",
+    )
+    return _save(ACTPolicy(cfg), cfg, out, g)
+
+
+def diffusion(
+    out: Path, seed: int = 0, scheduler: str = "DDIM", steps: int | None = 10, cameras: int = 1
+) -> Path:
+    """Diffusion Policy, PushT-like: 2 observation steps of 96×96 images
+    cropped to 84, horizon 16, 8 actions kept; a small U-Net (down_dims 32/64/128); MIN_MAX
+    state and action as LeRobot's defaults."""
+    from lerobot.policies.diffusion.configuration_diffusion import DiffusionConfig
+    from lerobot.policies.diffusion.modeling_diffusion import DiffusionPolicy
+
+    torch.manual_seed(seed)
+    g = torch.Generator().manual_seed(seed)
+    inputs = {"observation.state": PolicyFeature(FeatureType.STATE, (STATE,))}
+    for i in range(cameras):
+        inputs[f"observation.images.cam{i}"] = PolicyFeature(FeatureType.VISUAL, (3, 96, 96))
+    cfg = DiffusionConfig(
+        input_features=inputs,
+        output_features={"action": PolicyFeature(FeatureType.ACTION, (ACTION,))},
+        n_obs_steps=2,
+        horizon=16,
+        n_action_steps=8,
+        crop_shape=(84, 84),
+        down_dims=(32, 64, 128),
+        diffusion_step_embed_dim=32,
+        spatial_softmax_num_keypoints=16,
+        noise_scheduler_type=scheduler,
+        num_train_timesteps=100,
+        num_inference_steps=steps,
+        pretrained_backbone_weights=None,
+        device="cpu",
+        normalization_mapping={
+            "VISUAL": NormalizationMode.MEAN_STD,
+            "STATE": NormalizationMode.MIN_MAX,
+            "ACTION": NormalizationMode.MIN_MAX,
+        },
+    )
+    return _save(DiffusionPolicy(cfg), cfg, out, g)
