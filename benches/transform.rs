@@ -70,7 +70,13 @@ fn bench(c: &mut Criterion) {
     let actions: Vec<u8> = (0..50 * 14)
         .flat_map(|i| (i as f32 * 1e-3).to_le_bytes())
         .collect();
-    let t = Transform::first_columns(F32, F32, &[50, 14], 14, Affine::unnormalize(&mean, &std, 1e-6));
+    let t = Transform::first_columns(
+        F32,
+        F32,
+        &[50, 14],
+        14,
+        Affine::unnormalize(&mean, &std, 1e-6),
+    );
     bench_one(c, "f32 actions [50, 14], unnormalised", &t, &actions);
 }
 

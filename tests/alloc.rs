@@ -571,6 +571,72 @@ tensor = "x"
     allocs() - before
 }
 
+/// Decoding with per-session `history` (a Diffusion Policy's `n_obs_steps`), four sessions
+/// interleaved on one connection: each session's frame buffer is allocated at its first
+/// request, then only copied into.
+fn history_path(n: usize) -> u64 {
+    let text = r#"
+[engine]
+model = "m.onnx"
+[[inputs]]
+key = "observation.state"
+tensor = "state"
+dtypes = ["float32"]
+shape = [8]
+history = 2
+min = [-1.0, -1.0, -1.0, -1.0, -1.0, -1.0, -1.0, -1.0]
+max = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0]
+[[outputs]]
+tensor = "action"
+rows = [1, 9]
+"#;
+    let cfg = Config::parse(text, "test", None).unwrap();
+    let io = IoSpec {
+        inputs: vec![TensorSpec {
+            name: "state".into(),
+            dtype: ElemType::F32,
+            shape: vec![1, 2, 8],
+        }],
+        outputs: vec![TensorSpec {
+            name: "action".into(),
+            dtype: ElemType::F32,
+            shape: vec![1, 16, 2],
+        }],
+    };
+    let plan = policyd::bind::Plan::compile(&cfg, cfg.default_policy(), &io).unwrap();
+    let mut bufs: Vec<Box<dyn policyd::engine::InputBuffer>> =
+        vec![Box::new(policyd::engine::HostBuffer(vec![0; 64]))];
+    let mut seen = vec![false];
+    let ids: Vec<SessionId> = (0..4)
+        .map(|i| SessionId::try_from(format!("s{i}").as_str()).unwrap())
+        .collect();
+    let frames: Vec<Vec<u8>> = (0..4)
+        .map(|i| {
+            let mut buf = Vec::new();
+            let mut e = Encoder { buf: &mut buf };
+            e.map(1);
+            e.str("observation.state");
+            e.ndarray(ElemType::F32, &[8], 32, |d| d.fill(i as u8));
+            buf
+        })
+        .collect();
+    let mut sessions = Sessions::new(8, 8);
+    let mut go = |i: usize| {
+        plan.decode(&frames[i % 4], &mut bufs, &mut seen).unwrap();
+        let id = Some(&ids[i % 4]);
+        let (fresh, _) = sessions.begin(id);
+        plan.stack_history(&mut bufs, sessions.history(id), fresh);
+    };
+    for i in 0..4 {
+        go(i);
+    }
+    let before = allocs();
+    for i in 0..n {
+        go(i);
+    }
+    allocs() - before
+}
+
 /// The fewest allocations of three runs. The counter sees every thread of the process, so a
 /// one-off allocation elsewhere (a runtime thread's first park, a thread-local) can land in
 /// one window; a path that allocates per request, or every few hundred, shows in all three.
@@ -591,6 +657,15 @@ fn steady_state_allocations() {
         fewest(pipeline),
         0,
         "a pipeline's request allocated: {pipeline:?}"
+    );
+    let history = [0; 3].map(|_| history_path(1000));
+    println!(
+        "history (n_obs_steps 2, 4 sessions): {history:?} allocations over 1000 requests (3 runs)"
+    );
+    assert_eq!(
+        fewest(history),
+        0,
+        "stacking a session's frames allocated: {history:?}"
     );
     for pi05 in [false, true] {
         let runs = [0; 3].map(|_| prompt_path(1000, pi05));

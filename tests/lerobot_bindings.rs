@@ -1,0 +1,311 @@
+//! Bindings for LeRobot policies (issue 29): LeRobot's normalisation modes (`eps`, `min`/`max`),
+//! an output's kept `rows` (Diffusion's action slice) and per-session input `history`
+//! (`n_obs_steps`), through `Config::parse`, `Plan::compile`, `Plan::decode`,
+//! `Plan::stack_history` and the session table, against values written from LeRobot's formulas.
+//! The exporter's tests (exporter/tests) check the same against LeRobot itself, end to end.
+
+use policyd::bind::{History, Plan};
+use policyd::config::Config;
+use policyd::dtype::{ByteOrder, ElemType};
+use policyd::engine::{HostBuffer, InputBuffer, IoSpec, TensorSpec};
+use policyd::protocol::{Encoder, SessionId};
+use policyd::runtime::session::Sessions;
+
+fn spec(name: &str, dtype: ElemType, shape: &[usize]) -> TensorSpec {
+    TensorSpec {
+        name: name.into(),
+        dtype,
+        shape: shape.to_vec(),
+    }
+}
+
+fn compile(cfg: &str, io: &IoSpec) -> Result<Plan, String> {
+    let cfg = Config::parse(cfg, "test", None).map_err(|e| e.to_string())?;
+    Plan::compile(&cfg, cfg.default_policy(), io).map_err(|e| e.to_string())
+}
+
+fn f32s(b: &[u8]) -> Vec<f32> {
+    b.chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
+}
+
+/// A request `{key: float64 array}` for each pair.
+fn frame(values: &[(&str, &[f64])]) -> Vec<u8> {
+    let mut buf = Vec::new();
+    let mut e = Encoder { buf: &mut buf };
+    e.map(values.len() as u32);
+    for (k, v) in values {
+        e.str(k);
+        e.ndarray(ElemType::F64, &[v.len()], 8 * v.len(), |d| {
+            for (c, x) in d.chunks_exact_mut(8).zip(v.iter()) {
+                c.copy_from_slice(&x.to_le_bytes());
+            }
+        });
+    }
+    buf
+}
+
+fn buffers(io: &IoSpec) -> Vec<Box<dyn InputBuffer>> {
+    io.inputs
+        .iter()
+        .map(|s| Box::new(HostBuffer(vec![0; s.bytes()])) as Box<dyn InputBuffer>)
+        .collect()
+}
+
+const STATE_IO: &str = r#"
+[engine]
+model = "m.onnx"
+[[inputs]]
+key = "observation.state"
+tensor = "state"
+dtypes = ["float64"]
+shape = [3]
+NORM
+[[outputs]]
+tensor = "action"
+"#;
+
+fn state_io() -> IoSpec {
+    IoSpec {
+        inputs: vec![spec("state", ElemType::F32, &[1, 3])],
+        outputs: vec![spec("action", ElemType::F32, &[1, 4, 3])],
+    }
+}
+
+fn normalised(norm: &str, x: [f64; 3]) -> Vec<f32> {
+    let io = state_io();
+    let plan = compile(&STATE_IO.replace("NORM", norm), &io).unwrap();
+    let mut bufs = buffers(&io);
+    let mut seen = vec![false; 1];
+    plan.decode(&frame(&[("observation.state", &x)]), &mut bufs, &mut seen)
+        .unwrap();
+    f32s(bufs[0].bytes_mut())
+}
+
+#[test]
+fn min_max_inputs_are_lerobots_min_max() {
+    // LeRobot: 2(x − min)/(max − min) − 1, with eps as the denominator where max == min.
+    let (min, max, eps) = ([-2.0, 10.0, 5.0], [6.0, 30.0, 5.0], 1e-8);
+    let x = [0.5, 29.0, 5.0 + 1e-9];
+    let got = normalised("min = [-2.0, 10.0, 5.0]\nmax = [6.0, 30.0, 5.0]", x);
+    for i in 0..3 {
+        let d = if max[i] == min[i] {
+            eps
+        } else {
+            max[i] - min[i]
+        };
+        let want = (2.0 * (x[i] - min[i]) / d - 1.0) as f32;
+        assert!(
+            (got[i] - want).abs() <= 1e-6 * want.abs().max(1.0),
+            "{i}: {got:?}"
+        );
+    }
+}
+
+#[test]
+fn mean_std_inputs_take_lerobots_epsilon() {
+    let x = [1.0, 2.0, 3.0];
+    let got = normalised(
+        "mean = [0.5, 0.0, 3.0]\nstd = [2.0, 0.0, 1.0]\neps = 1e-8",
+        x,
+    );
+    assert_eq!(got[0], 0.25);
+    // A zero std divides by eps alone: LeRobot's (x − mean)/(std + eps).
+    assert_eq!(got[1], (2.0 / 1e-8) as f32);
+    assert_eq!(got[2], 0.0);
+    // openpi's epsilon stays the default.
+    let got = normalised("mean = [0.0, 0.0, 0.0]\nstd = [1.0, 1.0, 1.0]", x);
+    assert_eq!(got[0], (1.0 / (1.0 + 1e-6)) as f32);
+}
+
+#[test]
+fn outputs_unnormalise_as_lerobot_and_keep_their_rows() {
+    let io = state_io();
+    let out = |norm: &str| {
+        let cfg = STATE_IO.replace("NORM", "").replace(
+            "tensor = \"action\"",
+            &format!("tensor = \"action\"\n{norm}"),
+        );
+        let plan = compile(&cfg, &io).unwrap();
+        let o = &plan.outputs[0];
+        // Engine output: 4 rows of 3, value 0.1·k.
+        let raw: Vec<u8> = (0..12)
+            .flat_map(|k| (0.1 * k as f32).to_le_bytes())
+            .collect();
+        let src = &raw[o.offset..o.offset + o.openpi.src_len * 4];
+        let mut dst = vec![0u8; o.openpi.dst_bytes()];
+        assert!(o.openpi.apply(src, ByteOrder::Little, &mut dst));
+        (o.shape.clone(), f32s(&dst))
+    };
+    // MEAN_STD out: x·std + mean, no epsilon.
+    let (shape, v) = out("mean = [1.0, 2.0, 3.0]\nstd = [10.0, 20.0, 30.0]\neps = 0.0");
+    assert_eq!(shape, vec![4, 3]);
+    assert_eq!(v[4], 0.4f32 * 20.0 + 2.0);
+    // MIN_MAX out: (x + 1)/2 · (max − min) + min; rows [1, 3) of 4.
+    let (shape, v) = out("min = [-1.0, 0.0, 4.0]\nmax = [3.0, 10.0, 4.0]\nrows = [1, 3]");
+    assert_eq!(shape, vec![2, 3]);
+    let want = |x: f32, lo: f64, hi: f64, eps: f64| {
+        let d = if hi == lo { eps } else { hi - lo };
+        ((x as f64 + 1.0) / 2.0 * d + lo) as f32
+    };
+    for (i, got) in v.iter().enumerate() {
+        let (row, col) = (1 + i / 3, i % 3);
+        let x = 0.1 * (row * 3 + col) as f32;
+        let (lo, hi) = [(-1.0, 3.0), (0.0, 10.0), (4.0, 4.0)][col];
+        let w = want(x, lo, hi, 1e-8);
+        assert!(
+            (got - w).abs() <= 1e-6 * w.abs().max(1.0),
+            "{i}: {got} vs {w}"
+        );
+    }
+}
+
+#[test]
+fn normalisation_keys_are_checked_naming_the_key() {
+    let io = state_io();
+    let err = |norm: &str| compile(&STATE_IO.replace("NORM", norm), &io).unwrap_err();
+    let e = err("mean = [0.0]\nstd = [1.0]\nmin = [0.0]\nmax = [1.0]");
+    assert!(e.contains("inputs[0].min") && e.contains("one pair"), "{e}");
+    let e = err("min = [0.0, 0.0, 2.0]\nmax = [1.0, 1.0, 1.0]");
+    assert!(e.contains("inputs[0].max") && e.contains("below"), "{e}");
+    let e = err("min = [0.0, 0.0]\nmax = [1.0, 1.0]");
+    assert!(e.contains("inputs[0].min") && e.contains("2 values"), "{e}");
+    let e = err("min = [0.0]\nmax = [1.0, 2.0]");
+    assert!(e.contains("inputs[0].min"), "{e}");
+    let e = err("mean = [0.0]\nstd = [1.0]\neps = -1.0");
+    assert!(
+        e.contains("inputs[0].eps") && e.contains("non-negative"),
+        "{e}"
+    );
+    let e = err("mean = [0.0]\nstd = [0.0]\neps = 0.0");
+    assert!(e.contains("inputs[0].std") && e.contains("positive"), "{e}");
+    let e = err("min = [1.0]\nmax = [1.0]\neps = 0.0");
+    assert!(e.contains("inputs[0].eps"), "{e}");
+    let e = err("history = 0");
+    assert!(e.contains("inputs[0].history"), "{e}");
+    let e = err("history = 17");
+    assert!(e.contains("inputs[0].history"), "{e}");
+    // With history the engine input must hold that many frames, and the error says so.
+    let e = err("history = 2");
+    assert!(
+        e.contains("inputs[0].shape") && e.contains("history = 2"),
+        "{e}"
+    );
+    let out = |o: &str| {
+        compile(
+            &STATE_IO
+                .replace("NORM", "")
+                .replace("tensor = \"action\"", &format!("tensor = \"action\"\n{o}")),
+            &io,
+        )
+        .unwrap_err()
+    };
+    let e = out("rows = [2, 2]");
+    assert!(
+        e.contains("outputs[0].rows") && e.contains("start < end"),
+        "{e}"
+    );
+    let e = out("rows = [1, 5]");
+    assert!(
+        e.contains("outputs[0].rows") && e.contains("exceeds"),
+        "{e}"
+    );
+    let e = out("min = [0.0]\nmax = [1.0]\nmean = [0.0]\nstd = [1.0]");
+    assert!(e.contains("outputs[0].min"), "{e}");
+}
+
+const HISTORY: &str = r#"
+[engine]
+model = "m.onnx"
+[[inputs]]
+key = "observation.state"
+tensor = "state"
+dtypes = ["float64"]
+shape = [2]
+history = 3
+[[inputs]]
+key = "other"
+tensor = "other"
+dtypes = ["float64"]
+shape = [1]
+[[outputs]]
+tensor = "action"
+"#;
+
+#[test]
+fn history_stacks_a_sessions_frames_as_lerobots_queues() {
+    let io = IoSpec {
+        inputs: vec![
+            spec("state", ElemType::F32, &[1, 3, 2]),
+            spec("other", ElemType::F32, &[1, 1]),
+        ],
+        outputs: vec![spec("action", ElemType::F32, &[1, 4, 2])],
+    };
+    let plan = compile(HISTORY, &io).unwrap();
+    assert_eq!(plan.history_bytes, 2 * 2 * 4);
+    let mut sessions = Sessions::new(4, 8);
+    let mut bufs = buffers(&io);
+    let mut seen = vec![false; 2];
+    let a = SessionId::try_from("a").unwrap();
+    let b = SessionId::try_from("b").unwrap();
+    let mut run = |sessions: &mut Sessions, id: &SessionId, x: f64| {
+        plan.decode(
+            &frame(&[("observation.state", &[x, -x]), ("other", &[7.0])]),
+            &mut bufs,
+            &mut seen,
+        )
+        .unwrap();
+        let (fresh, _) = sessions.begin(Some(id));
+        plan.stack_history(&mut bufs, sessions.history(Some(id)), fresh);
+        let other = f32s(bufs[1].bytes_mut());
+        assert_eq!(
+            other,
+            vec![7.0],
+            "an input without history is left as decoded"
+        );
+        f32s(bufs[0].bytes_mut())
+    };
+    // A session's first frame fills every position (populate_queues), then each request
+    // shifts in one frame, oldest first.
+    assert_eq!(run(&mut sessions, &a, 1.0), [1., -1., 1., -1., 1., -1.]);
+    assert_eq!(run(&mut sessions, &a, 2.0), [1., -1., 1., -1., 2., -2.]);
+    // Another session on the same connection has its own frames.
+    assert_eq!(run(&mut sessions, &b, 9.0), [9., -9., 9., -9., 9., -9.]);
+    assert_eq!(run(&mut sessions, &a, 3.0), [1., -1., 2., -2., 3., -3.]);
+    assert_eq!(run(&mut sessions, &a, 4.0), [2., -2., 3., -3., 4., -4.]);
+    // A reset starts the queue afresh.
+    sessions.reset(Some(&a));
+    assert_eq!(run(&mut sessions, &a, 5.0), [5., -5., 5., -5., 5., -5.]);
+    assert_eq!(run(&mut sessions, &b, 8.0), [9., -9., 9., -9., 8., -8.]);
+}
+
+#[test]
+fn a_history_taken_for_another_plan_starts_afresh() {
+    let io = IoSpec {
+        inputs: vec![
+            spec("state", ElemType::F32, &[1, 3, 2]),
+            spec("other", ElemType::F32, &[1, 1]),
+        ],
+        outputs: vec![spec("action", ElemType::F32, &[1, 4, 2])],
+    };
+    let first = compile(HISTORY, &io).unwrap();
+    let second = compile(HISTORY, &io).unwrap();
+    let mut history = History::default();
+    let mut bufs = buffers(&io);
+    let mut seen = vec![false; 2];
+    let mut run = |plan: &Plan, history: &mut History, x: f64| {
+        plan.decode(
+            &frame(&[("observation.state", &[x, x]), ("other", &[0.0])]),
+            &mut bufs,
+            &mut seen,
+        )
+        .unwrap();
+        plan.stack_history(&mut bufs, history, false);
+        f32s(bufs[0].bytes_mut())
+    };
+    assert_eq!(run(&first, &mut history, 1.0), [1.0; 6]);
+    assert_eq!(run(&first, &mut history, 2.0), [1., 1., 1., 1., 2., 2.]);
+    // A reload compiles a new plan: its frames are not the old plan's.
+    assert_eq!(run(&second, &mut history, 3.0), [3.0; 6]);
+}
