@@ -19,7 +19,7 @@ fn main() {
 /// serves it with no files on the board. Writes `$OUT_DIR/baked.rs` (`BAKED`, `None` without
 /// the variable), which src/demo.rs includes.
 ///
-/// Checked here: the file is TOML, every `engine.model` (top level and each `[[policies]]`)
+/// Checked here: the file is TOML, every `engine.model` and `denoise.model` (top level and each `[[policies]]`)
 /// and `[inputs.tokenizer] file` exists, and key files (`auth.key_file`, `tls.cert`/`tls.key`, `planner.api_key_file`), which
 /// stay on the board and are never built in, are absolute paths. The full validation runs when
 /// the binary starts (and in `policyd check-config`).
@@ -75,8 +75,15 @@ mod bake {
                 }
             }
         }
+        // A pipeline's step graph (`[denoise] model`) is built in like the prefix.
+        let mut graphs = Vec::new();
         for (key, t) in &tables {
-            let Some(model) = get(t, &["engine", "model"]) else {
+            graphs.push((key.clone(), *t, ["engine", "model"]));
+            let denoise = key.replace("engine.model", "denoise.model");
+            graphs.push((denoise, *t, ["denoise", "model"]));
+        }
+        for (key, t, path) in &graphs {
+            let Some(model) = get(t, path) else {
                 continue;
             };
             if models.iter().any(|(m, _)| *m == model) {
@@ -89,7 +96,10 @@ mod bake {
             println!("cargo:rerun-if-changed={}", file.display());
             models.push((model, file.display().to_string()));
         }
-        if models.is_empty() {
+        if !tables
+            .iter()
+            .any(|(_, t)| get(t, &["engine", "model"]).is_some())
+        {
             return Err(format!("{} names no engine.model", abs.display()));
         }
         // Tokenizer files (`[inputs.tokenizer] file`) are built in beside the models.

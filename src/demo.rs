@@ -60,6 +60,20 @@ fn baked(b: &Baked) -> Result<Config, ConfigError> {
             name: m.name,
             bytes: m.bytes,
         };
+        if let Some(pipeline) = &mut p.pipeline
+            && let ModelSource::File(path) = &pipeline.denoise
+        {
+            let Some(m) = b.models.iter().find(|m| path.as_os_str() == m.path) else {
+                return Err(invalid(
+                    "denoise.model",
+                    format!("{} was not built into this binary", path.display()),
+                ));
+            };
+            pipeline.denoise = ModelSource::Embedded {
+                name: m.name,
+                bytes: m.bytes,
+            };
+        }
         for (i, input) in p.inputs.iter_mut().enumerate() {
             let crate::config::InputKind::Tokens(t) = &mut input.kind else {
                 continue;
@@ -139,6 +153,50 @@ mod tests {
         let e = baked(&partial).unwrap_err().to_string();
         assert!(
             e.contains("inputs[1].tokenizer.file") && e.contains("not built into"),
+            "{e}"
+        );
+    }
+
+    /// A firmware image of a pipeline (configs/diffusion.toml, what a Diffusion Policy bundle
+    /// looks like): the step graph is served from the binary too.
+    #[test]
+    fn a_baked_pipeline_serves_its_step_graph_from_the_binary() {
+        const ENCODER: &[u8] = include_bytes!("../models/diffusion_encoder.onnx");
+        const UNET: &[u8] = include_bytes!("../models/diffusion_unet.onnx");
+        let models = [
+            BakedModel {
+                path: "../models/diffusion_encoder.onnx",
+                name: "diffusion_encoder.onnx",
+                bytes: ENCODER,
+            },
+            BakedModel {
+                path: "../models/diffusion_unet.onnx",
+                name: "diffusion_unet.onnx",
+                bytes: UNET,
+            },
+        ];
+        let models: &'static [BakedModel] = Box::leak(Box::new(models));
+        let b = Baked {
+            source: "configs/diffusion.toml",
+            config: include_str!("../configs/diffusion.toml"),
+            models,
+        };
+        let cfg = baked(&b).expect("the baked config resolves");
+        let pipeline = cfg.default_policy().pipeline.as_ref().expect("a pipeline");
+        assert_eq!(
+            pipeline.denoise,
+            ModelSource::Embedded {
+                name: "diffusion_unet.onnx",
+                bytes: UNET
+            }
+        );
+        let partial = Baked {
+            models: &models[..1],
+            ..b
+        };
+        let e = baked(&partial).unwrap_err().to_string();
+        assert!(
+            e.contains("denoise.model") && e.contains("not built into"),
             "{e}"
         );
     }

@@ -126,13 +126,13 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def serve(binary: str, config: Path, timeout: float = 120.0) -> Iterator[int]:
-    """policyd serving `config` on a free loopback port, ready (/healthz 200) when yielded."""
+def serve(binary: str, config: Path | None, timeout: float = 120.0) -> Iterator[int]:
+    """policyd serving `config` (None: the config built into a firmware image) on a free
+    loopback port, ready (/healthz 200) when yielded."""
     port = _free_port()
     log = tempfile.TemporaryFile()
-    proc = subprocess.Popen(
-        [binary, "--config", str(config), "--port", str(port)], stdout=log, stderr=log
-    )
+    args = [binary, "--port", str(port)] + (["--config", str(config)] if config else [])
+    proc = subprocess.Popen(args, stdout=log, stderr=log)
     try:
         deadline = time.monotonic() + timeout
         while True:
