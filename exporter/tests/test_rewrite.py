@@ -118,3 +118,18 @@ def test_rewrite_cli_refuses_a_file_that_is_not_onnx(tmp_path: Path) -> None:
     bad.write_bytes(np.arange(10, dtype=np.uint8).tobytes())
     r = run_cli("rewrite", str(bad), str(tmp_path / "out.onnx"))
     assert r.returncode == 2 and "not an ONNX model" in r.stderr
+
+
+def test_policyd_serves_a_graph_with_external_data(tmp_path: Path, policyd: str) -> None:
+    """Graphs past 1.8 GB are saved with their weights in `<graph>.onnx.data` (ONNX's 2 GB
+    protobuf limit): policyd must find them beside the graph. Forced here on a small one."""
+    model, _ = tract_bugs.concat_expand_matmul()
+    fixed, _ = rewrite.rewrite(model)
+    graph = tmp_path / "external.onnx"
+    rewrite.save(fixed, graph, external_over=0)
+    assert (tmp_path / "external.onnx.data").is_file()
+    ok, err = _serves(policyd, _config(tmp_path, graph, "concat_expand_matmul"))
+    assert ok, err
+    (tmp_path / "external.onnx.data").unlink()
+    ok, err = _serves(policyd, _config(tmp_path, graph, "concat_expand_matmul"))
+    assert not ok and "external.onnx" in err, err

@@ -73,11 +73,23 @@ impl CpuEngine {
         model: &ModelSource,
         shape_hints: &[(String, Vec<usize>)],
     ) -> Result<Self, EngineError> {
-        let bytes = super::model_bytes(model)?;
-        let mut reader: &[u8] = &bytes;
-        let mut inf = tract_onnx::onnx()
-            .model_for_read(&mut reader)
-            .map_err(|e| load_err(model, e))?;
+        // A file is loaded by its path, so that weights kept beside it as ONNX external data
+        // (`<graph>.onnx.data`, needed past protobuf's 2 GB) are found in its directory.
+        let mut inf = match model {
+            ModelSource::File(path) => {
+                std::fs::metadata(path).map_err(|source| EngineError::ReadModel {
+                    path: path.display().to_string(),
+                    source,
+                })?;
+                tract_onnx::onnx().model_for_path(path)
+            }
+            ModelSource::Embedded { .. } => {
+                let bytes = super::model_bytes(model)?;
+                let mut reader: &[u8] = &bytes;
+                tract_onnx::onnx().model_for_read(&mut reader)
+            }
+        }
+        .map_err(|e| load_err(model, e))?;
         let input_names: Vec<String> = inf
             .input_outlets()
             .map_err(|e| load_err(model, e))?

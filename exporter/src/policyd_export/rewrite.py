@@ -241,10 +241,10 @@ def check_same(original: str | Path, rewritten: str | Path, feeds: dict) -> floa
     return worst
 
 
-def save(model: onnx.ModelProto, path: Path) -> None:
-    """Saves a graph; over 1.8 GB its weights go to `<name>.data` beside it (ONNX's protobuf
-    limit is 2 GB; tract reads external data inside the model's directory)."""
-    if model.ByteSize() > 1_800_000_000:
+def save(model: onnx.ModelProto, path: Path, external_over: int = 1_800_000_000) -> None:
+    """Saves a graph; over `external_over` bytes its weights go to `<name>.data` beside it
+    (ONNX's protobuf limit is 2 GB; tract reads external data inside the model's directory)."""
+    if model.ByteSize() > external_over:
         onnx.save_model(
             model,
             str(path),
