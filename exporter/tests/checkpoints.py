@@ -44,8 +44,11 @@ def _save(policy: torch.nn.Module, cfg: object, out: Path, g: torch.Generator) -
     return out
 
 
-def act(out: Path, seed: int = 0, cameras: int = 1, h: int = 48, w: int = 64) -> Path:
-    """ACT with a ResNet18 backbone (LeRobot's only choice) on small images, a 10-step chunk."""
+def act(
+    out: Path, seed: int = 0, cameras: int = 1, h: int = 48, w: int = 64, full: bool = False
+) -> Path:
+    """ACT with a ResNet18 backbone (LeRobot's only choice) on small images, a 10-step chunk;
+    `full`: LeRobot's default sizes (dim 512, 4 encoder layers, chunk 100; 52M parameters)."""
     from lerobot.policies.act.configuration_act import ACTConfig
     from lerobot.policies.act.modeling_act import ACTPolicy
 
@@ -54,30 +57,38 @@ def act(out: Path, seed: int = 0, cameras: int = 1, h: int = 48, w: int = 64) ->
     inputs = {"observation.state": PolicyFeature(FeatureType.STATE, (STATE,))}
     for i in range(cameras):
         inputs[f"observation.images.cam{i}"] = PolicyFeature(FeatureType.VISUAL, (3, h, w))
+    small = {
+        "chunk_size": 10,
+        "n_action_steps": 10,
+        "dim_model": 32,
+        "n_heads": 2,
+        "dim_feedforward": 64,
+        "n_encoder_layers": 1,
+        "n_decoder_layers": 1,
+        "n_vae_encoder_layers": 1,
+        "latent_dim": 8,
+    }
     cfg = ACTConfig(
         input_features=inputs,
         output_features={"action": PolicyFeature(FeatureType.ACTION, (ACTION,))},
-        chunk_size=10,
-        n_action_steps=10,
-        dim_model=32,
-        n_heads=2,
-        dim_feedforward=64,
-        n_encoder_layers=1,
-        n_decoder_layers=1,
-        n_vae_encoder_layers=1,
-        latent_dim=8,
         pretrained_backbone_weights=None,
         device="cpu",
+        **({} if full else small),
     )
     return _save(ACTPolicy(cfg), cfg, out, g)
 
 
 def diffusion(
-    out: Path, seed: int = 0, scheduler: str = "DDIM", steps: int | None = 10, cameras: int = 1
+    out: Path,
+    seed: int = 0,
+    scheduler: str = "DDIM",
+    steps: int | None = 10,
+    cameras: int = 1,
+    full: bool = False,
 ) -> Path:
-    """Diffusion Policy, PushT-like: 2 observation steps of 96×96 images
-    cropped to 84, horizon 16, 8 actions kept; a small U-Net (down_dims 32/64/128); MIN_MAX
-    state and action as LeRobot's defaults."""
+    """Diffusion Policy, PushT-like: 2 observation steps of 96×96 images cropped to 84, horizon
+    16, 8 actions kept; a small U-Net (down_dims 32/64/128), or with `full` LeRobot's default;
+    MIN_MAX state and action as LeRobot's defaults."""
     from lerobot.policies.diffusion.configuration_diffusion import DiffusionConfig
     from lerobot.policies.diffusion.modeling_diffusion import DiffusionPolicy
 
@@ -93,9 +104,15 @@ def diffusion(
         horizon=16,
         n_action_steps=8,
         crop_shape=(84, 84),
-        down_dims=(32, 64, 128),
-        diffusion_step_embed_dim=32,
-        spatial_softmax_num_keypoints=16,
+        **(
+            {}  # LeRobot's defaults: down_dims 512/1024/2048, a 250M-parameter U-Net
+            if full
+            else {
+                "down_dims": (32, 64, 128),
+                "diffusion_step_embed_dim": 32,
+                "spatial_softmax_num_keypoints": 16,
+            }
+        ),
         noise_scheduler_type=scheduler,
         num_train_timesteps=100,
         num_inference_steps=steps,

@@ -1,0 +1,128 @@
+"""Exported LeRobot policies: LeRobot's own torch inference vs policyd's CPU engine, per chunk.
+
+For each family, in one run on this machine: a seeded random-weight checkpoint of a realistic
+shape is made with LeRobot's classes, exported with `policyd-export` (timed), then
+- LeRobot: its server-side path (preprocessor → predict_action_chunk → postprocessor), with
+  torch limited to 1 and to 2 threads;
+- policyd: the bundle served by the given binary, driven by openpi-client on loopback, one
+  request at a time; the reply's `policy_timing.infer_ms` (the engine) and the client's round
+  trip (decode, engine, encode, transport);
+p50 and p99 over `--n` chunks after 3 warm-up chunks.
+
+    .venv-export/bin/python benches/lerobot_families.py --policyd target/release/policyd
+
+Prints a Markdown table (docs/benchmarks.md, "Exported LeRobot policies").
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from openpi_client import websocket_client_policy
+from policyd_export.checkpoint import load
+from policyd_export.cli import main as export_main
+from policyd_export.reference import Reference
+from policyd_export.verify import observations, serve
+
+ROOT = Path(__file__).resolve().parents[1]
+# The test suite's checkpoint makers (LeRobot's classes, seeded random weights).
+sys.path.insert(0, str(ROOT / "exporter" / "tests"))
+import checkpoints  # noqa: E402
+
+FAMILIES = {
+    # name: (maker, kwargs)
+    "ACT, 1 camera 96×128": (checkpoints.act, {"h": 96, "w": 128, "full": True}),
+    "ACT, 1 camera 480×640": (checkpoints.act, {"h": 480, "w": 640, "full": True}),
+    "Diffusion, DDIM-10": (checkpoints.diffusion, {"full": True}),
+    "Diffusion, DDPM-100": (
+        checkpoints.diffusion,
+        {"full": True, "scheduler": "DDPM", "steps": None},
+    ),
+}
+#: Chunks measured per cell where one chunk takes seconds.
+FEW = {"Diffusion, DDPM-100": 5, "ACT, 1 camera 480×640": 15}
+
+
+def pct(xs: list[float]) -> tuple[float, float]:
+    a = np.asarray(xs)
+    return float(np.percentile(a, 50)), float(np.percentile(a, 99))
+
+
+def torch_times(ckpt: Path, obs: list[dict], n: int, threads: int) -> list[float]:
+    torch.set_num_threads(threads)
+    ref = Reference(ckpt)
+    times = []
+    for i in range(n + 3):
+        t = time.perf_counter()
+        ref.actions(obs[i % len(obs)])
+        if i >= 3:
+            times.append((time.perf_counter() - t) * 1e3)
+    return times
+
+
+def policyd_times(binary: str, bundle: Path, obs: list[dict], n: int) -> tuple[list, list]:
+    engine, trip = [], []
+    with serve(binary, bundle / "policyd.toml") as port:
+        client = websocket_client_policy.WebsocketClientPolicy("127.0.0.1", port)
+        for i in range(n + 3):
+            t = time.perf_counter()
+            reply = client.infer(obs[i % len(obs)])
+            if i >= 3:
+                trip.append((time.perf_counter() - t) * 1e3)
+                engine.append(float(reply["policy_timing"]["infer_ms"]))
+    return engine, trip
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--policyd", default=str(ROOT / "target/release/policyd"))
+    p.add_argument("--n", type=int, default=30, help="chunks measured per cell")
+    p.add_argument("--only", help="run the families whose name contains this")
+    args = p.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        for name, (make, kw) in FAMILIES.items():
+            if args.only and args.only not in name:
+                continue
+            ckpt = make(tmp / f"{len(rows)}-ckpt", **kw)
+            bundle = tmp / f"{len(rows)}-bundle"
+            t = time.perf_counter()
+            if export_main(["lerobot", str(ckpt), "--out", str(bundle)]) != 0:
+                return 1
+            export_s = time.perf_counter() - t
+            obs = observations(load(ckpt), 8, seed=0)
+            n = min(args.n, FEW.get(name, args.n))
+            t1 = pct(torch_times(ckpt, obs, n, 1))
+            t2 = pct(torch_times(ckpt, obs, n, 2))
+            engine, trip = policyd_times(args.policyd, bundle, obs, n)
+            e, r = pct(engine), pct(trip)
+            rows.append((name, export_s, t1, t2, e, r))
+            print(
+                f"{name}: export {export_s:.0f} s, torch 1t {t1}, 2t {t2}, policyd engine {e}, "
+                f"round trip {r}",
+                file=sys.stderr,
+                flush=True,
+            )
+    print(
+        "| policy | export | LeRobot torch, 1 thread p50 / p99 | torch, 2 threads | "
+        "policyd engine (tract, 1 thread) | policyd round trip | policyd engine / torch 1t |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for name, export_s, t1, t2, e, r in rows:
+        print(
+            f"| {name} | {export_s:.0f} s | {t1[0]:.1f} / {t1[1]:.1f} ms | {t2[0]:.1f} / "
+            f"{t2[1]:.1f} ms | {e[0]:.1f} / {e[1]:.1f} ms | {r[0]:.1f} / {r[1]:.1f} ms | "
+            f"{e[0] / t1[0]:.2f} |"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
