@@ -58,6 +58,19 @@ pub struct Sampler {
     pub kind: Kind,
     pub diffusion: Option<Diffusion>,
     alphas_cumprod: Vec<f32>,
+    /// Flow only.
+    pub flow_time: FlowTime,
+}
+
+/// How flow's step times are computed: both start at 1 and step by `dt = -1/steps`, and
+/// differ in rounding (by an ulp or so of float32), which the denoiser's output carries on.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum FlowTime {
+    /// openpi's loop: `t += dt` accumulated in float32.
+    #[default]
+    Openpi,
+    /// LeRobot's `euler_integrate`: `1.0 + i·dt` in float64 (Python floats), then float32.
+    Lerobot,
 }
 
 /// The time fed to the denoiser for one step.
@@ -85,6 +98,7 @@ impl Sampler {
             kind: Kind::Flow,
             diffusion: None,
             alphas_cumprod: Vec::new(),
+            flow_time: FlowTime::Openpi,
         }
     }
 
@@ -124,6 +138,7 @@ impl Sampler {
             kind,
             diffusion: Some(d),
             alphas_cumprod,
+            flow_time: FlowTime::Openpi,
         }
     }
 
@@ -135,11 +150,14 @@ impl Sampler {
     /// The time step `i` of `steps` feeds the denoiser.
     pub fn time(&self, i: usize, steps: usize) -> Time {
         match self.kind {
-            // openpi accumulates t += dt in float32.
-            Kind::Flow => {
-                let dt = -1.0f32 / steps as f32;
-                Time::Continuous((0..i).fold(1.0f32, |t, _| t + dt))
-            }
+            // openpi accumulates t += dt in float32; LeRobot computes 1 + i·dt in float64.
+            Kind::Flow => Time::Continuous(match self.flow_time {
+                FlowTime::Openpi => {
+                    let dt = -1.0f32 / steps as f32;
+                    (0..i).fold(1.0f32, |t, _| t + dt)
+                }
+                FlowTime::Lerobot => (1.0 + i as f64 * (-1.0 / steps as f64)) as f32,
+            }),
             Kind::Ddpm | Kind::Ddim => Time::Discrete(self.timestep(i, steps) as i64),
         }
     }
@@ -150,6 +168,7 @@ impl Sampler {
         let dt = -1.0f32 / steps as f32;
         let mut t = 1.0f32;
         (0..steps).map(move |i| match self.kind {
+            Kind::Flow if self.flow_time == FlowTime::Lerobot => self.time(i, steps),
             Kind::Flow => {
                 let now = t;
                 t += dt;
@@ -492,6 +511,24 @@ mod tests {
         let mut x = [1.0f32, 2.0];
         s.step(0, 10, &mut x, &[10.0, -10.0], || 0.0);
         assert_eq!(x, [0.0, 3.0]);
+    }
+
+    #[test]
+    fn lerobot_flow_times_are_computed_not_accumulated() {
+        let mut s = Sampler::flow();
+        s.flow_time = FlowTime::Lerobot;
+        for steps in [3, 7, 10] {
+            let times: Vec<Time> = s.times(steps).collect();
+            for (i, t) in times.iter().enumerate() {
+                // LeRobot: torch.tensor(1.0 + i * (-1.0 / steps), dtype=torch.float32).
+                let want = (1.0f64 + i as f64 * (-1.0 / steps as f64)) as f32;
+                assert_eq!(*t, Time::Continuous(want), "{steps} steps, step {i}");
+            }
+        }
+        // openpi's accumulation rounds differently somewhere in 10 steps.
+        let openpi: Vec<Time> = Sampler::flow().times(10).collect();
+        let lerobot: Vec<Time> = s.times(10).collect();
+        assert_ne!(openpi, lerobot);
     }
 
     #[test]

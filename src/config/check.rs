@@ -503,6 +503,19 @@ fn pipeline(
             ));
         }
     };
+    let flow_time = match s.flow_time.as_deref() {
+        None | Some("openpi") => crate::sampler::FlowTime::Openpi,
+        Some("lerobot") => crate::sampler::FlowTime::Lerobot,
+        Some(t) => {
+            return Err(cx.invalid(
+                "sampler.flow_time",
+                format!("must be \"openpi\" or \"lerobot\", got \"{t}\""),
+            ));
+        }
+    };
+    if s.flow_time.is_some() && kind != Kind::Flow {
+        return Err(cx.invalid("sampler.flow_time", "applies to kind = \"flow\" only"));
+    }
     Ok(Some(PipelineConfig {
         denoise: ModelSource::File(path(base, &d.model)),
         wire: d.wire.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
@@ -515,6 +528,7 @@ fn pipeline(
         output: s.output.clone(),
         model_update,
         inject_noise: s.inject_noise,
+        flow_time,
     }))
 }
 
@@ -633,7 +647,7 @@ fn tokenizer(
         cx.invalid(
             k("format"),
             format!(
-                "must be \"pi0\", \"pi05\" or \"plain\", got \"{}\"",
+                "must be \"pi0\", \"pi05\", \"plain\" or \"lerobot_pi0\", got \"{}\"",
                 t.format
             ),
         )
@@ -656,7 +670,12 @@ fn tokenizer(
                 "format \"pi05\" puts the discretised state in the prompt: name the state's input key",
             ));
         }
-        (crate::tokenizer::Format::Pi0 | crate::tokenizer::Format::Plain, Some(_)) => {
+        (
+            crate::tokenizer::Format::Pi0
+            | crate::tokenizer::Format::Plain
+            | crate::tokenizer::Format::LerobotPi0,
+            Some(_),
+        ) => {
             return Err(cx.invalid(
                 k("state_key"),
                 "only format \"pi05\" puts the state in the prompt",

@@ -102,6 +102,8 @@ pub struct PipelineConfig {
     /// The step graph returns the next sample itself (`update = "model"`), fed `dt` here.
     pub model_update: Option<String>,
     pub inject_noise: bool,
+    /// Flow: how step i's time is computed.
+    pub flow_time: crate::sampler::FlowTime,
 }
 
 /// `[server]`: the listener and per-connection limits.

@@ -141,6 +141,10 @@ pub(super) struct RawSampler {
     /// Tests: the noise comes from the request (inputs named as `x` and `<x>_step_noise`).
     #[serde(default)]
     pub(super) inject_noise: bool,
+    /// Flow: `openpi` (time accumulated in float32, `t += dt`) or `lerobot` (`1 + i·dt` in
+    /// float64, rounded to float32, as LeRobot's `euler_integrate`).
+    #[serde(default)]
+    pub(super) flow_time: Option<String>,
 }
 
 /// `[tls]`: serve `wss://` (and `https://` health) with this certificate and key (PEM),

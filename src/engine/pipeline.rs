@@ -187,7 +187,11 @@ impl Wiring {
             shape: xs.shape.clone(),
         };
         let sampler = match &cfg.diffusion {
-            None => Sampler::flow(),
+            None => {
+                let mut flow = Sampler::flow();
+                flow.flow_time = cfg.flow_time;
+                flow
+            }
             Some(d) => Sampler::diffusion(cfg.kind, d.clone()),
         };
         // With `max_steps`, every step count's noisy steps are noisy too (DDPM: all but t = 0).
