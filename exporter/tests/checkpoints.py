@@ -7,8 +7,11 @@ a normalisation would give visibly different actions. Sized to export in seconds
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
 import torch
 from lerobot.configs.types import FeatureType, NormalizationMode, PolicyFeature
 from lerobot.policies.factory import make_pre_post_processors
@@ -125,3 +128,126 @@ def diffusion(
         },
     )
     return _save(DiffusionPolicy(cfg), cfg, out, g)
+
+
+# pi0: LeRobot 0.6.1 hard-codes PaliGemma's sizes (Gemma 2B + 300M, SigLIP So400m, a 257,152
+# vocabulary: 3.3B parameters). `tiny_pi0` patches those tables inside this process only, so a
+# checkpoint made under it loads only under it too: export and verify run in-process.
+PI_WIDTH = 64
+PI_VOCAB = 512
+
+
+def _tiny_gemma(variant: str) -> object:
+    import lerobot.policies.pi0.modeling_pi0 as m
+
+    if variant == "gemma_2b":
+        return m.GemmaConfig(
+            width=PI_WIDTH, depth=2, mlp_dim=128, num_heads=4, num_kv_heads=1, head_dim=16
+        )
+    return m.GemmaConfig(width=32, depth=2, mlp_dim=64, num_heads=4, num_kv_heads=1, head_dim=16)
+
+
+@contextlib.contextmanager
+def tiny_pi0() -> Iterator[None]:
+    import lerobot.policies.pi0.modeling_pi0 as m
+
+    original = m.PaliGemmaForConditionalGenerationWithPiGemma
+
+    class Tiny(original):
+        def __init__(self, config: object) -> None:
+            v = config.vision_config
+            v.hidden_size, v.num_hidden_layers, v.num_attention_heads = 32, 1, 2
+            v.intermediate_size, v.patch_size, v.projection_dim = 64, 28, PI_WIDTH
+            config.text_config.vocab_size = PI_VOCAB
+            super().__init__(config)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(m, "get_gemma_config", _tiny_gemma)
+        mp.setattr(m, "PaliGemmaForConditionalGenerationWithPiGemma", Tiny)
+        yield
+
+
+def gemma_tokenizer(out: Path) -> Path:
+    """A SentencePiece BPE model like Gemma's (special ids pad 0, eos 1, bos 2, unk 3, a "\\n"
+    piece, whitespace kept), trained here on a few robot tasks, as a Hugging Face tokenizer
+    directory."""
+    import json
+
+    import sentencepiece as spm
+
+    out.mkdir(parents=True, exist_ok=True)
+    tasks = [
+        "pick up the red cube",
+        "put the bowl on the stove",
+        "open the top drawer and put the bowl inside",
+        "fold the towel",
+        "place the marker in the cup",
+    ]
+    corpus = out / "corpus.txt"
+    corpus.write_text("\n".join(tasks * 40))
+    spm.SentencePieceTrainer.train(
+        input=str(corpus),
+        model_prefix=str(out / "tokenizer"),
+        vocab_size=300,
+        model_type="bpe",
+        pad_id=0,
+        eos_id=1,
+        bos_id=2,
+        unk_id=3,
+        pad_piece="<pad>",
+        eos_piece="<eos>",
+        bos_piece="<bos>",
+        unk_piece="<unk>",
+        byte_fallback=True,
+        add_dummy_prefix=False,
+        # Gemma's normaliser keeps whitespace as it is (and so does Hugging Face's converted
+        # Gemma tokenizer, which LeRobot runs).
+        remove_extra_whitespaces=False,
+        normalization_rule_name="identity",
+        user_defined_symbols=["\n"],
+        minloglevel=2,
+    )
+    corpus.unlink()
+    (out / "tokenizer.vocab").unlink()
+    (out / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "GemmaTokenizer", "add_bos_token": True})
+    )
+    return out
+
+
+def pi0(out: Path, tokenizer: Path, seed: int = 0, cameras: int = 1) -> Path:
+    """pi0 at tiny sizes (under `tiny_pi0`), 224×224 cameras, prompts of 16 tokens, chunk 10,
+    its preprocessor's tokenizer the local `tokenizer` directory."""
+    import lerobot.policies.pi0.processor_pi0 as pp
+    from lerobot.policies.pi0.configuration_pi0 import PI0Config
+    from lerobot.policies.pi0.modeling_pi0 import PI0Policy
+
+    torch.manual_seed(seed)
+    g = torch.Generator().manual_seed(seed)
+    inputs = {"observation.state": PolicyFeature(FeatureType.STATE, (STATE,))}
+    for i in range(cameras):
+        inputs[f"observation.images.cam{i}"] = PolicyFeature(FeatureType.VISUAL, (3, 224, 224))
+    cfg = PI0Config(
+        input_features=inputs,
+        output_features={"action": PolicyFeature(FeatureType.ACTION, (ACTION,))},
+        device="cpu",
+        dtype="float32",
+        tokenizer_max_length=16,
+        chunk_size=10,
+        n_action_steps=10,
+    )
+    policy = PI0Policy(cfg)
+    features = {**cfg.input_features, **cfg.output_features}
+    step = pp.TokenizerProcessorStep
+    with pytest.MonkeyPatch.context() as mp:
+        # LeRobot names the Hub's PaliGemma tokenizer; a checkpoint may name a directory.
+        mp.setattr(
+            pp,
+            "TokenizerProcessorStep",
+            lambda tokenizer_name, **kw: step(tokenizer_name=str(tokenizer), **kw),
+        )
+        pre, post = pp.make_pi0_pre_post_processors(cfg, dataset_stats=_stats(g, features))
+    policy.save_pretrained(out)
+    pre.save_pretrained(out)
+    post.save_pretrained(out)
+    return out

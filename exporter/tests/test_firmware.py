@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 from conftest import ROOT
 from openpi_client import websocket_client_policy
+
 from policyd_export.checkpoint import load
 from policyd_export.verify import observations, serve
 

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import tomli_w
 from conftest import run_cli
+
 from policyd_export.checkpoint import load
 from policyd_export.reference import Reference
 from policyd_export.verify import observations

@@ -13,6 +13,7 @@ import numpy as np
 import onnx
 import pytest
 from conftest import run_cli
+
 from policyd_export import rewrite, tract_bugs
 
 CONFIGS = {

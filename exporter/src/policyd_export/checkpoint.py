@@ -18,26 +18,32 @@ import numpy as np
 from .errors import ExportError
 
 #: Policy types this exporter turns into bundles (config.json's "type").
-SUPPORTED = ("act", "diffusion")
+SUPPORTED = ("act", "diffusion", "pi0")
 #: Types LeRobot has that are planned but not exported yet, with what stands in the way.
 PLANNED = {
     "smolvla": "prefix + action-expert graphs with the KV cache (not exported yet)",
-    "pi0": "prefix + action-expert graphs with the KV cache (not exported yet)",
     "pi05": "prefix + action-expert graphs with the KV cache (not exported yet)",
 }
 
 PREPROCESSOR = "policy_preprocessor.json"
 POSTPROCESSOR = "policy_postprocessor.json"
-#: Processor steps whose effect the bundle reproduces (batching and devices are no-ops there).
+#: Processor steps whose effect the bundle reproduces (batching and devices are no-ops there;
+#: pi0's newline and tokenizer steps are policyd's `lerobot_pi0` tokenizer format; relative
+#: actions only while disabled).
 KNOWN_STEPS = {
     PREPROCESSOR: {
         "rename_observations_processor",
         "to_batch_processor",
         "device_processor",
         "normalizer_processor",
+        "pi0_new_line_processor",
+        "tokenizer_processor",
+        "relative_actions_processor",
     },
-    POSTPROCESSOR: {"unnormalizer_processor", "device_processor"},
+    POSTPROCESSOR: {"unnormalizer_processor", "device_processor", "absolute_actions_processor"},
 }
+#: Steps that are reproduced only with `enabled = false` (LeRobot's default).
+DISABLED_ONLY = {"relative_actions_processor", "absolute_actions_processor"}
 
 
 @dataclass
@@ -71,6 +77,8 @@ class Checkpoint:
     #: Per feature key: the observation key a client sends (the preprocessor's rename_map
     #: renames client keys to feature keys).
     wire_keys: dict[str, str] = field(default_factory=dict)
+    #: The preprocessor's tokenizer step config (a language-conditioned policy), if any.
+    tokenizer: dict | None = None
 
     def features(self, kind: str) -> list[Feature]:
         return [f for f in self.inputs if f.type == kind]
@@ -103,11 +111,17 @@ def _normaliser(path: Path, pipeline_file: str, registry_name: str) -> tuple[dic
         "`python -m lerobot.processor.migrate_policy_normalization` first",
     )
     for s in pipeline.get("steps", []):
-        if s.get("registry_name") not in KNOWN_STEPS[pipeline_file]:
+        name = s.get("registry_name")
+        if name not in KNOWN_STEPS[pipeline_file]:
             raise ExportError(
-                f"{path / pipeline_file}: processor step {s.get('registry_name')!r} is not "
+                f"{path / pipeline_file}: processor step {name!r} is not "
                 f"reproduced by policyd; supported steps: "
                 f"{', '.join(sorted(KNOWN_STEPS[pipeline_file]))}"
+            )
+        if name in DISABLED_ONLY and s.get("config", {}).get("enabled"):
+            raise ExportError(
+                f"{path / pipeline_file}: processor step {name!r} is enabled (relative "
+                "actions); policyd serves absolute actions only"
             )
     steps = [s for s in pipeline.get("steps", []) if s.get("registry_name") == registry_name]
     if not steps:
@@ -201,9 +215,12 @@ def load(path: str | Path) -> Checkpoint:
         raise ExportError("config.json: output_features must be one ACTION vector")
     pre_cfg, pre_stats = _normaliser(path, PREPROCESSOR, "normalizer_processor")
     renames = {}
+    tokenizer = None
     for s in _read_json(path / PREPROCESSOR, "").get("steps", []):
         if s.get("registry_name") == "rename_observations_processor":
             renames = {v: k for k, v in s.get("config", {}).get("rename_map", {}).items()}
+        if s.get("registry_name") == "tokenizer_processor":
+            tokenizer = s.get("config", {})
     post_cfg, post_stats = _normaliser(path, POSTPROCESSOR, "unnormalizer_processor")
     return Checkpoint(
         path=path,
@@ -214,4 +231,5 @@ def load(path: str | Path) -> Checkpoint:
         input_norm=_norms(pre_cfg, pre_stats, inputs, PREPROCESSOR),
         output_norm=_norms(post_cfg, post_stats, outputs, POSTPROCESSOR),
         wire_keys={f.key: renames.get(f.key, f.key) for f in inputs},
+        tokenizer=tokenizer,
     )

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from .errors import ExportError
 
-SUPPORTED_HELP = "supported policy types: act, diffusion"
+SUPPORTED_HELP = "supported policy types: act, diffusion, pi0"
 
 
 def _lerobot(args: argparse.Namespace) -> int:
@@ -30,7 +30,8 @@ def _lerobot(args: argparse.Namespace) -> int:
     out = Path(args.out)
     tmp = bundle.prepare(out, args.force)
     try:
-        exported = export(ckpt, tmp, verbose=args.verbose)
+        tokenizer = Path(args.tokenizer) if args.tokenizer else None
+        exported = export(ckpt, tmp, verbose=args.verbose, tokenizer=tokenizer)
         bundle.write(tmp, ckpt, exported)
         bundle.commit(tmp, out)
     except BaseException:
@@ -115,6 +116,11 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--out", required=True, help="the bundle directory to write")
     e.add_argument("--force", action="store_true", help="replace --out if it exists")
     e.add_argument("--verbose", action="store_true", help="show the ONNX exporter's output")
+    e.add_argument(
+        "--tokenizer",
+        help="pi0: the tokenizer's directory (or its tokenizer.model), when the checkpoint "
+        "names one that is neither a local directory nor in the Hugging Face cache",
+    )
     e.set_defaults(run=_lerobot)
     v = sub.add_parser(
         "verify",

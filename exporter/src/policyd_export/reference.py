@@ -44,7 +44,9 @@ class Reference:
         self.policy.reset()
 
     def _observation(self, obs: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
-        out = {}
+        # The task prompt (a string) goes to the preprocessor's tokenizer as sent.
+        task = (self.ckpt.tokenizer or {}).get("task_key", "task")
+        out = {task: obs[task]} if self.ckpt.tokenizer and task in obs else {}
         for f in self.ckpt.inputs:
             key = self.ckpt.wire_keys.get(f.key, f.key)
             v = np.asarray(obs[key])
@@ -68,6 +70,9 @@ class Reference:
         with _ddpm_noise(step_noise):
             if kind == "diffusion":
                 chunk = self._diffusion(batch, noise)
+            elif noise is not None:
+                x = torch.from_numpy(np.asarray(noise, np.float32))[None]
+                chunk = self.policy.predict_action_chunk(batch, noise=x)
             else:
                 chunk = self.policy.predict_action_chunk(batch)
         if chunk.ndim != 3:

@@ -55,12 +55,26 @@ def find_policyd(given: str | None) -> str:
     return path
 
 
-def observations(ckpt: Checkpoint, n: int, seed: int) -> list[dict[str, np.ndarray]]:
-    """Observations in the range of the checkpoint's statistics (so normalisation matters)."""
+#: Prompts for language-conditioned policies (openpi's and LeRobot's example tasks).
+PROMPTS = [
+    "pick up the red cube",
+    "put the bowl on the stove",
+    "open the top drawer and put the bowl inside",
+    "fold the towel",
+]
+
+
+def observations(
+    ckpt: Checkpoint, n: int, seed: int, prompt_key: str | None = None
+) -> list[dict[str, np.ndarray]]:
+    """Observations in the range of the checkpoint's statistics (so normalisation matters),
+    with a task prompt under `prompt_key` for a language-conditioned policy."""
     rng = np.random.default_rng(seed)
     out = []
-    for _ in range(n):
+    for i in range(n):
         obs = {}
+        if prompt_key:
+            obs[prompt_key] = PROMPTS[(seed + i) % len(PROMPTS)]
         for f in ckpt.inputs:
             key = ckpt.wire_keys.get(f.key, f.key)
             if f.type == "VISUAL":
@@ -88,6 +102,9 @@ def injected_config(bundle: Path, manifest: dict, tmp: Path) -> tuple[Path, bool
     per-step noise is an input too."""
     config = tomllib.loads((bundle / CONFIG).read_text())
     config["engine"]["model"] = str((bundle / config["engine"]["model"]).resolve())
+    for binding in config["inputs"]:
+        if "tokenizer" in binding:
+            binding["tokenizer"]["file"] = str((bundle / binding["tokenizer"]["file"]).resolve())
     step_noise = False
     if "denoise" in config:
         config["denoise"]["model"] = str((bundle / config["denoise"]["model"]).resolve())
@@ -194,7 +211,8 @@ def verify(
         config, step_noise = injected_config(bundle, manifest, Path(tmp))
         with serve(binary, config) as port:
             client = websocket_client_policy.WebsocketClientPolicy("127.0.0.1", port)
-            for i, obs in enumerate(observations(ckpt, n, seed)):
+            prompt_key = manifest.get("prompt_key")
+            for i, obs in enumerate(observations(ckpt, n, seed, prompt_key)):
                 request = dict(obs)
                 noise = steps = None
                 if "noise" in manifest:

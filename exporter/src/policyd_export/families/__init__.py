@@ -48,9 +48,13 @@ def load_policy(ckpt: Checkpoint):  # noqa: ANN201 (a LeRobot PreTrainedPolicy)
     return policy.eval()
 
 
-def export(ckpt: Checkpoint, out: Path, verbose: bool = False) -> Exported:
-    from . import act, diffusion
+def export(
+    ckpt: Checkpoint, out: Path, verbose: bool = False, tokenizer: Path | None = None
+) -> Exported:
+    from . import act, diffusion, pi0
 
     policy = load_policy(ckpt)
+    if ckpt.type == "pi0":
+        return pi0.export(ckpt, policy, out, verbose, tokenizer)
     family = {"act": act, "diffusion": diffusion}[ckpt.type]
     return family.export(ckpt, policy, out, verbose)

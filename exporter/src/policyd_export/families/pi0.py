@@ -1,0 +1,274 @@
+"""pi0: the PaliGemma prefix and the action expert's step, served as a policyd flow pipeline.
+
+LeRobot's `PI0Pytorch.sample_actions` embeds the cameras (SigLIP) and the prompt's tokens,
+fills the VLM's KV cache over that prefix once, then integrates the action expert from noise
+(`euler_integrate`: `t = 1 + i·dt`, `x += dt·v`), the expert attending to the cached prefix
+and embedding the state, the noisy actions and the time. Here:
+
+- `prefix.onnx` (cameras in [−1, 1], token ids, token mask, the normalised state) → the
+  prefix's pad mask, its keys and values stacked over layers (`[layers, 1, kv_heads, P, D]`)
+  and the state padded to `max_state_dim` (passed through for the step);
+- `step.onnx` (`x_t`, `time`, and those four) → the velocity `v_t`;
+- policyd's flow sampler with `flow_time = "lerobot"` runs the loop, its tokenizer (format
+  `lerobot_pi0`) makes the token ids from the request's `task` as LeRobot's preprocessor
+  does, and `[[outputs]] columns` cuts the padded actions to the robot's dimension.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .. import graphs
+from ..bindings import input_binding, output_binding
+from ..checkpoint import Checkpoint
+from ..errors import ExportError
+from . import Exported
+
+OBS_STATE = "observation.state"
+TOKENIZER_FILE = "tokenizer.model"
+
+
+class Prefix(nn.Module):
+    """`embed_prefix` and the VLM's pass with `use_cache=True`, over flat inputs."""
+
+    def __init__(self, model: nn.Module, cameras: int, empty: int, max_state: int):
+        super().__init__()
+        self.model = model
+        self.cameras = cameras
+        self.empty = empty
+        self.max_state = max_state
+
+    def forward(self, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        from lerobot.policies.common.vla_utils import (
+            make_att_2d_masks,
+            pad_vector,
+            prepare_attention_masks_4d,
+        )
+
+        images = list(xs[: self.cameras])
+        tokens, token_mask, state = xs[self.cameras :]
+        present = torch.ones(1, dtype=torch.bool)
+        masks = [present] * self.cameras
+        # LeRobot's empty cameras: images of −1, masked out.
+        for _ in range(self.empty):
+            images.append(torch.full_like(images[0], -1.0))
+            masks.append(torch.zeros(1, dtype=torch.bool))
+        m = self.model
+        embs, pad, att = m.embed_prefix(images, masks, tokens, token_mask.bool())
+        att4 = prepare_attention_masks_4d(make_att_2d_masks(pad, att))
+        positions = torch.cumsum(pad, dim=1) - 1
+        vlm = m.paligemma_with_expert
+        vlm.paligemma.model.language_model.config._attn_implementation = "eager"
+        _, cache = vlm.forward(
+            attention_mask=att4,
+            position_ids=positions,
+            past_key_values=None,
+            inputs_embeds=[embs, None],
+            use_cache=True,
+        )
+        keys = torch.stack([layer.keys for layer in cache.layers])
+        values = torch.stack([layer.values for layer in cache.layers])
+        return pad, keys, values, pad_vector(state, self.max_state)
+
+
+class Step(nn.Module):
+    """`denoise_step` with the cache rebuilt from the stacked keys and values."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(
+        self,
+        x_t: torch.Tensor,
+        time: torch.Tensor,
+        prefix_mask: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        state: torch.Tensor,
+    ) -> torch.Tensor:
+        from transformers import DynamicCache
+
+        cache = DynamicCache()
+        for i in range(keys.shape[0]):
+            cache.update(keys[i], values[i], i)
+        return self.model.denoise_step(state, prefix_mask, cache, x_t, time)
+
+
+def _tokenizer(ckpt: Checkpoint, out: Path, given: Path | None) -> tuple[dict, int]:
+    """Copies the SentencePiece model LeRobot's tokenizer step names into the bundle; returns
+    the step's config and the pad id."""
+    t = ckpt.tokenizer
+    if not t:
+        raise ExportError(
+            f"{ckpt.path / 'policy_preprocessor.json'}: pi0 needs a tokenizer_processor step"
+        )
+    if t.get("padding_side", "right") != "right" or t.get("padding", "max_length") != (
+        "max_length"
+    ):
+        raise ExportError(
+            "policy_preprocessor.json: the tokenizer pads "
+            f"{t.get('padding')!r} on the {t.get('padding_side')!r}; policyd pads to "
+            "max_length on the right"
+        )
+    name = str(t.get("tokenizer_name") or "")
+    candidates = []
+    if given is not None:
+        candidates.append(given / TOKENIZER_FILE if given.is_dir() else given)
+    if name and Path(name).is_dir():
+        candidates.append(Path(name) / TOKENIZER_FILE)
+    elif name:
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            cached = try_to_load_from_cache(name, TOKENIZER_FILE)
+            if isinstance(cached, str):
+                candidates.append(Path(cached))
+        except Exception:  # an unusual name is just not in the cache
+            pass
+    found = next((c for c in candidates if c.is_file()), None)
+    if found is None:
+        raise ExportError(
+            f"the preprocessor tokenizes with {name!r}, whose {TOKENIZER_FILE} is not here: "
+            f"pass --tokenizer DIR (a directory holding {TOKENIZER_FILE}), or fetch it into the "
+            f"Hugging Face cache with `huggingface-cli download {name} {TOKENIZER_FILE}` (for "
+            "google/paligemma-3b-pt-224, accept its licence on the Hub first)"
+        )
+    shutil.copy(found, out / TOKENIZER_FILE)
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(found.parent))
+        pad = int(tok.pad_token_id or 0)
+    except Exception:  # only the .model: Gemma's pad id
+        pad = 0
+    return t, pad
+
+
+def _image_binding(ckpt: Checkpoint, feature: object, tensor: str) -> dict:
+    """LeRobot's image path for PaliGemma: float [0, 1], the normaliser, then `·2 − 1`."""
+    b = input_binding(ckpt, feature, tensor)
+    norm = ckpt.input_norm[feature.key]
+    if norm.mode == "IDENTITY":
+        b.update(scale=2.0 / 255.0, offset=-1.0)
+        return b
+    if norm.mode == "MEAN_STD":
+        # 2·(x/255 − m)/(s + e) − 1 = (x/255 − (m + (s + e)/2)) / ((s + e)/2)
+        half = [(s + norm.eps) / 2 for s in b["std"]]
+        b["mean"] = [m + h for m, h in zip(b["mean"], half, strict=True)]
+        b["std"] = half
+        b["eps"] = 0.0
+        return b
+    raise ExportError(f"image feature {feature.key}: normalisation {norm.mode} is not exported")
+
+
+def export(
+    ckpt: Checkpoint, policy: nn.Module, out: Path, verbose: bool, tokenizer: Path | None = None
+) -> Exported:
+    cfg = policy.config
+    model = policy.model
+    if getattr(cfg, "use_relative_actions", False):
+        raise ExportError(
+            "config.json: use_relative_actions is set; policyd serves absolute actions"
+        )
+    by_key = {f.key: f for f in ckpt.inputs}
+    if OBS_STATE not in by_key:
+        raise ExportError(f"config.json: pi0 needs {OBS_STATE}")
+    images = list(cfg.image_features)
+    res = tuple(cfg.image_resolution)
+    for k in images:
+        if tuple(by_key[k].shape[1:]) != res:
+            raise ExportError(
+                f"config.json: image {k} is {list(by_key[k].shape[1:])} but the model takes "
+                f"{list(res)}; LeRobot's resize-with-pad is not exported: send images at "
+                "the model's resolution"
+            )
+    extra = [f.key for f in ckpt.inputs if f.type != "VISUAL" and f.key != OBS_STATE]
+    if extra:
+        raise ExportError(f"config.json: pi0 reads {OBS_STATE} and cameras; not {extra}")
+    tok, pad_id = _tokenizer(ckpt, out, tokenizer)
+    length = int(tok.get("max_length", cfg.tokenizer_max_length))
+    state_dim = by_key[OBS_STATE].shape[0]
+    gen = torch.Generator().manual_seed(0)
+    image_args = [torch.rand((1, 3, *res), generator=gen) * 2 - 1 for _ in images]
+    tokens = torch.randint(3, 100, (1, length), generator=gen)
+    token_mask = torch.ones((1, length), dtype=torch.bool)
+    token_mask[:, length // 2 :] = False
+    state = torch.randn((1, state_dim), generator=gen)
+    prefix_in = [*images, "tokens", "token_mask", OBS_STATE]
+    prefix_out = ["prefix_mask", "k", "v", "state_padded"]
+    prefix = Prefix(model, len(images), int(cfg.empty_cameras), int(cfg.max_state_dim))
+    args = (*image_args, tokens, token_mask, state)
+    g1 = graphs.export(prefix, args, prefix_in, prefix_out, out / "prefix.onnx", verbose)
+    with torch.no_grad():
+        pad, keys, values, padded = prefix(*args)
+    chunk, max_action = int(cfg.chunk_size), int(cfg.max_action_dim)
+    step_args = (
+        torch.randn((1, chunk, max_action), generator=gen),
+        torch.tensor([0.7]),
+        pad,
+        keys,
+        values,
+        padded,
+    )
+    step_in = ["x_t", "time", "prefix_mask", "k", "v", "state_padded"]
+    g2 = graphs.export(Step(model), step_args, step_in, ["v_t"], out / "step.onnx", verbose)
+    steps = int(cfg.num_inference_steps)
+    action_dim = ckpt.outputs[0].shape[0]
+    inputs = [_image_binding(ckpt, by_key[k], k) for k in images]
+    inputs.append(input_binding(ckpt, by_key[OBS_STATE], OBS_STATE))
+    inputs.append(
+        {
+            "key": tok.get("task_key", "task"),
+            "tensor": "tokens",
+            "dtypes": ["text"],
+            "tokenizer": {
+                "file": TOKENIZER_FILE,
+                "format": "lerobot_pi0",
+                "max_tokens": length,
+                "mask_tensor": "token_mask",
+                "pad_id": pad_id,
+                "overflow": "truncate" if tok.get("truncation", True) else "refuse",
+            },
+        }
+    )
+    output = output_binding(ckpt, "x_t")
+    output["columns"] = action_dim
+    sampler = {
+        "kind": "flow",
+        "steps": steps,
+        "max_steps": max(steps, 4 * steps),
+        "x": "x_t",
+        "time": "time",
+        "output": "v_t",
+        "flow_time": "lerobot",
+    }
+    config = {
+        "engine": {"backend": "cpu", "model": "prefix.onnx"},
+        "denoise": {"model": "step.onnx", "wire": {n: n for n in prefix_out}},
+        "sampler": sampler,
+        "inputs": inputs,
+        "outputs": [output],
+        "metadata": {
+            "policy_type": "pi0",
+            "action_horizon": chunk,
+            "action_dim": action_dim,
+            "n_action_steps": int(cfg.n_action_steps),
+        },
+    }
+    manifest = {
+        "family": "pi0",
+        "horizon": chunk,
+        "action_dim": action_dim,
+        "n_obs_steps": 1,
+        "noise": {"tensor": "x_t", "shape": [chunk, max_action]},
+        "sampler": sampler,
+        "prompt_key": tok.get("task_key", "task"),
+    }
+    # Gemma's attention overflows in plain FP16 (docs/export.md): BF16 on Orin.
+    flags = {"prefix.onnx": ["--bf16"], "step.onnx": ["--bf16"]}
+    return Exported(config, [g1, g2], manifest, flags)
