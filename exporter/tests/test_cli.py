@@ -50,7 +50,7 @@ def test_unsupported_policy_types_list_the_supported(act_bundle: object, tmp_pat
     _fails(
         ["lerobot", str(ckpt), "--out", str(tmp_path / "b")],
         "'vqbet' is not supported",
-        "supported: act, diffusion",
+        "supported: act, diffusion, pi0",
     )
     _edit_config(ckpt, type="pi05")
     _fails(["lerobot", str(ckpt), "--out", str(tmp_path / "b")], "not exported yet")
