@@ -34,7 +34,9 @@ def _stats(g: torch.Generator, features: dict[str, PolicyFeature]) -> dict:
             std = 0.2 + 2.0 * torch.rand(d, generator=g)
             lo = mean - 2.5 * std
             hi = mean + 2.5 * std
-        stats[key] = {"mean": mean, "std": std, "min": lo, "max": hi}
+        # Quantiles inside the range (pi0.5 normalises with q01/q99).
+        q01, q99 = lo + 0.05 * (hi - lo), hi - 0.05 * (hi - lo)
+        stats[key] = {"mean": mean, "std": std, "min": lo, "max": hi, "q01": q01, "q99": q99}
     return stats
 
 
@@ -137,33 +139,39 @@ PI_WIDTH = 64
 PI_VOCAB = 512
 
 
-def _tiny_gemma(variant: str) -> object:
-    import lerobot.policies.pi0.modeling_pi0 as m
-
-    if variant == "gemma_2b":
-        return m.GemmaConfig(
-            width=PI_WIDTH, depth=2, mlp_dim=128, num_heads=4, num_kv_heads=1, head_dim=16
+def _tiny_gemma(module: object) -> object:
+    def config(variant: str) -> object:
+        if variant == "gemma_2b":
+            return module.GemmaConfig(
+                width=PI_WIDTH, depth=2, mlp_dim=128, num_heads=4, num_kv_heads=1, head_dim=16
+            )
+        return module.GemmaConfig(
+            width=32, depth=2, mlp_dim=64, num_heads=4, num_kv_heads=1, head_dim=16
         )
-    return m.GemmaConfig(width=32, depth=2, mlp_dim=64, num_heads=4, num_kv_heads=1, head_dim=16)
+
+    return config
 
 
 @contextlib.contextmanager
 def tiny_pi0() -> Iterator[None]:
-    import lerobot.policies.pi0.modeling_pi0 as m
-
-    original = m.PaliGemmaForConditionalGenerationWithPiGemma
-
-    class Tiny(original):
-        def __init__(self, config: object) -> None:
-            v = config.vision_config
-            v.hidden_size, v.num_hidden_layers, v.num_attention_heads = 32, 1, 2
-            v.intermediate_size, v.patch_size, v.projection_dim = 64, 28, PI_WIDTH
-            config.text_config.vocab_size = PI_VOCAB
-            super().__init__(config)
+    """pi0's and pi0.5's size tables (each module has its own copy) at tiny sizes."""
+    import lerobot.policies.pi0.modeling_pi0 as pi0_module
+    import lerobot.policies.pi05.modeling_pi05 as pi05_module
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(m, "get_gemma_config", _tiny_gemma)
-        mp.setattr(m, "PaliGemmaForConditionalGenerationWithPiGemma", Tiny)
+        for m in (pi0_module, pi05_module):
+            original = m.PaliGemmaForConditionalGenerationWithPiGemma
+
+            class Tiny(original):
+                def __init__(self, config: object) -> None:
+                    v = config.vision_config
+                    v.hidden_size, v.num_hidden_layers, v.num_attention_heads = 32, 1, 2
+                    v.intermediate_size, v.patch_size, v.projection_dim = 64, 28, PI_WIDTH
+                    config.text_config.vocab_size = PI_VOCAB
+                    super().__init__(config)
+
+            mp.setattr(m, "get_gemma_config", _tiny_gemma(m))
+            mp.setattr(m, "PaliGemmaForConditionalGenerationWithPiGemma", Tiny)
         yield
 
 
@@ -215,28 +223,37 @@ def gemma_tokenizer(out: Path) -> Path:
     return out
 
 
-def pi0(out: Path, tokenizer: Path, seed: int = 0, cameras: int = 1) -> Path:
-    """pi0 at tiny sizes (under `tiny_pi0`), 224×224 cameras, prompts of 16 tokens, chunk 10,
-    its preprocessor's tokenizer the local `tokenizer` directory."""
-    import lerobot.policies.pi0.processor_pi0 as pp
-    from lerobot.policies.pi0.configuration_pi0 import PI0Config
-    from lerobot.policies.pi0.modeling_pi0 import PI0Policy
+def pi0(out: Path, tokenizer: Path, seed: int = 0, cameras: int = 1, pi05: bool = False) -> Path:
+    """pi0 (or pi0.5) at tiny sizes (under `tiny_pi0`), 224×224 cameras, chunk 10, prompts of
+    16 tokens (pi0.5: 48, the state is in them), its preprocessor's tokenizer the local
+    `tokenizer` directory."""
+    if pi05:
+        import lerobot.policies.pi05.processor_pi05 as pp
+        from lerobot.policies.pi05.configuration_pi05 import PI05Config as Config
+        from lerobot.policies.pi05.modeling_pi05 import PI05Policy as Policy
 
+        make = pp.make_pi05_pre_post_processors
+    else:
+        import lerobot.policies.pi0.processor_pi0 as pp
+        from lerobot.policies.pi0.configuration_pi0 import PI0Config as Config
+        from lerobot.policies.pi0.modeling_pi0 import PI0Policy as Policy
+
+        make = pp.make_pi0_pre_post_processors
     torch.manual_seed(seed)
     g = torch.Generator().manual_seed(seed)
     inputs = {"observation.state": PolicyFeature(FeatureType.STATE, (STATE,))}
     for i in range(cameras):
         inputs[f"observation.images.cam{i}"] = PolicyFeature(FeatureType.VISUAL, (3, 224, 224))
-    cfg = PI0Config(
+    cfg = Config(
         input_features=inputs,
         output_features={"action": PolicyFeature(FeatureType.ACTION, (ACTION,))},
         device="cpu",
         dtype="float32",
-        tokenizer_max_length=16,
+        tokenizer_max_length=48 if pi05 else 16,
         chunk_size=10,
         n_action_steps=10,
     )
-    policy = PI0Policy(cfg)
+    policy = Policy(cfg)
     features = {**cfg.input_features, **cfg.output_features}
     step = pp.TokenizerProcessorStep
     with pytest.MonkeyPatch.context() as mp:
@@ -246,7 +263,7 @@ def pi0(out: Path, tokenizer: Path, seed: int = 0, cameras: int = 1) -> Path:
             "TokenizerProcessorStep",
             lambda tokenizer_name, **kw: step(tokenizer_name=str(tokenizer), **kw),
         )
-        pre, post = pp.make_pi0_pre_post_processors(cfg, dataset_stats=_stats(g, features))
+        pre, post = make(cfg, dataset_stats=_stats(g, features))
     policy.save_pretrained(out)
     pre.save_pretrained(out)
     post.save_pretrained(out)

@@ -50,9 +50,9 @@ def test_unsupported_policy_types_list_the_supported(act_bundle: object, tmp_pat
     _fails(
         ["lerobot", str(ckpt), "--out", str(tmp_path / "b")],
         "'vqbet' is not supported",
-        "supported: act, diffusion, pi0",
+        "supported: act, diffusion, pi0, pi05",
     )
-    _edit_config(ckpt, type="pi05")
+    _edit_config(ckpt, type="smolvla")
     _fails(["lerobot", str(ckpt), "--out", str(tmp_path / "b")], "not exported yet")
 
 

@@ -1,6 +1,7 @@
-"""pi0 (tiny, LeRobot's size tables patched in this process): exported as a flow pipeline over
-a prefix and an action-expert step, served by policyd with the prompt tokenized in the server,
-equal to LeRobot's own inference with the same noise."""
+"""pi0 and pi0.5 (tiny, LeRobot's size tables patched in this process): exported as a flow
+pipeline over a prefix and an action-expert step, served by policyd with the prompt (and for
+pi0.5 the discretised state) tokenized in the server, equal to LeRobot's own inference with the
+same noise."""
 
 from __future__ import annotations
 
@@ -21,30 +22,43 @@ from policyd_export.verify import observations, table, verify
 
 
 class Pi0:
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, pi05: bool):
+        self.pi05 = pi05
         self.tokenizer = gemma_tokenizer(root / "tokenizer")
-        self.checkpoint = pi0(root / "checkpoint", self.tokenizer)
+        self.checkpoint = pi0(root / "checkpoint", self.tokenizer, pi05=pi05)
         self.bundle = root / "bundle"
         assert main(["lerobot", str(self.checkpoint), "--out", str(self.bundle)]) == 0
 
 
 @pytest.fixture(scope="module")
-def bundle(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pi0]:
+def patched() -> Iterator[None]:
     with tiny_pi0():
-        yield Pi0(tmp_path_factory.mktemp("pi0"))
+        yield
+
+
+@pytest.fixture(scope="module", params=["pi0", "pi05"])
+def bundle(
+    request: pytest.FixtureRequest, patched: None, tmp_path_factory: pytest.TempPathFactory
+) -> Pi0:
+    return Pi0(tmp_path_factory.mktemp(request.param), pi05=request.param == "pi05")
 
 
 def test_the_bundle_is_a_flow_pipeline_with_the_prompt_tokenized(bundle: Pi0, policyd: str) -> None:
     config = tomllib.loads((bundle.bundle / "policyd.toml").read_text())
     assert config["sampler"]["kind"] == "flow" and config["sampler"]["flow_time"] == "lerobot"
-    assert config["denoise"]["wire"] == {n: n for n in ("prefix_mask", "k", "v", "state_padded")}
+    wired = ("prefix_mask", "k", "v") + (() if bundle.pi05 else ("state_padded",))
+    assert config["denoise"]["wire"] == {n: n for n in wired}
     prompt = config["inputs"][-1]
-    assert prompt["key"] == "task" and prompt["tokenizer"]["format"] == "lerobot_pi0"
+    assert prompt["key"] == "task"
+    assert prompt["tokenizer"]["format"] == ("pi05" if bundle.pi05 else "lerobot_pi0")
+    state = config["inputs"][-2]
+    assert ("tensor" in state) != bundle.pi05  # pi0.5: the state reaches the prompt only
     assert (bundle.bundle / "tokenizer.model").is_file()
     assert config["outputs"][0]["columns"] == 6
     manifest = json.loads((bundle.bundle / "export.json").read_text())
     rewrites = " ".join(r for g in manifest["graphs"] for r in g["rewrites"])
-    assert "R1" in rewrites and "R2" in rewrites  # tract could not run the graphs without
+    assert "R1" in rewrites  # tract could not run the prefix without it
+    assert ("R2" in rewrites) != bundle.pi05  # pi0's expert concatenates the expanded time
     r = subprocess.run(
         [policyd, "check-config", str(bundle.bundle / "policyd.toml")],
         capture_output=True,
@@ -61,34 +75,47 @@ def test_served_actions_equal_lerobot(bundle: Pi0, policyd: str) -> None:
 
 
 def test_the_prompt_changes_lerobots_actions(bundle: Pi0) -> None:
-    """So the parity above checks policyd's tokenization too."""
+    """So the parity above checks policyd's tokenization too (and for pi0.5 the state, which
+    reaches the model only through the prompt)."""
     ckpt = load(bundle.checkpoint)
     ref = Reference(ckpt)
-    obs = observations(ckpt, 1, seed=0, prompt_key="task")[0]
+    obs = observations(ckpt, 2, seed=0, prompt_key="task")
     noise = np.random.default_rng(0).standard_normal((10, 32)).astype(np.float32)
-    a = ref.actions(obs, noise)
-    b = ref.actions(dict(obs, task="fold the towel twice"), noise)
-    assert float(np.abs(a - b).max()) > 1e-3 * float(np.abs(a).max())
+    a = ref.actions(obs[0], noise)
+    b = ref.actions(dict(obs[0], task="fold the towel twice"), noise)
+    scale = float(np.abs(a).max())
+    assert float(np.abs(a - b).max()) > 1e-3 * scale
+    if bundle.pi05:
+        c = ref.actions(dict(obs[0], **{"observation.state": obs[1]["observation.state"]}), noise)
+        assert float(np.abs(a - c).max()) > 1e-3 * scale
 
 
-@pytest.mark.parametrize(
-    "prompt",
-    [
-        "pick up the red cube",
-        "put_the bowl on the stove",  # LeRobot does not clean underscores (openpi does)
-        "  fold the towel  ",
-        "open the drawer\n",  # already ends with a newline: none added
-        "ünïcödé ✓ pick",
-        "pick up the red cube and put it in the bowl on the stove next to the towel",  # > 16
-    ],
-)
-def test_tokens_equal_lerobots_tokenizer(prompt: str, bundle: Pi0, policyd: str) -> None:
-    from transformers import AutoTokenizer
+PROMPTS = [
+    "pick up the red cube",
+    "put_the bowl on the stove",  # LeRobot's pi0 does not clean underscores (pi0.5, openpi do)
+    "  fold the towel  ",
+    "open the drawer\n",  # pi0: already ends with a newline, none added
+    "ünïcödé ✓ pick",
+    "pick up the red cube and put it in the bowl on the stove next to the towel " * 3,
+]
 
-    tok = AutoTokenizer.from_pretrained(str(bundle.tokenizer))
-    tok.padding_side = "right"  # as LeRobot's TokenizerProcessorStep sets it
-    text = prompt if prompt.endswith("\n") else prompt + "\n"  # Pi0NewLineProcessor
-    want = tok(text, max_length=16, padding="max_length", truncation=True)
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_tokens_equal_lerobots_preprocessor(prompt: str, bundle: Pi0, policyd: str) -> None:
+    """policyd's token ids and mask against what the checkpoint's own preprocessor feeds the
+    model (pi0: newline step, tokenizer; pi0.5: normaliser, the state discretised into the
+    prompt, tokenizer), on the same observation."""
+    from lerobot.utils.constants import OBS_LANGUAGE_ATTENTION_MASK, OBS_LANGUAGE_TOKENS
+
+    ckpt = load(bundle.checkpoint)
+    ref = Reference(ckpt)
+    obs = dict(observations(ckpt, 1, seed=1, prompt_key="task")[0], task=prompt)
+    batch = ref.pre(ref._observation(obs))
+    want_ids = batch[OBS_LANGUAGE_TOKENS][0].tolist()
+    want_mask = [bool(m) for m in batch[OBS_LANGUAGE_ATTENTION_MASK][0].tolist()]
+    request: dict = {"prompt": prompt}
+    if bundle.pi05:
+        request["state"] = batch["observation.state"][0].tolist()  # normalised, as policyd's
     r = subprocess.run(
         [
             policyd,
@@ -96,15 +123,15 @@ def test_tokens_equal_lerobots_tokenizer(prompt: str, bundle: Pi0, policyd: str)
             "--tokenizer",
             str(bundle.bundle / "tokenizer.model"),
             "--format",
-            "lerobot_pi0",
+            "pi05" if bundle.pi05 else "lerobot_pi0",
             "--max-tokens",
-            "16",
+            str(len(want_ids)),
         ],
-        input=json.dumps({"prompt": prompt}) + "\n",
+        input=json.dumps(request) + "\n",
         capture_output=True,
         text=True,
     )
     assert r.returncode == 0, r.stderr
     got = json.loads(r.stdout.splitlines()[0])
-    assert got["ids"] == want["input_ids"]
-    assert [bool(m) for m in got["mask"]] == [bool(m) for m in want["attention_mask"]]
+    assert got["ids"] == want_ids
+    assert [bool(m) for m in got["mask"]] == want_mask

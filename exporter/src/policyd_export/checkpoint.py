@@ -18,11 +18,10 @@ import numpy as np
 from .errors import ExportError
 
 #: Policy types this exporter turns into bundles (config.json's "type").
-SUPPORTED = ("act", "diffusion", "pi0")
+SUPPORTED = ("act", "diffusion", "pi0", "pi05")
 #: Types LeRobot has that are planned but not exported yet, with what stands in the way.
 PLANNED = {
     "smolvla": "prefix + action-expert graphs with the KV cache (not exported yet)",
-    "pi05": "prefix + action-expert graphs with the KV cache (not exported yet)",
 }
 
 PREPROCESSOR = "policy_preprocessor.json"
@@ -37,6 +36,7 @@ KNOWN_STEPS = {
         "device_processor",
         "normalizer_processor",
         "pi0_new_line_processor",
+        "pi05_prepare_state_tokenizer_processor_step",
         "tokenizer_processor",
         "relative_actions_processor",
     },

@@ -54,7 +54,7 @@ def export(
     from . import act, diffusion, pi0
 
     policy = load_policy(ckpt)
-    if ckpt.type == "pi0":
+    if ckpt.type in ("pi0", "pi05"):
         return pi0.export(ckpt, policy, out, verbose, tokenizer)
     family = {"act": act, "diffusion": diffusion}[ckpt.type]
     return family.export(ckpt, policy, out, verbose)

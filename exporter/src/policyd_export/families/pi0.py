@@ -1,17 +1,19 @@
-"""pi0: the PaliGemma prefix and the action expert's step, served as a policyd flow pipeline.
+"""pi0 and pi0.5: the PaliGemma prefix and the action expert's step, as a policyd flow pipeline.
 
-LeRobot's `PI0Pytorch.sample_actions` embeds the cameras (SigLIP) and the prompt's tokens,
-fills the VLM's KV cache over that prefix once, then integrates the action expert from noise
-(`euler_integrate`: `t = 1 + i·dt`, `x += dt·v`), the expert attending to the cached prefix
-and embedding the state, the noisy actions and the time. Here:
+LeRobot's `sample_actions` (pi0 and pi0.5 alike) embeds the cameras (SigLIP) and the prompt's
+tokens, fills the VLM's KV cache over that prefix once, then integrates the action expert from
+noise (`euler_integrate`: `t = 1 + i·dt`, `x += dt·v`), the expert attending to the cached
+prefix. pi0's expert also embeds the state; pi0.5 writes the state into the prompt instead
+(discretised into 256 bins) and conditions the expert on the time through adaRMS. Here:
 
-- `prefix.onnx` (cameras in [−1, 1], token ids, token mask, the normalised state) → the
-  prefix's pad mask, its keys and values stacked over layers (`[layers, 1, kv_heads, P, D]`)
-  and the state padded to `max_state_dim` (passed through for the step);
-- `step.onnx` (`x_t`, `time`, and those four) → the velocity `v_t`;
-- policyd's flow sampler with `flow_time = "lerobot"` runs the loop, its tokenizer (format
-  `lerobot_pi0`) makes the token ids from the request's `task` as LeRobot's preprocessor
-  does, and `[[outputs]] columns` cuts the padded actions to the robot's dimension.
+- `prefix.onnx` (cameras in [−1, 1], token ids, token mask, and for pi0 the normalised state)
+  → the prefix's pad mask, its keys and values stacked over layers (`[layers, 1, kv_heads, P,
+  D]`) and, for pi0, the state padded to `max_state_dim` (passed through for the step);
+- `step.onnx` (`x_t`, `time`, and those) → the velocity `v_t`;
+- policyd's flow sampler with `flow_time = "lerobot"` runs the loop; its tokenizer makes the
+  token ids from the request's `task` as LeRobot's preprocessor does (format `lerobot_pi0`:
+  the task and a newline; `pi05`: `Task: …, State: …;\nAction: ` from the normalised state);
+  `[[outputs]] columns` cuts the padded actions to the robot's dimension.
 """
 
 from __future__ import annotations
@@ -35,12 +37,12 @@ TOKENIZER_FILE = "tokenizer.model"
 class Prefix(nn.Module):
     """`embed_prefix` and the VLM's pass with `use_cache=True`, over flat inputs."""
 
-    def __init__(self, model: nn.Module, cameras: int, empty: int, max_state: int):
+    def __init__(self, model: nn.Module, cameras: int, empty: int, max_state: int | None):
         super().__init__()
         self.model = model
         self.cameras = cameras
         self.empty = empty
-        self.max_state = max_state
+        self.max_state = max_state  # None: pi0.5, no state in the graphs
 
     def forward(self, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         from lerobot.policies.common.vla_utils import (
@@ -50,7 +52,7 @@ class Prefix(nn.Module):
         )
 
         images = list(xs[: self.cameras])
-        tokens, token_mask, state = xs[self.cameras :]
+        tokens, token_mask, *state = xs[self.cameras :]
         present = torch.ones(1, dtype=torch.bool)
         masks = [present] * self.cameras
         # LeRobot's empty cameras: images of −1, masked out.
@@ -72,7 +74,9 @@ class Prefix(nn.Module):
         )
         keys = torch.stack([layer.keys for layer in cache.layers])
         values = torch.stack([layer.values for layer in cache.layers])
-        return pad, keys, values, pad_vector(state, self.max_state)
+        if self.max_state is None:
+            return pad, keys, values
+        return pad, keys, values, pad_vector(state[0], self.max_state)
 
 
 class Step(nn.Module):
@@ -89,14 +93,16 @@ class Step(nn.Module):
         prefix_mask: torch.Tensor,
         keys: torch.Tensor,
         values: torch.Tensor,
-        state: torch.Tensor,
+        *state: torch.Tensor,
     ) -> torch.Tensor:
         from transformers import DynamicCache
 
         cache = DynamicCache()
         for i in range(keys.shape[0]):
             cache.update(keys[i], values[i], i)
-        return self.model.denoise_step(state, prefix_mask, cache, x_t, time)
+        if state:  # pi0
+            return self.model.denoise_step(state[0], prefix_mask, cache, x_t, time)
+        return self.model.denoise_step(prefix_mask, cache, x_t, time)
 
 
 def _tokenizer(ckpt: Checkpoint, out: Path, given: Path | None) -> tuple[dict, int]:
@@ -105,7 +111,8 @@ def _tokenizer(ckpt: Checkpoint, out: Path, given: Path | None) -> tuple[dict, i
     t = ckpt.tokenizer
     if not t:
         raise ExportError(
-            f"{ckpt.path / 'policy_preprocessor.json'}: pi0 needs a tokenizer_processor step"
+            f"{ckpt.path / 'policy_preprocessor.json'}: {ckpt.type} needs a tokenizer_processor "
+            "step"
         )
     if t.get("padding_side", "right") != "right" or t.get("padding", "max_length") != (
         "max_length"
@@ -175,9 +182,10 @@ def export(
         raise ExportError(
             "config.json: use_relative_actions is set; policyd serves absolute actions"
         )
+    pi05 = ckpt.type == "pi05"
     by_key = {f.key: f for f in ckpt.inputs}
     if OBS_STATE not in by_key:
-        raise ExportError(f"config.json: pi0 needs {OBS_STATE}")
+        raise ExportError(f"config.json: {ckpt.type} needs {OBS_STATE}")
     images = list(cfg.image_features)
     res = tuple(cfg.image_resolution)
     for k in images:
@@ -189,7 +197,7 @@ def export(
             )
     extra = [f.key for f in ckpt.inputs if f.type != "VISUAL" and f.key != OBS_STATE]
     if extra:
-        raise ExportError(f"config.json: pi0 reads {OBS_STATE} and cameras; not {extra}")
+        raise ExportError(f"config.json: {ckpt.type} reads {OBS_STATE} and cameras; not {extra}")
     tok, pad_id = _tokenizer(ckpt, out, tokenizer)
     length = int(tok.get("max_length", cfg.tokenizer_max_length))
     state_dim = by_key[OBS_STATE].shape[0]
@@ -199,41 +207,43 @@ def export(
     token_mask = torch.ones((1, length), dtype=torch.bool)
     token_mask[:, length // 2 :] = False
     state = torch.randn((1, state_dim), generator=gen)
-    prefix_in = [*images, "tokens", "token_mask", OBS_STATE]
-    prefix_out = ["prefix_mask", "k", "v", "state_padded"]
-    prefix = Prefix(model, len(images), int(cfg.empty_cameras), int(cfg.max_state_dim))
-    args = (*image_args, tokens, token_mask, state)
+    # pi0.5's state reaches the model only through the prompt.
+    with_state = [] if pi05 else [OBS_STATE]
+    prefix_in = [*images, "tokens", "token_mask", *with_state]
+    prefix_out = ["prefix_mask", "k", "v"] + ([] if pi05 else ["state_padded"])
+    max_state = None if pi05 else int(cfg.max_state_dim)
+    prefix = Prefix(model, len(images), int(cfg.empty_cameras), max_state)
+    args = (*image_args, tokens, token_mask, *([] if pi05 else [state]))
     g1 = graphs.export(prefix, args, prefix_in, prefix_out, out / "prefix.onnx", verbose)
     with torch.no_grad():
-        pad, keys, values, padded = prefix(*args)
+        cached = prefix(*args)
     chunk, max_action = int(cfg.chunk_size), int(cfg.max_action_dim)
-    step_args = (
-        torch.randn((1, chunk, max_action), generator=gen),
-        torch.tensor([0.7]),
-        pad,
-        keys,
-        values,
-        padded,
-    )
-    step_in = ["x_t", "time", "prefix_mask", "k", "v", "state_padded"]
+    step_args = (torch.randn((1, chunk, max_action), generator=gen), torch.tensor([0.7]), *cached)
+    step_in = ["x_t", "time", *prefix_out]
     g2 = graphs.export(Step(model), step_args, step_in, ["v_t"], out / "step.onnx", verbose)
     steps = int(cfg.num_inference_steps)
     action_dim = ckpt.outputs[0].shape[0]
     inputs = [_image_binding(ckpt, by_key[k], k) for k in images]
-    inputs.append(input_binding(ckpt, by_key[OBS_STATE], OBS_STATE))
+    state_binding = input_binding(ckpt, by_key[OBS_STATE], OBS_STATE)
+    if pi05:
+        del state_binding["tensor"]  # discretised into the prompt, never an engine input
+    inputs.append(state_binding)
+    tokenizer = {
+        "file": TOKENIZER_FILE,
+        "format": "pi05" if pi05 else "lerobot_pi0",
+        "max_tokens": length,
+        "mask_tensor": "token_mask",
+        "pad_id": pad_id,
+        "overflow": "truncate" if tok.get("truncation", True) else "refuse",
+    }
+    if pi05:
+        tokenizer["state_key"] = state_binding["key"]
     inputs.append(
         {
             "key": tok.get("task_key", "task"),
             "tensor": "tokens",
             "dtypes": ["text"],
-            "tokenizer": {
-                "file": TOKENIZER_FILE,
-                "format": "lerobot_pi0",
-                "max_tokens": length,
-                "mask_tensor": "token_mask",
-                "pad_id": pad_id,
-                "overflow": "truncate" if tok.get("truncation", True) else "refuse",
-            },
+            "tokenizer": tokenizer,
         }
     )
     output = output_binding(ckpt, "x_t")
@@ -254,14 +264,14 @@ def export(
         "inputs": inputs,
         "outputs": [output],
         "metadata": {
-            "policy_type": "pi0",
+            "policy_type": ckpt.type,
             "action_horizon": chunk,
             "action_dim": action_dim,
             "n_action_steps": int(cfg.n_action_steps),
         },
     }
     manifest = {
-        "family": "pi0",
+        "family": ckpt.type,
         "horizon": chunk,
         "action_dim": action_dim,
         "n_obs_steps": 1,
@@ -269,6 +279,6 @@ def export(
         "sampler": sampler,
         "prompt_key": tok.get("task_key", "task"),
     }
-    # Gemma's attention overflows in plain FP16 (docs/export.md): BF16 on Orin.
+    # Gemma's attention overflows in plain FP16 (pi0.5 above all, docs/export.md): BF16.
     flags = {"prefix.onnx": ["--bf16"], "step.onnx": ["--bf16"]}
     return Exported(config, [g1, g2], manifest, flags)
