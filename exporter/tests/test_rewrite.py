@@ -92,15 +92,29 @@ def test_tract_fails_on_the_reproducer_and_serves_the_rewrite(
     ok, err = _serves(policyd, _config(tmp_path, src, name))
     # If tract fixes the bug, this fails: then the rewrite can go (docs/export.md says which).
     assert not ok, f"tract now runs {name}: the rewrite may be unnecessary"
-    assert {"cumsum_int64": "TDim is not a number", "concat_expand_matmul": "Trying to substitute"}[
-        name
-    ] in err, err
+    tract_says = {
+        "cumsum_int64": "TDim is not a number",
+        "concat_expand_matmul": "Trying to substitute",
+    }[name]
+    assert tract_says in err, err
+    # policyd names the pattern and the rewrite beside tract's own words.
+    rule = {"cumsum_int64": "R1", "concat_expand_matmul": "R2"}[name]
+    assert f"({rule}:" in err and "policyd-export rewrite" in err, err
+    # check-config says so too (R1 fails only when run: it gets a trial run there).
+    checked = subprocess.run(
+        [policyd, "check-config", str(_config(tmp_path, src, name))], capture_output=True, text=True
+    )
+    assert checked.returncode != 0 and f"({rule}:" in checked.stderr, checked.stderr
     fixed, report = rewrite.rewrite(model)
     assert report.total() == 1
     dst = tmp_path / f"{name}.rw.onnx"
     onnx.save_model(fixed, str(dst))
     ok, err = _serves(policyd, _config(tmp_path, dst, name))
     assert ok, err
+    checked = subprocess.run(
+        [policyd, "check-config", str(_config(tmp_path, dst, name))], capture_output=True, text=True
+    )
+    assert checked.returncode == 0, checked.stderr
 
 
 def test_a_graph_without_the_patterns_is_unchanged() -> None:

@@ -25,6 +25,8 @@ pub struct CpuEngine {
     io: IoSpec,
     /// One value per input, reused for every run (no per-run TVec growth beyond tract's own).
     datum: Vec<DatumType>,
+    /// The rewrite a failing run should name (a pattern tract 0.23 cannot run).
+    hint: Option<String>,
 }
 
 /// An input tensor owned by the slot and shared with tract only while it runs.
@@ -70,6 +72,28 @@ impl CpuEngine {
     /// Loads and optimises a model. `shape_hints` fixes the shapes of inputs whose dims the
     /// model leaves symbolic (from the bindings' `engine_shape`).
     pub fn load(
+        model: &ModelSource,
+        shape_hints: &[(String, Vec<usize>)],
+    ) -> Result<Self, EngineError> {
+        // The graph's patterns that tract 0.23 fails on (or runs slowly): their rewrite is
+        // named in any failure, at load or at run (warm-up runs it before serving).
+        let findings = super::tract_patterns::scan_model(model);
+        if let Some(note) = findings.as_ref().and_then(|f| f.slow()) {
+            log::warn!("{}: {note}", model.describe());
+        }
+        let hint = findings.and_then(|f| f.failing());
+        let mut engine = Self::load_graph(model, shape_hints).map_err(|e| match (e, &hint) {
+            (EngineError::Load { model, reason }, Some(h)) => EngineError::Load {
+                model,
+                reason: format!("{reason}\n{h}"),
+            },
+            (e, _) => e,
+        })?;
+        engine.hint = hint;
+        Ok(engine)
+    }
+
+    fn load_graph(
         model: &ModelSource,
         shape_hints: &[(String, Vec<usize>)],
     ) -> Result<Self, EngineError> {
@@ -170,6 +194,7 @@ impl CpuEngine {
             state,
             io,
             datum,
+            hint: None,
         })
     }
 }
@@ -219,10 +244,10 @@ impl Engine for CpuEngine {
                 .ok_or_else(|| EngineError::Run("input buffer from another backend".into()))?;
             values.push(TValue::from_const(t.0.clone()));
         }
-        let result = self
-            .state
-            .run(values)
-            .map_err(|e| EngineError::Run(format!("{e:#}")))?;
+        let result = self.state.run(values).map_err(|e| match &self.hint {
+            Some(h) => EngineError::Run(format!("{e:#}\n{h}")),
+            None => EngineError::Run(format!("{e:#}")),
+        })?;
         let compute = start.elapsed();
         for ((spec, out), value) in self
             .io

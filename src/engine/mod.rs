@@ -9,6 +9,8 @@
 pub mod cpu;
 pub mod pipeline;
 pub mod tensorrt;
+#[cfg(feature = "cpu")]
+pub mod tract_patterns;
 
 use std::any::Any;
 use std::borrow::Cow;

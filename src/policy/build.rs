@@ -327,6 +327,47 @@ fn tokenizer_report(plan: &Plan) -> Option<String> {
     ))
 }
 
+/// `check-config` does not run the model, but a CPU graph holding a pattern tract 0.23 fails on
+/// only at run time (CumSum over an int64 Cast) would pass it and then fail at warm-up: such a
+/// graph gets one run here, with fill values, so that its failure (naming the rewrite) is the
+/// check's. A tract that runs it passes.
+fn trial_run_if_tract_may_fail(
+    spec: &PolicySpec,
+    engine: &mut dyn Engine,
+    plan: &Plan,
+) -> Result<(), PolicyError> {
+    #[cfg(feature = "cpu")]
+    {
+        use crate::config::Backend;
+        use crate::engine::tract_patterns::scan_model;
+        if spec.engine.backend != Backend::Cpu {
+            return Ok(());
+        }
+        let models = std::iter::once(&spec.model).chain(spec.pipeline.as_ref().map(|p| &p.denoise));
+        let risky = models.filter_map(scan_model).any(|f| f.failing().is_some());
+        if !risky {
+            return Ok(());
+        }
+        // A slot's buffers: the engine's inputs, then the request path's own (prompt text).
+        let mut inputs = engine.alloc_inputs()?;
+        let n = inputs.len();
+        for &bytes in &plan.host_buffers {
+            inputs.push(Box::new(crate::engine::HostBuffer(vec![0; bytes])));
+        }
+        plan.fill_all(&mut inputs);
+        let mut outputs: Vec<Vec<u8>> = engine
+            .io()
+            .outputs
+            .iter()
+            .map(|s| vec![0; s.bytes()])
+            .collect();
+        engine.run(&mut inputs[..n], &mut outputs, true)?;
+    }
+    #[cfg(not(feature = "cpu"))]
+    let _ = (spec, engine, plan);
+    Ok(())
+}
+
 pub fn check(cfg: &Config, origin: &str) -> Result<String, PolicyError> {
     use std::fmt::Write;
     let mut out = String::new();
@@ -335,8 +376,9 @@ pub fn check(cfg: &Config, origin: &str) -> Result<String, PolicyError> {
     for c in &cfg.policies {
         let name = c.name.clone();
         let context = |e| in_policy(cfg, &name, e);
-        let engine = open_engine(c).map_err(context)?;
+        let mut engine = open_engine(c).map_err(context)?;
         let plan = Plan::compile(cfg, c, engine.io()).map_err(|e| context(e.into()))?;
+        trial_run_if_tract_may_fail(c, engine.as_mut(), &plan).map_err(context)?;
         let mut budget = Budget::compute(cfg, c, &plan);
         budget.add(engine.working_memory());
         let title = if several {
