@@ -106,25 +106,21 @@ pub fn scan(graph: &GraphProto) -> Findings {
     for node in &graph.node {
         let input = |i: usize| node.input.get(i).map(String::as_str).unwrap_or("");
         match node.op_type.as_str() {
-            "CumSum" => {
+            "CumSum"
                 if made_by(input(0), "Cast")
-                    .is_some_and(|c| int_attr(c, "to") == Some(DataType::Int64 as i64))
-                {
-                    f.cumsum_int64 += 1;
-                }
+                    .is_some_and(|c| int_attr(c, "to") == Some(DataType::Int64 as i64)) =>
+            {
+                f.cumsum_int64 += 1;
             }
-            "MatMul" if constants.contains(input(1)) => {
-                if made_by(input(0), "Concat")
-                    .is_some_and(|c| c.input.iter().any(|p| made_by(p, "Expand").is_some()))
-                {
-                    f.concat_expand_matmul += 1;
-                }
+            "MatMul"
+                if constants.contains(input(1))
+                    && made_by(input(0), "Concat").is_some_and(|c| {
+                        c.input.iter().any(|p| made_by(p, "Expand").is_some())
+                    }) =>
+            {
+                f.concat_expand_matmul += 1;
             }
-            "Pow" => {
-                if scalar_three(graph, &producer, input(1)) {
-                    f.pow3 += 1;
-                }
-            }
+            "Pow" if scalar_three(graph, &producer, input(1)) => f.pow3 += 1,
             _ => {}
         }
     }
