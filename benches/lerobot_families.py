@@ -45,6 +45,9 @@ FAMILIES = {
         {"full": True, "scheduler": "DDPM", "steps": None},
     ),
 }
+#: pi0 / pi0.5 at test size (LeRobot's PaliGemma size tables patched in this process; the
+#: real 3.3B-parameter models take seconds per chunk on a CPU: a Jetson job).
+TINY_PI = {"pi0, tiny (test sizes)": False, "pi0.5, tiny (test sizes)": True}
 #: Chunks measured per cell where one chunk takes seconds.
 FEW = {"Diffusion, DDPM-100": 5, "ACT, 1 camera 480×640": 15}
 
@@ -79,6 +82,27 @@ def policyd_times(binary: str, bundle: Path, obs: list[dict], n: int) -> tuple[l
     return engine, trip
 
 
+def measure(name: str, ckpt: Path, bundle: Path, n: int, binary: str) -> tuple | None:
+    """Export, then LeRobot at 1 and 2 threads, then policyd: one table row."""
+    t = time.perf_counter()
+    if export_main(["lerobot", str(ckpt), "--out", str(bundle)]) != 0:
+        return None
+    export_s = time.perf_counter() - t
+    c = load(ckpt)
+    obs = observations(c, 8, seed=0, prompt_key="task" if c.tokenizer else None)
+    t1 = pct(torch_times(ckpt, obs, n, 1))
+    t2 = pct(torch_times(ckpt, obs, n, 2))
+    engine, trip = policyd_times(binary, bundle, obs, n)
+    e, r = pct(engine), pct(trip)
+    print(
+        f"{name}: export {export_s:.0f} s, torch 1t {t1}, 2t {t2}, policyd engine {e}, "
+        f"round trip {r}",
+        file=sys.stderr,
+        flush=True,
+    )
+    return (name, export_s, t1, t2, e, r)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--policyd", default=str(ROOT / "target/release/policyd"))
@@ -91,25 +115,18 @@ def main() -> int:
         for name, (make, kw) in FAMILIES.items():
             if args.only and args.only not in name:
                 continue
-            ckpt = make(tmp / f"{len(rows)}-ckpt", **kw)
-            bundle = tmp / f"{len(rows)}-bundle"
-            t = time.perf_counter()
-            if export_main(["lerobot", str(ckpt), "--out", str(bundle)]) != 0:
-                return 1
-            export_s = time.perf_counter() - t
-            obs = observations(load(ckpt), 8, seed=0)
             n = min(args.n, FEW.get(name, args.n))
-            t1 = pct(torch_times(ckpt, obs, n, 1))
-            t2 = pct(torch_times(ckpt, obs, n, 2))
-            engine, trip = policyd_times(args.policyd, bundle, obs, n)
-            e, r = pct(engine), pct(trip)
-            rows.append((name, export_s, t1, t2, e, r))
-            print(
-                f"{name}: export {export_s:.0f} s, torch 1t {t1}, 2t {t2}, policyd engine {e}, "
-                f"round trip {r}",
-                file=sys.stderr,
-                flush=True,
-            )
+            ckpt = make(tmp / f"{len(rows)}-ckpt", **kw)
+            rows.append(measure(name, ckpt, tmp / f"{len(rows)}-bundle", n, args.policyd))
+        for name, pi05 in TINY_PI.items():
+            if args.only and args.only not in name:
+                continue
+            with checkpoints.tiny_pi0():
+                tok = checkpoints.gemma_tokenizer(tmp / f"{len(rows)}-tok")
+                ckpt = checkpoints.pi0(tmp / f"{len(rows)}-ckpt", tok, pi05=pi05)
+                rows.append(measure(name, ckpt, tmp / f"{len(rows)}-bundle", args.n, args.policyd))
+    if None in rows:
+        return 1
     print(
         "| policy | export | LeRobot torch, 1 thread p50 / p99 | torch, 2 threads | "
         "policyd engine (tract, 1 thread) | policyd round trip | policyd engine / torch 1t |"
