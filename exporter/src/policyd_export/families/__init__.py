@@ -10,6 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+from torch import nn
+
 from ..checkpoint import Checkpoint
 from ..errors import ExportError
 from ..graphs import Graph
@@ -23,6 +26,31 @@ class Exported:
     manifest: dict
     #: Per graph file: the trtexec precision flags (the script builds `<name>.plan`).
     trt_flags: dict[str, list[str]] = field(default_factory=dict)
+
+
+OBS_STATE = "observation.state"
+OBS_ENV_STATE = "observation.environment_state"
+
+
+class FlatInputs(nn.Module):
+    """A LeRobot module over flat tensors: the graph's inputs in `keys` order, put back into
+    the batch dict LeRobot's code reads, the cameras (`images`) under `observation.images`,
+    as a list (ACT) or stacked on dim −4 (Diffusion: `[B, n_obs, n_cam, C, H, W]`)."""
+
+    def __init__(self, run: object, keys: list[str], images: list[str], stack: bool):
+        super().__init__()
+        self.run = run  # a bound method of a LeRobot module (registered through its owner)
+        self.keys = keys
+        self.images = images
+        self.stack = stack
+
+    def forward(self, *xs: torch.Tensor) -> torch.Tensor:
+        named = dict(zip(self.keys, xs, strict=True))
+        batch = {k: v for k, v in named.items() if k not in self.images}
+        if self.images:
+            cams = [named[k] for k in self.images]
+            batch["observation.images"] = torch.stack(cams, dim=-4) if self.stack else cams
+        return self.run(batch)
 
 
 def load_policy(ckpt: Checkpoint):  # noqa: ANN201 (a LeRobot PreTrainedPolicy)

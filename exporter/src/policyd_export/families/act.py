@@ -16,27 +16,15 @@ from torch import nn
 from .. import graphs
 from ..bindings import input_binding, output_binding
 from ..checkpoint import Checkpoint
-from . import Exported
-
-OBS_STATE = "observation.state"
-OBS_ENV_STATE = "observation.environment_state"
+from . import OBS_ENV_STATE, OBS_STATE, Exported, FlatInputs
 
 
-class ActGraph(nn.Module):
-    """`ACT.forward` over flat inputs: state, environment state, then each camera."""
+class Act(FlatInputs):
+    """`ACT.forward` (eval: zero latent) over flat inputs: state, environment state, cameras."""
 
     def __init__(self, model: nn.Module, keys: list[str], images: list[str]):
-        super().__init__()
+        super().__init__(lambda batch: self.model(batch)[0], keys, images, stack=False)
         self.model = model
-        self.keys = keys
-        self.images = images
-
-    def forward(self, *xs: torch.Tensor) -> torch.Tensor:
-        named = dict(zip(self.keys, xs, strict=True))
-        batch = {k: v for k, v in named.items() if k not in self.images}
-        if self.images:
-            batch["observation.images"] = [named[k] for k in self.images]
-        return self.model(batch)[0]
 
 
 def export(ckpt: Checkpoint, policy: nn.Module, out: Path, verbose: bool) -> Exported:
@@ -62,7 +50,7 @@ def export(ckpt: Checkpoint, policy: nn.Module, out: Path, verbose: bool) -> Exp
     )
     horizon, dim = cfg.chunk_size, ckpt.outputs[0].shape[0]
     graph = graphs.export(
-        ActGraph(policy.model, keys, images), args, keys, ["action"], out / "model.onnx", verbose
+        Act(policy.model, keys, images), args, keys, ["action"], out / "model.onnx", verbose
     )
     config = {
         "engine": {"backend": "cpu", "model": "model.onnx"},

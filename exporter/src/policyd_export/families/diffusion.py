@@ -21,28 +21,17 @@ from .. import graphs
 from ..bindings import input_binding, output_binding
 from ..checkpoint import Checkpoint
 from ..errors import ExportError
-from . import Exported
-
-OBS_STATE = "observation.state"
-OBS_ENV_STATE = "observation.environment_state"
+from . import OBS_ENV_STATE, OBS_STATE, Exported, FlatInputs
 
 
-class Encoder(nn.Module):
+class Encoder(FlatInputs):
     """`_prepare_global_conditioning` over flat inputs, each `[1, n_obs_steps, ...]`."""
 
     def __init__(self, model: nn.Module, keys: list[str], images: list[str]):
-        super().__init__()
+        super().__init__(
+            lambda batch: self.model._prepare_global_conditioning(batch), keys, images, stack=True
+        )
         self.model = model
-        self.keys = keys
-        self.images = images
-
-    def forward(self, *xs: torch.Tensor) -> torch.Tensor:
-        named = dict(zip(self.keys, xs, strict=True))
-        batch = {k: v for k, v in named.items() if k not in self.images}
-        if self.images:
-            # LeRobot stacks the cameras on dim -4: [B, n_obs, n_cam, C, H, W].
-            batch["observation.images"] = torch.stack([named[k] for k in self.images], dim=-4)
-        return self.model._prepare_global_conditioning(batch)
 
 
 class Step(nn.Module):
