@@ -89,7 +89,7 @@ enum Command {
         /// The SentencePiece `.model` or `tokenizer.json`.
         #[arg(long)]
         tokenizer: PathBuf,
-        /// `pi0`, `pi05`, `plain` or `lerobot_pi0`.
+        /// `pi0`, `pi05`, `plain` or `lerobot`.
         #[arg(long, default_value = "pi0")]
         format: String,
         #[arg(long, default_value_t = 48)]

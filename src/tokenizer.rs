@@ -30,10 +30,10 @@ pub enum Format {
     Pi05,
     /// BOS (if the tokenizer has one) + `encode(prompt)`, the prompt as sent.
     Plain,
-    /// LeRobot's pi0 preprocessor: its `Pi0NewLineProcessor` ends the task with a newline
-    /// (unless it has one), then the tokenizer encodes it whole with BOS, uncleaned:
-    /// `encode(prompt + "\n", add_bos=True)`.
-    LerobotPi0,
+    /// LeRobot's pi0 and SmolVLA preprocessors: their newline step ends the task with a newline
+    /// (unless it has one), then the tokenizer encodes it whole, uncleaned, with BOS if the
+    /// tokenizer adds one: `encode(prompt + "\n")`.
+    Lerobot,
 }
 
 impl Format {
@@ -42,7 +42,7 @@ impl Format {
             "pi0" => Some(Format::Pi0),
             "pi05" => Some(Format::Pi05),
             "plain" => Some(Format::Plain),
-            "lerobot_pi0" => Some(Format::LerobotPi0),
+            "lerobot" => Some(Format::Lerobot),
             _ => None,
         }
     }
@@ -52,7 +52,7 @@ impl Format {
             Format::Pi0 => "pi0",
             Format::Pi05 => "pi05",
             Format::Plain => "plain",
-            Format::LerobotPi0 => "lerobot_pi0",
+            Format::Lerobot => "lerobot",
         }
     }
 }
@@ -309,8 +309,8 @@ impl Tokenizer {
                 encode(&text, out)?;
             }
             Format::Plain => encode(prompt, out)?,
-            Format::LerobotPi0 if prompt.ends_with('\n') => encode(prompt, out)?,
-            Format::LerobotPi0 => encode(&format!("{prompt}\n"), out)?,
+            Format::Lerobot if prompt.ends_with('\n') => encode(prompt, out)?,
+            Format::Lerobot => encode(&format!("{prompt}\n"), out)?,
         }
         Ok(())
     }

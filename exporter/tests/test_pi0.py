@@ -50,7 +50,7 @@ def test_the_bundle_is_a_flow_pipeline_with_the_prompt_tokenized(bundle: Pi0, po
     assert config["denoise"]["wire"] == {n: n for n in wired}
     prompt = config["inputs"][-1]
     assert prompt["key"] == "task"
-    assert prompt["tokenizer"]["format"] == ("pi05" if bundle.pi05 else "lerobot_pi0")
+    assert prompt["tokenizer"]["format"] == ("pi05" if bundle.pi05 else "lerobot")
     state = config["inputs"][-2]
     assert ("tensor" in state) != bundle.pi05  # pi0.5: the state reaches the prompt only
     assert (bundle.bundle / "tokenizer.model").is_file()
@@ -123,7 +123,7 @@ def test_tokens_equal_lerobots_preprocessor(prompt: str, bundle: Pi0, policyd: s
             "--tokenizer",
             str(bundle.bundle / "tokenizer.model"),
             "--format",
-            "pi05" if bundle.pi05 else "lerobot_pi0",
+            "pi05" if bundle.pi05 else "lerobot",
             "--max-tokens",
             str(len(want_ids)),
         ],

@@ -647,7 +647,7 @@ fn tokenizer(
         cx.invalid(
             k("format"),
             format!(
-                "must be \"pi0\", \"pi05\", \"plain\" or \"lerobot_pi0\", got \"{}\"",
+                "must be \"pi0\", \"pi05\", \"plain\" or \"lerobot\", got \"{}\"",
                 t.format
             ),
         )
@@ -673,7 +673,7 @@ fn tokenizer(
         (
             crate::tokenizer::Format::Pi0
             | crate::tokenizer::Format::Plain
-            | crate::tokenizer::Format::LerobotPi0,
+            | crate::tokenizer::Format::Lerobot,
             Some(_),
         ) => {
             return Err(cx.invalid(

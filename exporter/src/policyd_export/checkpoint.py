@@ -27,7 +27,7 @@ PLANNED = {
 PREPROCESSOR = "policy_preprocessor.json"
 POSTPROCESSOR = "policy_postprocessor.json"
 #: Processor steps whose effect the bundle reproduces (batching and devices are no-ops there;
-#: pi0's newline and tokenizer steps are policyd's `lerobot_pi0` tokenizer format; relative
+#: pi0's newline and tokenizer steps are policyd's `lerobot` tokenizer format; relative
 #: actions only while disabled).
 KNOWN_STEPS = {
     PREPROCESSOR: {

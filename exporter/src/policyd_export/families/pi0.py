@@ -11,7 +11,7 @@ prefix. pi0's expert also embeds the state; pi0.5 writes the state into the prom
   D]`) and, for pi0, the state padded to `max_state_dim` (passed through for the step);
 - `step.onnx` (`x_t`, `time`, and those) → the velocity `v_t`;
 - policyd's flow sampler with `flow_time = "lerobot"` runs the loop; its tokenizer makes the
-  token ids from the request's `task` as LeRobot's preprocessor does (format `lerobot_pi0`:
+  token ids from the request's `task` as LeRobot's preprocessor does (format `lerobot`:
   the task and a newline; `pi05`: `Task: …, State: …;\nAction: ` from the normalised state);
   `[[outputs]] columns` cuts the padded actions to the robot's dimension.
 """
@@ -230,7 +230,7 @@ def export(
     inputs.append(state_binding)
     tokenizer = {
         "file": TOKENIZER_FILE,
-        "format": "pi05" if pi05 else "lerobot_pi0",
+        "format": "pi05" if pi05 else "lerobot",
         "max_tokens": length,
         "mask_tensor": "token_mask",
         "pad_id": pad_id,
