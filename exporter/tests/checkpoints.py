@@ -268,3 +268,115 @@ def pi0(out: Path, tokenizer: Path, seed: int = 0, cameras: int = 1, pi05: bool 
     pre.save_pretrained(out)
     post.save_pretrained(out)
     return out
+
+
+def tiny_smolvlm(out: Path) -> Path:
+    """A tiny SmolVLM as a local directory (config, processor, byte-level BPE tokenizer with
+    SmolVLM's image tokens): what SmolVLA reads by `vlm_model_name`, which may be a path."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import (
+        PreTrainedTokenizerFast,
+        SmolVLMConfig,
+        SmolVLMImageProcessor,
+        SmolVLMProcessor,
+        SmolVLMVideoProcessor,
+    )
+
+    special = [
+        "<|endoftext|>",
+        "<|im_start|>",
+        "<end_of_utterance>",
+        "<fake_token_around_image>",
+        "<global-img>",
+        "<image>",
+    ]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tasks = [
+        "pick up the red cube",
+        "put the bowl on the stove",
+        "open the top drawer and put the bowl inside",
+        "fold the towel",
+    ]
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=special, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(tasks * 50, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|im_start|>",
+        eos_token="<end_of_utterance>",
+        pad_token="<|endoftext|>",
+        unk_token="<|endoftext|>",
+        extra_special_tokens={
+            "fake_image_token": "<fake_token_around_image>",
+            "global_image_token": "<global-img>",
+            "image_token": "<image>",
+            "end_of_utterance_token": "<end_of_utterance>",
+        },
+    )
+    images = SmolVLMImageProcessor(size={"longest_edge": 64}, max_image_size={"longest_edge": 64})
+    SmolVLMProcessor(
+        image_processor=images,
+        tokenizer=fast,
+        video_processor=SmolVLMVideoProcessor(),
+        image_seq_len=4,
+    ).save_pretrained(out)
+    SmolVLMConfig(
+        text_config={
+            "model_type": "llama",
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "vocab_size": 512,
+            "max_position_embeddings": 512,
+        },
+        vision_config={
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "image_size": 64,
+            "patch_size": 16,
+        },
+        scale_factor=2,
+        image_token_id=fast.convert_tokens_to_ids("<image>"),
+    ).save_pretrained(out)
+    return out
+
+
+def smolvla(out: Path, vlm: Path, seed: int = 0) -> Path:
+    """SmolVLA over the tiny SmolVLM at `vlm`: one 48×64 camera (resized with padding to 64×64
+    inside the model), prompts of at most 16 tokens, chunk 10."""
+    from lerobot.policies.smolvla.configuration_smolvla import SmolVLAConfig
+    from lerobot.policies.smolvla.modeling_smolvla import SmolVLAPolicy
+    from lerobot.policies.smolvla.processor_smolvla import make_smolvla_pre_post_processors
+
+    torch.manual_seed(seed)
+    g = torch.Generator().manual_seed(seed)
+    cfg = SmolVLAConfig(
+        input_features={
+            "observation.state": PolicyFeature(FeatureType.STATE, (STATE,)),
+            "observation.images.cam0": PolicyFeature(FeatureType.VISUAL, (3, 48, 64)),
+        },
+        output_features={"action": PolicyFeature(FeatureType.ACTION, (ACTION,))},
+        vlm_model_name=str(vlm),
+        load_vlm_weights=False,
+        device="cpu",
+        resize_imgs_with_padding=(64, 64),
+        num_vlm_layers=4,
+        chunk_size=10,
+        n_action_steps=10,
+        tokenizer_max_length=16,
+    )
+    policy = SmolVLAPolicy(cfg)
+    features = {**cfg.input_features, **cfg.output_features}
+    pre, post = make_smolvla_pre_post_processors(cfg, dataset_stats=_stats(g, features))
+    policy.save_pretrained(out)
+    pre.save_pretrained(out)
+    post.save_pretrained(out)
+    return out

@@ -50,9 +50,9 @@ def test_unsupported_policy_types_list_the_supported(act_bundle: object, tmp_pat
     _fails(
         ["lerobot", str(ckpt), "--out", str(tmp_path / "b")],
         "'vqbet' is not supported",
-        "supported: act, diffusion, pi0, pi05",
+        "supported: act, diffusion, pi0, pi05, smolvla",
     )
-    _edit_config(ckpt, type="smolvla")
+    _edit_config(ckpt, type="pi0_fast")
     _fails(["lerobot", str(ckpt), "--out", str(tmp_path / "b")], "not exported yet")
 
 

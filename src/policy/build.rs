@@ -425,10 +425,15 @@ pub fn check(cfg: &Config, origin: &str) -> Result<String, PolicyError> {
                 out,
                 "  pipeline: {} sampler, {} steps by default, at most {} (sampling_params.\
                  num_inference_steps); step graph {}: sample '{}', time '{}', output '{}', wired {}{}",
-                match p.kind {
-                    crate::sampler::Kind::Flow => "flow (openpi Euler)",
-                    crate::sampler::Kind::Ddpm => "DDPM (diffusers)",
-                    crate::sampler::Kind::Ddim => "DDIM (diffusers)",
+                match (p.kind, p.flow_time) {
+                    (crate::sampler::Kind::Flow, crate::sampler::FlowTime::Openpi) => {
+                        "flow (openpi Euler)"
+                    }
+                    (crate::sampler::Kind::Flow, crate::sampler::FlowTime::Lerobot) => {
+                        "flow (LeRobot's euler_integrate times)"
+                    }
+                    (crate::sampler::Kind::Ddpm, _) => "DDPM (diffusers)",
+                    (crate::sampler::Kind::Ddim, _) => "DDIM (diffusers)",
                 },
                 p.steps,
                 p.max_steps,

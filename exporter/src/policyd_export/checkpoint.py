@@ -18,10 +18,11 @@ import numpy as np
 from .errors import ExportError
 
 #: Policy types this exporter turns into bundles (config.json's "type").
-SUPPORTED = ("act", "diffusion", "pi0", "pi05")
+SUPPORTED = ("act", "diffusion", "pi0", "pi05", "smolvla")
 #: Types LeRobot has that are planned but not exported yet, with what stands in the way.
 PLANNED = {
-    "smolvla": "prefix + action-expert graphs with the KV cache (not exported yet)",
+    "pi0_fast": "autoregressive decoding, no prefix + step split (not exported yet)",
+    "groot": "an Eagle backbone loaded from the Hub, flash-attn (not exported yet)",
 }
 
 PREPROCESSOR = "policy_preprocessor.json"
@@ -36,6 +37,7 @@ KNOWN_STEPS = {
         "device_processor",
         "normalizer_processor",
         "pi0_new_line_processor",
+        "smolvla_new_line_processor",
         "pi05_prepare_state_tokenizer_processor_step",
         "tokenizer_processor",
         "relative_actions_processor",

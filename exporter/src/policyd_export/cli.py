@@ -17,7 +17,7 @@ from pathlib import Path
 
 from .errors import ExportError
 
-SUPPORTED_HELP = "supported policy types: act, diffusion, pi0, pi05"
+SUPPORTED_HELP = "supported policy types: act, diffusion, pi0, pi05, smolvla"
 
 
 def _lerobot(args: argparse.Namespace) -> int:

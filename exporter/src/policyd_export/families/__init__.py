@@ -79,10 +79,12 @@ def load_policy(ckpt: Checkpoint):  # noqa: ANN201 (a LeRobot PreTrainedPolicy)
 def export(
     ckpt: Checkpoint, out: Path, verbose: bool = False, tokenizer: Path | None = None
 ) -> Exported:
-    from . import act, diffusion, pi0
+    from . import act, diffusion, pi0, smolvla
 
     policy = load_policy(ckpt)
     if ckpt.type in ("pi0", "pi05"):
         return pi0.export(ckpt, policy, out, verbose, tokenizer)
+    if ckpt.type == "smolvla":
+        return smolvla.export(ckpt, policy, out, verbose)
     family = {"act": act, "diffusion": diffusion}[ckpt.type]
     return family.export(ckpt, policy, out, verbose)

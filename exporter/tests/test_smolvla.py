@@ -1,0 +1,96 @@
+"""SmolVLA over a tiny SmolVLM written to a local directory (what `vlm_model_name` may name):
+exported as a flow pipeline, the camera resized with padding inside the prefix graph, the
+prompt tokenized in policyd with the VLM's tokenizer.json, equal to LeRobot's own inference."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import tomllib
+
+import pytest
+from checkpoints import smolvla, tiny_smolvlm
+from conftest import Exported, run_cli
+
+from policyd_export.checkpoint import load
+from policyd_export.reference import Reference
+from policyd_export.verify import observations
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory: pytest.TempPathFactory) -> Exported:
+    root = tmp_path_factory.mktemp("smolvla")
+    vlm = tiny_smolvlm(root / "vlm")
+    ckpt = smolvla(root / "checkpoint", vlm)
+    r = run_cli("lerobot", str(ckpt), "--out", str(root / "bundle"))
+    assert r.returncode == 0, r.stderr
+    return Exported(ckpt, root / "bundle", r.stdout)
+
+
+def test_the_bundle_is_a_flow_pipeline_over_the_vlms_tokenizer(
+    bundle: Exported, policyd: str
+) -> None:
+    config = tomllib.loads((bundle.bundle / "policyd.toml").read_text())
+    assert config["sampler"]["flow_time"] == "lerobot"
+    assert config["denoise"]["wire"] == {n: n for n in ("prefix_mask", "k", "v")}
+    image = config["inputs"][0]
+    assert image["shape"] == [48, 64, 3]  # the camera's own size: the graph resizes it
+    prompt = config["inputs"][-1]["tokenizer"]
+    assert prompt["file"] == "tokenizer.json" and prompt["format"] == "lerobot"
+    assert "bos" not in prompt  # this tokenizer adds none, as SmolVLM's
+    assert (bundle.bundle / "tokenizer.json").is_file()
+    r = subprocess.run(
+        [policyd, "check-config", str(bundle.bundle / "policyd.toml")],
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 0, r.stderr
+    assert "LeRobot's euler_integrate" in r.stdout
+
+
+def test_served_actions_equal_lerobot(bundle: Exported, policyd: str) -> None:
+    """LeRobot pads prompts to their own length; policyd to 16 tokens, masked: the prompts sent
+    have several lengths, so this checks the padding changes nothing."""
+    r = run_cli("verify", str(bundle.bundle), str(bundle.checkpoint), "--policyd", policyd)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = [line for line in r.stdout.splitlines() if line.startswith("observation ")]
+    assert len(rows) == 4 and all(line.endswith("pass") for line in rows), r.stdout
+
+
+@pytest.mark.parametrize(
+    "prompt",
+    ["pick up the red cube", "  fold_the towel ", "open the drawer\n", "ünï ✓", "put " * 30],
+)
+def test_tokens_equal_lerobots_preprocessor(prompt: str, bundle: Exported, policyd: str) -> None:
+    from lerobot.utils.constants import OBS_LANGUAGE_ATTENTION_MASK, OBS_LANGUAGE_TOKENS
+
+    ckpt = load(bundle.checkpoint)
+    ref = Reference(ckpt)
+    obs = dict(observations(ckpt, 1, seed=1, prompt_key="task")[0], task=prompt)
+    batch = ref.pre(ref._observation(obs))
+    want_ids = batch[OBS_LANGUAGE_TOKENS][0].tolist()  # padded to its own length only
+    want_mask = [bool(m) for m in batch[OBS_LANGUAGE_ATTENTION_MASK][0].tolist()]
+    config = tomllib.loads((bundle.bundle / "policyd.toml").read_text())
+    t = config["inputs"][-1]["tokenizer"]
+    r = subprocess.run(
+        [
+            policyd,
+            "tokenize",
+            "--tokenizer",
+            str(bundle.bundle / "tokenizer.json"),
+            "--format",
+            "lerobot",
+            "--max-tokens",
+            str(t["max_tokens"]),
+            "--pad-id",
+            str(t["pad_id"]),
+        ],
+        input=json.dumps({"prompt": prompt}) + "\n",
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout.splitlines()[0])
+    n = len(want_ids)
+    assert got["ids"][:n] == want_ids and [bool(m) for m in got["mask"][:n]] == want_mask
+    assert not any(got["mask"][n:]) and all(i == t["pad_id"] for i in got["ids"][n:])
