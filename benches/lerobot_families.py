@@ -46,7 +46,8 @@ FAMILIES = {
     ),
 }
 #: pi0 / pi0.5 at test size (LeRobot's PaliGemma size tables patched in this process; the
-#: real 3.3B-parameter models take seconds per chunk on a CPU: a Jetson job).
+#: real 3.3B-parameter models take seconds per chunk on a CPU: a Jetson job), and SmolVLA over
+#: the tests' tiny SmolVLM.
 TINY_PI = {"pi0, tiny (test sizes)": False, "pi0.5, tiny (test sizes)": True}
 #: Chunks measured per cell where one chunk takes seconds.
 FEW = {"Diffusion, DDPM-100": 5, "ACT, 1 camera 480×640": 15}
@@ -125,6 +126,11 @@ def main() -> int:
                 tok = checkpoints.gemma_tokenizer(tmp / f"{len(rows)}-tok")
                 ckpt = checkpoints.pi0(tmp / f"{len(rows)}-ckpt", tok, pi05=pi05)
                 rows.append(measure(name, ckpt, tmp / f"{len(rows)}-bundle", args.n, args.policyd))
+        if not args.only or args.only in "SmolVLA, tiny (test sizes)":
+            vlm = checkpoints.tiny_smolvlm(tmp / "smolvlm")
+            ckpt = checkpoints.smolvla(tmp / f"{len(rows)}-ckpt", vlm)
+            name = "SmolVLA, tiny (test sizes)"
+            rows.append(measure(name, ckpt, tmp / f"{len(rows)}-bundle", args.n, args.policyd))
     if None in rows:
         return 1
     print(
