@@ -94,6 +94,13 @@ mod bake {
                 .canonicalize()
                 .map_err(|e| format!("{key} = \"{model}\": cannot read {}: {e}", file.display()))?;
             println!("cargo:rerun-if-changed={}", file.display());
+            // A large graph's external data (`<graph>.data`, as policyd-export writes it) is
+            // built in beside it.
+            let data = PathBuf::from(format!("{}.data", file.display()));
+            if data.is_file() {
+                println!("cargo:rerun-if-changed={}", data.display());
+                models.push((format!("{model}.data"), data.display().to_string()));
+            }
             models.push((model, file.display().to_string()));
         }
         if !tables

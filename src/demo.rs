@@ -59,6 +59,7 @@ fn baked(b: &Baked) -> Result<Config, ConfigError> {
         p.model = ModelSource::Embedded {
             name: m.name,
             bytes: m.bytes,
+            data: external(b, m.path),
         };
         if let Some(pipeline) = &mut p.pipeline
             && let ModelSource::File(path) = &pipeline.denoise
@@ -72,6 +73,7 @@ fn baked(b: &Baked) -> Result<Config, ConfigError> {
             pipeline.denoise = ModelSource::Embedded {
                 name: m.name,
                 bytes: m.bytes,
+                data: external(b, m.path),
             };
         }
         for (i, input) in p.inputs.iter_mut().enumerate() {
@@ -90,10 +92,20 @@ fn baked(b: &Baked) -> Result<Config, ConfigError> {
             t.file = ModelSource::Embedded {
                 name: m.name,
                 bytes: m.bytes,
+                data: &[],
             };
         }
     }
     Ok(cfg)
+}
+
+/// The external data baked beside the model written as `path` (`<path>.data`), if any.
+fn external(b: &Baked, path: &str) -> &'static [u8] {
+    let data = format!("{path}.data");
+    b.models
+        .iter()
+        .find(|m| m.path == data)
+        .map_or(&[], |m| m.bytes)
 }
 
 fn demo() -> Result<Config, ConfigError> {
@@ -102,6 +114,7 @@ fn demo() -> Result<Config, ConfigError> {
         p.model = ModelSource::Embedded {
             name: "aloha.onnx",
             bytes: MODEL,
+            data: &[],
         };
     }
     Ok(cfg)
@@ -143,7 +156,8 @@ mod tests {
             t.file,
             ModelSource::Embedded {
                 name: "bpe.model",
-                bytes: TOKENIZER
+                bytes: TOKENIZER,
+                data: &[],
             }
         );
         let partial = Baked {
@@ -187,7 +201,8 @@ mod tests {
             pipeline.denoise,
             ModelSource::Embedded {
                 name: "diffusion_unet.onnx",
-                bytes: UNET
+                bytes: UNET,
+                data: &[],
             }
         );
         let partial = Baked {

@@ -360,10 +360,13 @@ pub enum ZeroCopy {
 pub enum ModelSource {
     /// A file on disk (`[engine] model`, resolved against the config's folder).
     File(PathBuf),
-    /// Bytes built into the binary (the embedded demo policy).
+    /// Bytes built into the binary (the embedded demo policy, a firmware image), with the
+    /// graph's external data (`<graph>.data`: weights past ONNX's 2 GB protobuf limit), empty
+    /// when it has none.
     Embedded {
         name: &'static str,
         bytes: &'static [u8],
+        data: &'static [u8],
     },
 }
 
@@ -372,8 +375,13 @@ impl std::fmt::Debug for ModelSource {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             ModelSource::File(p) => f.debug_tuple("File").field(p).finish(),
-            ModelSource::Embedded { name, bytes } => {
-                write!(f, "Embedded({name}, {} bytes)", bytes.len())
+            ModelSource::Embedded { name, bytes, data } => {
+                write!(
+                    f,
+                    "Embedded({name}, {} + {} bytes)",
+                    bytes.len(),
+                    data.len()
+                )
             }
         }
     }
@@ -387,11 +395,31 @@ impl ModelSource {
         }
     }
 
-    /// Size of the model's weights as stored, for the memory budget.
+    /// Size of the model's weights as stored, for the memory budget: with the external data
+    /// `policyd-export` writes beside a large graph (`<graph>.data`).
     pub fn size(&self) -> u64 {
+        let len = |p: &Path| std::fs::metadata(p).map(|m| m.len()).unwrap_or(0);
         match self {
-            ModelSource::File(p) => std::fs::metadata(p).map(|m| m.len()).unwrap_or(0),
-            ModelSource::Embedded { bytes, .. } => bytes.len() as u64,
+            ModelSource::File(p) => len(p) + len(&external_data_path(p)),
+            ModelSource::Embedded { bytes, data, .. } => (bytes.len() + data.len()) as u64,
+        }
+    }
+}
+
+/// Where `policyd-export` puts a graph's external data: `<graph>.data` beside it (ONNX names
+/// the file inside the graph; a firmware image bakes this one).
+pub fn external_data_path(model: &Path) -> PathBuf {
+    let mut name = model.as_os_str().to_owned();
+    name.push(".data");
+    PathBuf::from(name)
+}
+
+impl ModelSource {
+    /// The embedded model's external data (empty for a file or a graph without any).
+    pub fn embedded_data(&self) -> &'static [u8] {
+        match self {
+            ModelSource::Embedded { data, .. } => data,
+            ModelSource::File(_) => &[],
         }
     }
 }

@@ -107,6 +107,9 @@ impl CpuEngine {
                 })?;
                 tract_onnx::onnx().model_for_path(path)
             }
+            ModelSource::Embedded { bytes, data, .. } if !data.is_empty() => {
+                embedded_with_data(bytes, data)
+            }
             ModelSource::Embedded { .. } => {
                 let bytes = super::model_bytes(model)?;
                 let mut reader: &[u8] = &bytes;
@@ -197,6 +200,50 @@ impl CpuEngine {
             hint: None,
         })
     }
+}
+
+/// A firmware image's graph with its external data built in beside it: tract reads external
+/// data only from files in the model's directory, so each tensor's bytes are copied from the
+/// baked data into the graph before tract sees it (a firmware image has no files).
+fn embedded_with_data(
+    bytes: &'static [u8],
+    data: &'static [u8],
+) -> TractResult<tract_onnx::prelude::InferenceModel> {
+    use tract_onnx::pb::tensor_proto::DataLocation;
+    let onnx = tract_onnx::onnx();
+    let mut reader: &[u8] = bytes;
+    let mut proto = onnx.proto_model_for_read(&mut reader)?;
+    let graph = proto
+        .graph
+        .as_mut()
+        .ok_or_else(|| TractError::msg("the model has no graph"))?;
+    for t in &mut graph.initializer {
+        if t.data_location != Some(DataLocation::External as i32) {
+            continue;
+        }
+        let field = |key: &str| {
+            t.external_data
+                .iter()
+                .find(|e| e.key == key)
+                .map(|e| e.value.clone())
+        };
+        let offset: usize = field("offset").map_or(Ok(0), |v| v.parse())?;
+        let length: Option<usize> = field("length").map(|v| v.parse()).transpose()?;
+        let end = length.map_or(Some(data.len()), |l| offset.checked_add(l));
+        let slice = end
+            .and_then(|end| data.get(offset..end))
+            .ok_or_else(|| {
+                TractError::msg(format!(
+                    "tensor '{}': external data [{offset}, +{length:?}) past the built-in                      data file ({} bytes)",
+                    t.name,
+                    data.len()
+                ))
+            })?;
+        t.raw_data = slice.to_vec();
+        t.external_data.clear();
+        t.data_location = Some(DataLocation::Default as i32);
+    }
+    onnx.model_for_proto_model(&proto)
 }
 
 impl Engine for CpuEngine {
