@@ -74,7 +74,7 @@ fn main() -> TractResult<()> {
         }
     }
     let mut ops: Vec<_> = by_op.into_iter().collect();
-    ops.sort_by(|a, b| b.1.0.cmp(&a.1.0));
+    ops.sort_by_key(|(_, (d, _))| std::cmp::Reverse(*d));
     let per_run = total.as_secs_f64() * 1e3 / runs as f64;
     println!("{runs} runs, {per_run:.2} ms per run; by op (ms per run, share):");
     for (op, (d, n)) in ops.iter().take(12) {
