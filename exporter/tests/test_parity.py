@@ -97,3 +97,27 @@ def test_diffusion_history_changes_lerobots_actions(ddim_bundle: object) -> None
     fresh = ref.actions(obs[1], noise)
     scale = float(np.abs(fresh).max())
     assert float(np.abs(after_first - fresh).max()) > 1e-2 * scale
+
+
+@pytest.mark.parametrize("name", BUNDLES)
+def test_the_tensorrt_config_is_the_cpu_config_on_plans(
+    name: str, request: pytest.FixtureRequest
+) -> None:
+    """No TensorRT here to check policyd.tensorrt.toml against real plans: it must be the CPU
+    config (which check-config passes above) with only the backend and the graphs swapped for
+    the plans build-plans.sh writes, whose I/O trtexec keeps as the ONNX graphs'."""
+    b = request.getfixturevalue(name)
+    cpu = tomllib.loads((b.bundle / "policyd.toml").read_text())
+    trt = tomllib.loads((b.bundle / "policyd.tensorrt.toml").read_text())
+    script = (b.bundle / "build-plans.sh").read_text()
+    for section in ("engine", "denoise"):
+        if section not in cpu:
+            continue
+        onnx_file = cpu[section]["model"]
+        plan = trt[section]["model"]
+        assert plan == onnx_file.removesuffix(".onnx") + ".plan"
+        assert f"--onnx={onnx_file} --saveEngine={plan}" in script
+        cpu[section].pop("model")
+        trt[section].pop("model")
+    assert trt["engine"].pop("backend") == "tensorrt" and cpu["engine"].pop("backend") == "cpu"
+    assert trt == cpu
