@@ -264,8 +264,11 @@ fn tokenize(
     use policyd::tokenizer::{Format, Tokenizer, state_bin};
     use std::io::{BufRead, Write};
     let usage = |m: String| CliError::Tokenize(m);
-    let format = Format::from_name(format)
-        .ok_or_else(|| usage(format!("--format must be pi0, pi05 or plain, got {format}")))?;
+    let format = Format::from_name(format).ok_or_else(|| {
+        usage(format!(
+            "--format must be pi0, pi05, plain or lerobot, got {format}"
+        ))
+    })?;
     let bytes =
         std::fs::read(file).map_err(|e| usage(format!("cannot read {}: {e}", file.display())))?;
     let tok =

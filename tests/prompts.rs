@@ -453,7 +453,7 @@ fn start_up_errors_name_the_key() {
             config(state, "format = \"pi1\""),
             good.clone(),
             "inputs[1].tokenizer.format",
-            "\"pi0\", \"pi05\" or \"plain\"",
+            "\"pi0\", \"pi05\", \"plain\" or \"lerobot\"",
         ),
         (
             config(state, "format = \"pi0\"").replace("max_tokens = 16", "max_tokens = 0"),
