@@ -13,6 +13,7 @@ Prints max |A - B| over every action, round-trip p50/p99 and the servers' own in
 each, and exits 1 if the actions differ by more than --atol (fp16 engines differ from fp32 by
 about 1e-3 on the demo models).
 """
+
 import argparse
 import pathlib
 import sys
@@ -21,15 +22,18 @@ import time
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests/interop"))
-from profiles import observation  # noqa: E402
-from openpi_client import websocket_client_policy as wcp  # noqa: E402
+from openpi_client import websocket_client_policy as wcp
+from profiles import observation
 
 ap = argparse.ArgumentParser()
 ap.add_argument("port_a", type=int)
 ap.add_argument("port_b", type=int)
 ap.add_argument("--host", default="127.0.0.1")
-ap.add_argument("--profile", default="aloha",
-                choices=["aloha", "droid", "libero", "flow", "diffusion"])
+ap.add_argument(
+    "--profile",
+    default="aloha",
+    choices=["aloha", "droid", "libero", "flow", "diffusion"],
+)
 ap.add_argument("--n", type=int, default=200)
 ap.add_argument("--warmup", type=int, default=20)
 ap.add_argument("--atol", type=float, default=0.05)
@@ -60,9 +64,13 @@ for i in range(args.warmup + args.n):
 
 for k, name in enumerate(("A", "B")):
     r = np.array(rtt[k])
-    print(f"{name} port {(args.port_a, args.port_b)[k]}: round trip p50 {np.percentile(r, 50):.2f} ms, "
-          f"p99 {np.percentile(r, 99):.2f} ms, max {r.max():.2f} ms; "
-          f"server infer_ms p50 {np.percentile(infer[k], 50):.2f}")
-print(f"B/A round-trip p50 ratio {np.percentile(rtt[1], 50) / np.percentile(rtt[0], 50):.2f}")
+    print(
+        f"{name} port {(args.port_a, args.port_b)[k]}: round trip p50 {np.percentile(r, 50):.2f} ms, "
+        f"p99 {np.percentile(r, 99):.2f} ms, max {r.max():.2f} ms; "
+        f"server infer_ms p50 {np.percentile(infer[k], 50):.2f}"
+    )
+print(
+    f"B/A round-trip p50 ratio {np.percentile(rtt[1], 50) / np.percentile(rtt[0], 50):.2f}"
+)
 print(f"max |A - B| over {args.n} observations: {worst:.3e} (tolerance {args.atol})")
 sys.exit(0 if worst <= args.atol else 1)

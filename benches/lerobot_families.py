@@ -17,6 +17,7 @@ Prints a Markdown table (docs/benchmarks.md, "Exported LeRobot policies").
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 import tempfile
 import time
@@ -33,7 +34,7 @@ from policyd_export.verify import observations, serve
 ROOT = Path(__file__).resolve().parents[1]
 # The test suite's checkpoint makers (LeRobot's classes, seeded random weights).
 sys.path.insert(0, str(ROOT / "exporter" / "tests"))
-import checkpoints  # noqa: E402
+checkpoints = importlib.import_module("checkpoints")
 
 FAMILIES = {
     # name: (maker, kwargs)
@@ -70,7 +71,9 @@ def torch_times(ckpt: Path, obs: list[dict], n: int, threads: int) -> list[float
     return times
 
 
-def policyd_times(binary: str, bundle: Path, obs: list[dict], n: int) -> tuple[list, list]:
+def policyd_times(
+    binary: str, bundle: Path, obs: list[dict], n: int
+) -> tuple[list, list]:
     engine, trip = [], []
     with serve(binary, bundle / "policyd.toml") as port:
         client = websocket_client_policy.WebsocketClientPolicy("127.0.0.1", port)
@@ -118,19 +121,27 @@ def main() -> int:
                 continue
             n = min(args.n, FEW.get(name, args.n))
             ckpt = make(tmp / f"{len(rows)}-ckpt", **kw)
-            rows.append(measure(name, ckpt, tmp / f"{len(rows)}-bundle", n, args.policyd))
+            rows.append(
+                measure(name, ckpt, tmp / f"{len(rows)}-bundle", n, args.policyd)
+            )
         for name, pi05 in TINY_PI.items():
             if args.only and args.only not in name:
                 continue
             with checkpoints.tiny_pi0():
                 tok = checkpoints.gemma_tokenizer(tmp / f"{len(rows)}-tok")
                 ckpt = checkpoints.pi0(tmp / f"{len(rows)}-ckpt", tok, pi05=pi05)
-                rows.append(measure(name, ckpt, tmp / f"{len(rows)}-bundle", args.n, args.policyd))
+                rows.append(
+                    measure(
+                        name, ckpt, tmp / f"{len(rows)}-bundle", args.n, args.policyd
+                    )
+                )
         if not args.only or args.only in "SmolVLA, tiny (test sizes)":
             vlm = checkpoints.tiny_smolvlm(tmp / "smolvlm")
             ckpt = checkpoints.smolvla(tmp / f"{len(rows)}-ckpt", vlm)
             name = "SmolVLA, tiny (test sizes)"
-            rows.append(measure(name, ckpt, tmp / f"{len(rows)}-bundle", args.n, args.policyd))
+            rows.append(
+                measure(name, ckpt, tmp / f"{len(rows)}-bundle", args.n, args.policyd)
+            )
     if None in rows:
         return 1
     print(

@@ -13,6 +13,7 @@ from the config: HWC<->CHW layout,
 first `pacing.actions_per_chunk` rows kept. onnxruntime gets one thread (`--threads`), as
 policyd's CPU engine uses one, so engine time stays comparable.
 """
+
 import argparse
 import logging
 import math
@@ -40,6 +41,7 @@ class Tokenizer:
 
     def __init__(self, path, fmt, max_len):
         import sentencepiece
+
         self.sp = sentencepiece.SentencePieceProcessor(model_proto=path.read_bytes())
         self.fmt, self.max_len = fmt, max_len
 
@@ -67,13 +69,18 @@ class Sampler:
             b0, b1 = s.get("beta_start", 0.0001), s.get("beta_end", 0.02)
             if sched == "squaredcos_cap_v2":
                 ab = lambda t: math.cos((t + 0.008) / 1.008 * math.pi / 2) ** 2
-                betas = np.array([min(1 - ab((i + 1) / T) / ab(i / T), 0.999) for i in range(T)], np.float32)
+                betas = np.array(
+                    [min(1 - ab((i + 1) / T) / ab(i / T), 0.999) for i in range(T)],
+                    np.float32,
+                )
             elif sched == "scaled_linear":
-                betas = np.linspace(b0 ** 0.5, b1 ** 0.5, T, dtype=np.float32) ** 2
+                betas = np.linspace(b0**0.5, b1**0.5, T, dtype=np.float32) ** 2
             else:
                 betas = np.linspace(b0, b1, T, dtype=np.float32)
             self.ac = np.cumprod(1 - betas, dtype=np.float32)
-            self.clip = s.get("clip_sample_range", 1.0) if s.get("clip_sample", True) else None
+            self.clip = (
+                s.get("clip_sample_range", 1.0) if s.get("clip_sample", True) else None
+            )
 
     def run(self, step, shape, seed, steps):
         rng = np.random.default_rng(seed)
@@ -96,7 +103,10 @@ class Sampler:
                 x = np.sqrt(a_prev) * x0 + np.sqrt(1 - a_prev) * m
             else:
                 cur = a_t / a_prev
-                x = np.sqrt(a_prev) * (1 - cur) / (1 - a_t) * x0 + np.sqrt(cur) * (1 - a_prev) / (1 - a_t) * x
+                x = (
+                    np.sqrt(a_prev) * (1 - cur) / (1 - a_t) * x0
+                    + np.sqrt(cur) * (1 - a_prev) / (1 - a_t) * x
+                )
                 if t > 0:
                     var = max((1 - a_prev) / (1 - a_t) * (1 - cur), 1e-20)
                     x = x + np.sqrt(var) * rng.standard_normal(shape).astype(np.float32)
@@ -110,12 +120,16 @@ class OnnxPolicy:
         so = ort.SessionOptions()
         so.intra_op_num_threads = threads
         so.inter_op_num_threads = 1
-        self.session = ort.InferenceSession(str(model), so, providers=["CPUExecutionProvider"])
+        self.session = ort.InferenceSession(
+            str(model), so, providers=["CPUExecutionProvider"]
+        )
         self.names = [o.name for o in self.session.get_outputs()]
         self.pipeline = None
         if "denoise" in cfg:
             step = (config_path.parent / cfg["denoise"]["model"]).resolve()
-            expert = ort.InferenceSession(str(step), so, providers=["CPUExecutionProvider"])
+            expert = ort.InferenceSession(
+                str(step), so, providers=["CPUExecutionProvider"]
+            )
             sampler = Sampler(cfg["sampler"])
             shape = next(i.shape for i in expert.get_inputs() if i.name == sampler.x)
             self.pipeline = (expert, sampler, cfg["denoise"].get("wire", {}), shape)
@@ -124,19 +138,38 @@ class OnnxPolicy:
         for b in cfg["inputs"]:
             if "tokenizer" in b:
                 t = b["tokenizer"]
-                tok = Tokenizer((config_path.parent / t["file"]).resolve(), t["format"], t["max_tokens"])
+                tok = Tokenizer(
+                    (config_path.parent / t["file"]).resolve(),
+                    t["format"],
+                    t["max_tokens"],
+                )
                 self.tokens.append((b["key"], b["tensor"], t["mask_tensor"], tok))
                 continue
             if b["dtypes"][0] == "text":
                 continue
             mean = np.asarray(b.get("mean", []), np.float32)
             std = np.asarray(b.get("std", []), np.float32)
-            self.inputs.append((b["key"], b["tensor"], b.get("layout", "none"),
-                                np.float32(b.get("scale", 1.0)), np.float32(b.get("offset", 0.0)),
-                                mean, std))
-        self.outputs = [(o["tensor"], o.get("key", "actions"), o.get("dtype", "float32"),
-                         np.asarray(o.get("mean", []), np.float32), np.asarray(o.get("std", []), np.float32))
-                        for o in cfg["outputs"]]
+            self.inputs.append(
+                (
+                    b["key"],
+                    b["tensor"],
+                    b.get("layout", "none"),
+                    np.float32(b.get("scale", 1.0)),
+                    np.float32(b.get("offset", 0.0)),
+                    mean,
+                    std,
+                )
+            )
+        self.outputs = [
+            (
+                o["tensor"],
+                o.get("key", "actions"),
+                o.get("dtype", "float32"),
+                np.asarray(o.get("mean", []), np.float32),
+                np.asarray(o.get("std", []), np.float32),
+            )
+            for o in cfg["outputs"]
+        ]
         self.chunk = cfg.get("pacing", {}).get("actions_per_chunk", 0)
         self.metadata = cfg.get("metadata", {})
 
@@ -162,20 +195,28 @@ class OnnxPolicy:
         if self.pipeline:
             expert, sampler, wire, shape = self.pipeline
             fixed = {to: outs[frm] for to, frm in wire.items()}
-            steps = int(obs.get("sampling_params", {}).get("num_inference_steps", sampler.steps))
+            steps = int(
+                obs.get("sampling_params", {}).get("num_inference_steps", sampler.steps)
+            )
             prefix_done = time.monotonic()
             engine = [0.0]
 
             def step(x, t):
                 t0 = time.monotonic()
-                out = expert.run([sampler.output], dict(fixed, **{sampler.x: x, sampler.time: t}))[0]
+                out = expert.run(
+                    [sampler.output], dict(fixed, **{sampler.x: x, sampler.time: t})
+                )[0]
                 engine[0] += time.monotonic() - t0
                 return out
 
             outs = {sampler.x: sampler.run(step, shape, obs.get("seed"), steps)}
             end = time.monotonic()
-            timing = {"prefix_ms": (prefix_done - start) * 1000, "denoise_ms": (end - prefix_done) * 1000,
-                      "steps": steps, "step_engine_ms": engine[0] * 1000}
+            timing = {
+                "prefix_ms": (prefix_done - start) * 1000,
+                "denoise_ms": (end - prefix_done) * 1000,
+                "steps": steps,
+                "step_engine_ms": engine[0] * 1000,
+            }
         infer_ms = (time.monotonic() - start) * 1000
         result = {}
         for tensor, key, dtype, mean, std in self.outputs:
@@ -194,14 +235,23 @@ class OnnxPolicy:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", type=pathlib.Path, required=True, help="a policyd config (its model, bindings, transforms)")
+    p.add_argument(
+        "--config",
+        type=pathlib.Path,
+        required=True,
+        help="a policyd config (its model, bindings, transforms)",
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8001)
-    p.add_argument("--threads", type=int, default=1, help="onnxruntime intra-op threads")
+    p.add_argument(
+        "--threads", type=int, default=1, help="onnxruntime intra-op threads"
+    )
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
     policy = OnnxPolicy(args.config, args.threads)
-    WebsocketPolicyServer(policy, host=args.host, port=args.port, metadata=policy.metadata).serve_forever()
+    WebsocketPolicyServer(
+        policy, host=args.host, port=args.port, metadata=policy.metadata
+    ).serve_forever()
 
 
 if __name__ == "__main__":

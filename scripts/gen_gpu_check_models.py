@@ -14,6 +14,7 @@ Run from the repository root (needs `onnx` and `numpy`):
     python3 scripts/gen_gpu_check_models.py
 The output is deterministic (fixed seed), and the models are committed.
 """
+
 import pathlib
 
 import numpy as np
@@ -26,28 +27,45 @@ H, D = 10, 7
 
 
 def io():
-    return (helper.make_tensor_value_info("state", TensorProto.FLOAT, [1, 8]),
-            helper.make_tensor_value_info("actions", TensorProto.FLOAT, [1, H, D]))
+    return (
+        helper.make_tensor_value_info("state", TensorProto.FLOAT, [1, 8]),
+        helper.make_tensor_value_info("actions", TensorProto.FLOAT, [1, H, D]),
+    )
 
 
 def finish(name, nodes, inits):
     inp, out = io()
-    graph = helper.make_graph(nodes, f"policyd_gpu_check_{name}", [inp], [out], initializer=inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)],
-                              producer_name="policyd scripts/gen_gpu_check_models.py")
+    graph = helper.make_graph(
+        nodes, f"policyd_gpu_check_{name}", [inp], [out], initializer=inits
+    )
+    model = helper.make_model(
+        graph,
+        opset_imports=[helper.make_opsetid("", 17)],
+        producer_name="policyd scripts/gen_gpu_check_models.py",
+    )
     model.ir_version = 8
     onnx.checker.check_model(model)
     return model
 
 
 def conditional(rng):
-    w = numpy_helper.from_array((rng.standard_normal((8, H * D)) / 3).astype(np.float32), "w")
+    w = numpy_helper.from_array(
+        (rng.standard_normal((8, H * D)) / 3).astype(np.float32), "w"
+    )
     shape = numpy_helper.from_array(np.array([1, H, D], dtype=np.int64), "shape")
     zero = numpy_helper.from_array(np.array(0.0, dtype=np.float32), "zero")
-    branch_out = lambda n: helper.make_tensor_value_info(n, TensorProto.FLOAT, [1, H * D])
-    then_g = helper.make_graph([helper.make_node("Tanh", ["h"], ["t"])], "then", [], [branch_out("t")])
-    else_g = helper.make_graph([helper.make_node("Neg", ["h"], ["n"]),
-                                helper.make_node("Tanh", ["n"], ["e"])], "else", [], [branch_out("e")])
+    branch_out = lambda n: helper.make_tensor_value_info(
+        n, TensorProto.FLOAT, [1, H * D]
+    )
+    then_g = helper.make_graph(
+        [helper.make_node("Tanh", ["h"], ["t"])], "then", [], [branch_out("t")]
+    )
+    else_g = helper.make_graph(
+        [helper.make_node("Neg", ["h"], ["n"]), helper.make_node("Tanh", ["n"], ["e"])],
+        "else",
+        [],
+        [branch_out("e")],
+    )
     nodes = [
         helper.make_node("MatMul", ["state", "w"], ["h"]),
         helper.make_node("ReduceSum", ["state"], ["s"], keepdims=0),
@@ -64,11 +82,15 @@ def instancenorm(rng):
     to2 = numpy_helper.from_array(np.array([1, 8], dtype=np.int64), "to2")
     scale = numpy_helper.from_array(np.array([1.5, 0.5], dtype=np.float32), "scale")
     bias = numpy_helper.from_array(np.array([0.1, -0.2], dtype=np.float32), "bias")
-    w = numpy_helper.from_array((rng.standard_normal((8, H * D)) / 3).astype(np.float32), "w")
+    w = numpy_helper.from_array(
+        (rng.standard_normal((8, H * D)) / 3).astype(np.float32), "w"
+    )
     shape = numpy_helper.from_array(np.array([1, H, D], dtype=np.int64), "shape")
     nodes = [
         helper.make_node("Reshape", ["state", "to3"], ["x3"]),
-        helper.make_node("InstanceNormalization", ["x3", "scale", "bias"], ["n3"], epsilon=1e-5),
+        helper.make_node(
+            "InstanceNormalization", ["x3", "scale", "bias"], ["n3"], epsilon=1e-5
+        ),
         helper.make_node("Reshape", ["n3", "to2"], ["n2"]),
         helper.make_node("MatMul", ["n2", "w"], ["h"]),
         helper.make_node("Tanh", ["h"], ["t"]),
@@ -79,7 +101,9 @@ def instancenorm(rng):
 
 def main():
     OUT.mkdir(parents=True, exist_ok=True)
-    for i, (name, build) in enumerate([("conditional", conditional), ("instancenorm", instancenorm)]):
+    for i, (name, build) in enumerate(
+        [("conditional", conditional), ("instancenorm", instancenorm)]
+    ):
         model = build(np.random.default_rng(4321 + i))
         path = OUT / f"{name}.onnx"
         path.write_bytes(model.SerializeToString())

@@ -5,6 +5,7 @@ binding runs) against a Python reference written from openpi's
 models/tokenizer/ (scripts/gen_tokenizers.py); the prompts are openpi's own examples and 1,000
 generated ones.
 """
+
 import json
 import os
 import pathlib
@@ -38,11 +39,59 @@ OPENPI_PROMPTS = [
     "",
 ]
 
-PIECES = ["pick up", "the", "red", "block", "_", "\n", " ", "  ", "\t", "🤖", "👍🏽", "日本語", "café",
-          "naïve", "Ω", "ﬁ", "ＡＢＣ", "١٢٣", "עברית", "e\u0301", "\u200b", "\u3000", "\x1c",
-          "\u0085", "\u00a0", "<s>", "</s>", "<unk>", "<|im_start|>", "12345", "3.14", "-7",
-          "Task:", "State:", "Action:", ";", ",", ".", "!?", "\\", "\"", "'", "xyzq", "QQQ",
-          "\U0001f9ea", "\U00010348", "ǅ", "ß", "İ", "ꙮ", "\x00"]
+PIECES = [
+    "pick up",
+    "the",
+    "red",
+    "block",
+    "_",
+    "\n",
+    " ",
+    "  ",
+    "\t",
+    "🤖",
+    "👍🏽",
+    "日本語",
+    "café",
+    "naïve",
+    "Ω",
+    "ﬁ",
+    "ＡＢＣ",
+    "١٢٣",
+    "עברית",
+    "e\u0301",
+    "\u200b",
+    "\u3000",
+    "\x1c",
+    "\u0085",
+    "\u00a0",
+    "<s>",
+    "</s>",
+    "<unk>",
+    "<|im_start|>",
+    "12345",
+    "3.14",
+    "-7",
+    "Task:",
+    "State:",
+    "Action:",
+    ";",
+    ",",
+    ".",
+    "!?",
+    "\\",
+    '"',
+    "'",
+    "xyzq",
+    "QQQ",
+    "\U0001f9ea",
+    "\U00010348",
+    "ǅ",
+    "ß",
+    "İ",
+    "ꙮ",
+    "\x00",
+]
 
 
 def generated_prompts(n=1000, seed=7):
@@ -50,7 +99,9 @@ def generated_prompts(n=1000, seed=7):
     out = []
     for i in range(n):
         k = rnd.randint(0, 24)
-        s = "".join(rnd.choice(PIECES) + (" " if rnd.random() < 0.5 else "") for _ in range(k))
+        s = "".join(
+            rnd.choice(PIECES) + (" " if rnd.random() < 0.5 else "") for _ in range(k)
+        )
         if i % 10 == 0:
             s = "  " + s + "\n "
         if i % 25 == 0:
@@ -75,7 +126,9 @@ def bin_edge_states(n, seed=3):
     states = []
     for _ in range(n):
         dim = rnd.choice([8, 14, 32])
-        states.append(np.array([rnd.choice(values) for _ in range(dim)], dtype=np.float32))
+        states.append(
+            np.array([rnd.choice(values) for _ in range(dim)], dtype=np.float32)
+        )
     return states
 
 
@@ -84,19 +137,25 @@ class PaligemmaReference:
 
     def __init__(self, path, max_len):
         self._max_len = max_len
-        self._tokenizer = sentencepiece.SentencePieceProcessor(model_proto=path.read_bytes())
+        self._tokenizer = sentencepiece.SentencePieceProcessor(
+            model_proto=path.read_bytes()
+        )
 
     def tokenize(self, prompt, state=None, fmt="pi0"):
         cleaned_text = prompt.strip().replace("_", " ").replace("\n", " ")
         if fmt == "plain":
             tokens = self._tokenizer.encode(prompt, add_bos=True)
         elif state is not None:
-            discretized_state = np.digitize(state, bins=np.linspace(-1, 1, 256 + 1)[:-1]) - 1
+            discretized_state = (
+                np.digitize(state, bins=np.linspace(-1, 1, 256 + 1)[:-1]) - 1
+            )
             state_str = " ".join(map(str, discretized_state))
             full_prompt = f"Task: {cleaned_text}, State: {state_str};\nAction: "
             tokens = self._tokenizer.encode(full_prompt, add_bos=True)
         else:
-            tokens = self._tokenizer.encode(cleaned_text, add_bos=True) + self._tokenizer.encode("\n")
+            tokens = self._tokenizer.encode(
+                cleaned_text, add_bos=True
+            ) + self._tokenizer.encode("\n")
         return pad(tokens, self._max_len)
 
 
@@ -121,13 +180,25 @@ class HfReference:
 
 def pad(tokens, max_len):
     if len(tokens) < max_len:
-        return tokens + [0] * (max_len - len(tokens)), [True] * len(tokens) + [False] * (max_len - len(tokens)), len(tokens)
+        return (
+            tokens + [0] * (max_len - len(tokens)),
+            [True] * len(tokens) + [False] * (max_len - len(tokens)),
+            len(tokens),
+        )
     return tokens[:max_len], [True] * max_len, len(tokens)
 
 
 def policyd_tokenize(tokenizer, fmt, max_tokens, items, bos=None):
-    args = [BIN, "tokenize", "--tokenizer", str(tokenizer), "--format", fmt,
-            "--max-tokens", str(max_tokens)]
+    args = [
+        BIN,
+        "tokenize",
+        "--tokenizer",
+        str(tokenizer),
+        "--format",
+        fmt,
+        "--max-tokens",
+        str(max_tokens),
+    ]
     if bos:
         args += ["--bos", bos]
     lines = "".join(json.dumps(item) + "\n" for item in items)
@@ -146,10 +217,15 @@ def compare(ref, got, items, fmt):
     assert not bad, f"{len(bad)} of {len(items)} differ; first: {bad[0]}"
 
 
-@pytest.mark.parametrize("model,fmt,max_len", [
-    ("bpe.model", "pi0", 48), ("bpe.model", "plain", 48), ("unigram.model", "pi0", 48),
-    ("unigram.model", "plain", 64),
-])
+@pytest.mark.parametrize(
+    "model,fmt,max_len",
+    [
+        ("bpe.model", "pi0", 48),
+        ("bpe.model", "plain", 48),
+        ("unigram.model", "pi0", 48),
+        ("unigram.model", "plain", 64),
+    ],
+)
 def test_sentencepiece_prompts_match_openpi(model, fmt, max_len):
     items = [{"prompt": p} for p in PROMPTS]
     got = policyd_tokenize(TOK / model, fmt, max_len, items)
@@ -157,14 +233,18 @@ def test_sentencepiece_prompts_match_openpi(model, fmt, max_len):
     # The corpus reaches what it is meant to: truncation, and (unigram) unknown pieces.
     assert any(g["tokens"] > max_len for g in got)
     if model == "unigram.model":
-        sp = sentencepiece.SentencePieceProcessor(model_proto=(TOK / model).read_bytes())
+        sp = sentencepiece.SentencePieceProcessor(
+            model_proto=(TOK / model).read_bytes()
+        )
         assert any(sp.unk_id() in g["ids"] for g in got)
 
 
 @pytest.mark.parametrize("model", ["bpe.model", "unigram.model"])
 def test_pi05_state_bins_match_openpi(model):
     states = bin_edge_states(len(PROMPTS))
-    items = [{"prompt": p, "state": [float(v) for v in s]} for p, s in zip(PROMPTS, states)]
+    items = [
+        {"prompt": p, "state": [float(v) for v in s]} for p, s in zip(PROMPTS, states)
+    ]
     got = policyd_tokenize(TOK / model, "pi05", 200, items)
     compare(PaligemmaReference(TOK / model, 200), got, items, "pi05")
 
@@ -179,10 +259,11 @@ def test_tokenizer_json_matches_tokenizers(fmt):
 # End to end: the prompted demo (configs/prompted.toml) through the unchanged openpi-client,
 # its actions checked against onnxruntime fed the reference's ids and mask.
 
+import urllib.request
+
 import msgpack
 import msgpack_numpy
 import onnxruntime as ort
-import urllib.request
 import websockets.sync.client as wsc
 from openpi_client import msgpack_numpy as openpi_mn
 from openpi_client import websocket_client_policy as wcp
@@ -204,11 +285,14 @@ REF = PaligemmaReference(TOK / "bpe.model", 48)
 
 def reference_actions(state, prompt):
     ids, mask, _ = REF.tokenize(prompt)
-    return SESSION.run(None, {
-        "state": state[None].astype(np.float32),
-        "tokenized_prompt": np.array([ids], dtype=np.int32),
-        "tokenized_prompt_mask": np.array([mask], dtype=bool),
-    })[0][0]
+    return SESSION.run(
+        None,
+        {
+            "state": state[None].astype(np.float32),
+            "tokenized_prompt": np.array([ids], dtype=np.int32),
+            "tokenized_prompt_mask": np.array([mask], dtype=bool),
+        },
+    )[0][0]
 
 
 def test_prompts_are_tokenized_as_openpi_does(prompted):
@@ -222,10 +306,13 @@ def test_prompts_are_tokenized_as_openpi_does(prompted):
         again = client.infer({"observation/state": state, "prompt": prompt})["actions"]
         assert np.array_equal(got, again), "the same prompt gives the same actions"
     values = list(seen.values())
-    assert all(not np.array_equal(a, b) for i, a in enumerate(values) for b in values[i + 1:]), \
-        "different prompts give different actions"
+    assert all(
+        not np.array_equal(a, b) for i, a in enumerate(values) for b in values[i + 1 :]
+    ), "different prompts give different actions"
     # openpi-client sends np.str_ prompts too (as numpy "<U" arrays).
-    got = client.infer({"observation/state": state, "prompt": np.array("fold the towel")})["actions"]
+    got = client.infer(
+        {"observation/state": state, "prompt": np.array("fold the towel")}
+    )["actions"]
     assert np.max(np.abs(got - reference_actions(state, "fold the towel"))) <= 1e-5
 
 
@@ -244,22 +331,35 @@ def test_long_and_empty_prompts_match_openpi_on_the_vllm_route(prompted):
     long = " ".join(["pick up the red block and put it in the basket"] * 20)
     huge = ("put the bowl on the plate " * 40400)[: 1 << 20]
     before = metric(prompted, "policyd_prompts_truncated_total")
-    with wsc.connect(f"ws://127.0.0.1:{prompted}/v1/realtime/robot/openpi", compression=None,
-                     max_size=None) as ws:
+    with wsc.connect(
+        f"ws://127.0.0.1:{prompted}/v1/realtime/robot/openpi",
+        compression=None,
+        max_size=None,
+    ) as ws:
         msgpack.unpackb(ws.recv())
         for prompt in [long, huge, "", "   "]:
             obs = {"observation/state": state, "prompt": prompt}
             ws.send(msgpack.packb(obs, default=msgpack_numpy.encode))
             arr = openpi_mn.unpackb(ws.recv(timeout=10))
-            assert np.max(np.abs(arr - reference_actions(state, prompt))) <= 1e-5, prompt[:40]
+            assert np.max(np.abs(arr - reference_actions(state, prompt))) <= 1e-5, (
+                prompt[:40]
+            )
         # Not text, not UTF-8: an error map naming the key; the socket still serves.
         for bad in [np.arange(4, dtype=np.float32), b"\xff\xfe"]:
-            ws.send(msgpack.packb({"observation/state": state, "prompt": bad},
-                                  default=msgpack_numpy.encode))
+            ws.send(
+                msgpack.packb(
+                    {"observation/state": state, "prompt": bad},
+                    default=msgpack_numpy.encode,
+                )
+            )
             err = msgpack.unpackb(ws.recv(timeout=10))
             assert err["type"] == "error" and "'prompt'" in err["detail"], err
-        ws.send(msgpack.packb({"observation/state": state, "prompt": "fold the towel"},
-                              default=msgpack_numpy.encode))
+        ws.send(
+            msgpack.packb(
+                {"observation/state": state, "prompt": "fold the towel"},
+                default=msgpack_numpy.encode,
+            )
+        )
         arr = openpi_mn.unpackb(ws.recv(timeout=10))
         assert np.max(np.abs(arr - reference_actions(state, "fold the towel"))) <= 1e-5
     assert metric(prompted, "policyd_prompts_truncated_total") >= before + 2
