@@ -53,6 +53,21 @@ class FlatInputs(nn.Module):
         return self.run(batch)
 
 
+def local_file(name: str, file: str) -> Path | None:
+    """`file` of a model named `name` by a checkpoint: in `name` if it is a directory, else in
+    the local Hugging Face cache (nothing is downloaded); None when it is in neither."""
+    if Path(name).is_dir():
+        path = Path(name) / file
+        return path if path.is_file() else None
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(name, file)
+    except Exception:  # an unusual name is just not in the cache
+        return None
+    return Path(cached) if isinstance(cached, str) and Path(cached).is_file() else None
+
+
 def load_policy(ckpt: Checkpoint):  # noqa: ANN201 (a LeRobot PreTrainedPolicy)
     """The checkpoint's policy through LeRobot's own `from_pretrained`, on the CPU, in eval mode.
 

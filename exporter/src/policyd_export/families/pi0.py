@@ -28,7 +28,7 @@ from .. import graphs
 from ..bindings import input_binding, output_binding
 from ..checkpoint import Checkpoint
 from ..errors import ExportError
-from . import Exported
+from . import Exported, local_file
 
 OBS_STATE = "observation.state"
 TOKENIZER_FILE = "tokenizer.model"
@@ -126,18 +126,9 @@ def _tokenizer(ckpt: Checkpoint, out: Path, given: Path | None) -> tuple[dict, i
     candidates = []
     if given is not None:
         candidates.append(given / TOKENIZER_FILE if given.is_dir() else given)
-    if name and Path(name).is_dir():
-        candidates.append(Path(name) / TOKENIZER_FILE)
-    elif name:
-        try:
-            from huggingface_hub import try_to_load_from_cache
-
-            cached = try_to_load_from_cache(name, TOKENIZER_FILE)
-            if isinstance(cached, str):
-                candidates.append(Path(cached))
-        except Exception:  # an unusual name is just not in the cache
-            pass
-    found = next((c for c in candidates if c.is_file()), None)
+    if name:
+        candidates.append(local_file(name, TOKENIZER_FILE))
+    found = next((c for c in candidates if c is not None and c.is_file()), None)
     if found is None:
         raise ExportError(
             f"the preprocessor tokenizes with {name!r}, whose {TOKENIZER_FILE} is not here: "

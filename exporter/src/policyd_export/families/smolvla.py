@@ -31,7 +31,8 @@ from .. import graphs
 from ..bindings import input_binding, output_binding
 from ..checkpoint import Checkpoint
 from ..errors import ExportError
-from . import OBS_STATE, Exported
+from . import OBS_STATE, Exported, local_file
+from .pi0 import Step  # the cache rebuilt from the stacked keys and values, `denoise_step`
 
 TOKENIZER_FILE = "tokenizer.json"
 
@@ -67,44 +68,13 @@ class Prefix(nn.Module):
         return pad, keys, values
 
 
-class Step(nn.Module):
-    """`denoise_step` with the cache rebuilt from the stacked keys and values."""
-
-    def __init__(self, model: nn.Module):
-        super().__init__()
-        self.model = model
-
-    def forward(
-        self,
-        x_t: torch.Tensor,
-        time: torch.Tensor,
-        prefix_mask: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-    ) -> torch.Tensor:
-        from transformers import DynamicCache
-
-        cache = DynamicCache()
-        for i in range(keys.shape[0]):
-            cache.update(keys[i], values[i], i)
-        return self.model.denoise_step(prefix_mask, cache, x_t, time)
-
-
 def _tokenizer(ckpt: Checkpoint, vlm: str, out: Path) -> tuple[dict, int, str | None]:
     """Copies the VLM's tokenizer.json into the bundle; returns the tokenizer step's config,
     the pad id and the BOS token the tokenizer adds (if any)."""
     t = ckpt.tokenizer or {}
     name = str(t.get("tokenizer_name") or vlm)
-    file = Path(name) / TOKENIZER_FILE if Path(name).is_dir() else None
+    file = local_file(name, TOKENIZER_FILE)
     if file is None:
-        try:
-            from huggingface_hub import try_to_load_from_cache
-
-            cached = try_to_load_from_cache(name, TOKENIZER_FILE)
-            file = Path(cached) if isinstance(cached, str) else None
-        except Exception:  # an unusual name is just not in the cache
-            file = None
-    if file is None or not file.is_file():
         raise ExportError(
             f"SmolVLA tokenizes with its VLM {name!r}, whose {TOKENIZER_FILE} is neither a local "
             "directory's nor in the Hugging Face cache: `huggingface-cli download "
