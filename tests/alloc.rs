@@ -152,20 +152,18 @@ async fn own_path(n: usize) -> u64 {
             let mut lease = worker.pool.acquire().await;
             let (pacer, wake, port) = (&pacer, &wake, &port);
             let slot = lease.slot();
-            let meta = plan
-                .decode(bytes, &mut slot.inputs, &mut slot.seen)
-                .unwrap();
+            let (inputs, seen) = slot.inputs_mut();
+            let meta = plan.decode(bytes, inputs, seen).unwrap();
             let sid = &sids[i % sids.len()];
             let (reset, pacing) = sessions.begin(Some(sid));
             if *observe {
                 let mut state = [0f64; policyd::limits::MAX_SIMILARITY_STATE];
-                let state = plan.similarity_state(&mut slot.inputs, &mut state);
+                let state = plan.similarity_state(slot.inputs_mut().0, &mut state);
                 let ts = (timestep_base + i) as i64;
                 let _ = pacing.admit(&filters, ts, false, state);
                 meta.observed_at().unwrap();
             }
-            slot.reset = reset;
-            slot.ticket = Ticket {
+            let ticket = Ticket {
                 kind: if *observe { Kind::Observe } else { Kind::Infer },
                 epoch: 0,
                 session: sessions.current().clone(),
@@ -174,21 +172,23 @@ async fn own_path(n: usize) -> u64 {
                 timestep: i as i64,
                 timestamp: 0.0,
             };
+            slot.prepare(ticket, reset);
             let key = SessionKey {
                 conn: 1,
-                session: slot.ticket.session.clone(),
+                session: slot.ticket().session.clone(),
             };
             assert!(lease.submit(worker, port, key).is_ok());
             let mut back = port.recv().await;
             pacer.wake_at(Instant::now(), wake);
             let slot = back.slot();
-            let t = slot.ticket.clone();
+            let t = slot.ticket().clone();
             let pacing = sessions.pacing(&t.session).unwrap();
             pacing.record_latency(t.received.elapsed().as_secs_f64());
             let d = pacing.delay_steps(30.0);
+            let (outputs, scratch, reply) = slot.reply_parts();
             let mut parts = ReplyParts {
-                outputs: &slot.outputs,
-                scratch: &mut slot.scratch,
+                outputs,
+                scratch,
                 chunk: plan.chunk(&cfg.default_policy().pacing, d),
             };
             if *observe {
@@ -197,7 +197,7 @@ async fn own_path(n: usize) -> u64 {
                     (t.timestep, 0.5),
                     1.0 / 30.0,
                     d,
-                    &mut slot.reply,
+                    reply,
                 );
             } else {
                 let timing = Timing {
@@ -206,14 +206,9 @@ async fn own_path(n: usize) -> u64 {
                     prev_total_ms: Some(3.0),
                     stages: None,
                 };
-                Dialect::Openpi.encode_infer(
-                    &mut plan.reply(&mut parts),
-                    &timing,
-                    Some(d),
-                    &mut slot.reply,
-                );
+                Dialect::Openpi.encode_infer(&mut plan.reply(&mut parts), &timing, Some(d), reply);
             }
-            assert!(slot.reply.len() > 100);
+            assert!(slot.reply().len() > 100);
         }
     };
     run(200, 0).await;
@@ -398,14 +393,14 @@ camera = "cam"
     let mut lease = loaded.worker.pool.try_acquire().unwrap();
     let slot = lease.slot();
     // Warm-up: arc-swap gives each thread its debt list on its first load.
-    plan.decode_with(&frame, &mut slot.inputs, &mut slot.seen, Some(&link))
-        .unwrap();
+    let (inputs, seen) = slot.inputs_mut();
+    plan.decode_with(&frame, inputs, seen, Some(&link)).unwrap();
 
     let before = allocs();
     for _ in 0..n {
         link.want_frame();
-        plan.decode_with(&frame, &mut slot.inputs, &mut slot.seen, Some(&link))
-            .unwrap();
+        let (inputs, seen) = slot.inputs_mut();
+        plan.decode_with(&frame, inputs, seen, Some(&link)).unwrap();
     }
     allocs() - before
 }
@@ -487,9 +482,10 @@ tensor = "actions"
     let slot = lease.slot();
     let mut encoded = 0;
     let mut step = |i: usize| {
-        plan.decode(&frames[i % frames.len()], &mut slot.inputs, &mut slot.seen)
+        let (inputs, seen) = slot.inputs_mut();
+        plan.decode(&frames[i % frames.len()], inputs, seen)
             .unwrap();
-        let t = plan.tokenize(&mut slot.inputs, &mut cache).unwrap();
+        let t = plan.tokenize(inputs, &mut cache).unwrap();
         encoded += usize::from(t.encoded);
     };
     step(0);

@@ -18,27 +18,27 @@ use std::time::{Duration, Instant};
 use bytes::BytesMut;
 use futures_util::{SinkExt, StreamExt};
 use tokio::io::{AsyncRead, AsyncWrite};
-use tokio::sync::Notify;
 use tokio_tungstenite::WebSocketStream;
 use tokio_tungstenite::tungstenite::protocol::CloseFrame;
 use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
 use tokio_tungstenite::tungstenite::{Bytes, Message};
 
-use crate::bind::ReplyParts;
+use crate::net::core::{Core, Finished, Released, Started};
 use crate::net::frame_guard::oversize_marker;
 use crate::net::http::Shared;
-use crate::planner::Link;
 use crate::policy::Policy;
-use crate::protocol::dialect::{Frame, OPENPI_ERROR_REASON, ResetScope};
-use crate::protocol::{self, Dialect, Endpoint, Failure, Timing};
-use crate::runtime::pacing::{Release, ReleaseQueue};
-use crate::runtime::scheduler::{Kind, SessionKey, SkipReason};
-use crate::runtime::session::Filters;
-use crate::runtime::session::Sessions;
-use crate::runtime::worker::{Lease, ReplyPort, Slot, Ticket};
+use crate::protocol::dialect::{Frame, OPENPI_ERROR_REASON};
+use crate::protocol::{self, Dialect, Failure, Timing};
+use crate::runtime::scheduler::{Kind, SkipReason};
+use crate::runtime::worker::Lease;
 
-/// Connection ids, for the scheduler's session keys.
+/// Client ids, for the scheduler's session keys (WebSocket connections and LeRobot clients).
 static NEXT_CONN: AtomicU64 = AtomicU64::new(1);
+
+/// A new client id.
+pub fn next_id() -> u64 {
+    NEXT_CONN.fetch_add(1, Ordering::Relaxed)
+}
 
 /// A reusable outgoing payload. tungstenite takes messages by value; handing it a clone of a
 /// shared buffer and taking the buffer back once the send has completed means steady-state
@@ -73,35 +73,14 @@ impl SendBuf {
 struct Conn<'a, S> {
     ws: WebSocketStream<S>,
     shared: &'a Shared,
-    /// The policy this connection is served by (until it switches, see [`Change`]).
-    policy: Arc<Policy>,
+    /// The requests of this connection (sessions, slots in flight, pacing).
+    core: Core<'a>,
     /// A policy switch waiting for the requests in flight to finish.
     change: Option<Change>,
-    /// The planner's link, if it feeds this policy (see [`Shared::planner`]).
-    planner: Option<Arc<Link>>,
     dialect: Dialect,
-    id: u64,
-    sessions: Box<Sessions>,
-    port: ReplyPort,
     /// Immediate replies (errors, reset, skipped notices).
     out: Vec<u8>,
     send: SendBuf,
-    /// Slots submitted and not yet back.
-    outstanding: usize,
-    /// An `infer` is queued, running or waiting for release: the next frame waits.
-    infer_busy: bool,
-    /// Finished slots waiting for their release time, earliest first.
-    releasing: ReleaseQueue<Lease>,
-    wake: Arc<Notify>,
-    prev_total_ms: Option<f64>,
-    filters: Filters,
-    /// This connection's share of the `policyd_sessions` gauge.
-    counted_sessions: i64,
-    /// Bumped when the engine stalls and this connection's waiting requests are answered with
-    /// a timeout error; slots of an older epoch are dropped when they come back.
-    epoch: u64,
-    /// Slots submitted before the last stall, not yet back.
-    abandoned: usize,
 }
 
 /// Why a connection leaves its current policy.
@@ -178,48 +157,31 @@ pub async fn serve<S>(
 where
     S: AsyncRead + AsyncWrite + Unpin,
 {
-    let id = NEXT_CONN.fetch_add(1, Ordering::Relaxed);
+    let id = next_id();
     let mut first = None;
     let mut send_metadata = true;
     loop {
-        let pacing = &policy.spec.pacing;
         let capacity = policy.plan.reply_capacity.max(1024);
         let mut c = Conn {
             ws,
             shared,
             dialect,
-            id,
-            sessions: Box::new(Sessions::new(
-                shared.cfg.server.max_sessions,
-                pacing.latency_window,
-            )),
-            port: ReplyPort::new(&policy.worker.pool),
+            core: Core::new(
+                shared,
+                policy.clone(),
+                id,
+                dialect.into(),
+                dialect.precision(),
+            ),
             out: Vec::with_capacity(capacity),
             send: SendBuf::new(capacity),
-            outstanding: 0,
-            infer_busy: false,
-            releasing: ReleaseQueue::default(),
-            wake: Arc::new(Notify::new()),
-            prev_total_ms: None,
-            filters: Filters {
-                skip_predicted_timesteps: pacing.skip_predicted_timesteps,
-                similarity_atol: pacing.similarity_atol,
-            },
-            counted_sessions: 0,
-            epoch: 0,
-            abandoned: 0,
-            planner: planner_for(shared, &policy),
-            policy: policy.clone(),
             change: None,
         };
         let end = c.run(send_metadata, first.take()).await;
-        shared.stats.metrics.sessions.dec_by(c.counted_sessions);
-        // Waiting entries of this connection go back to the pool now; running ones come back
-        // to the port, whose drop returns them.
-        policy
-            .worker
-            .scheduler
-            .remove_conn(c.id, |job| job.recycle());
+        let Conn {
+            ws: socket, core, ..
+        } = c;
+        core.close();
         match end {
             End::Closed(why) => return why,
             End::Switch { to, frame } => {
@@ -228,8 +190,7 @@ where
                     policy.name,
                     to.name
                 );
-                drop(c.port);
-                ws = c.ws;
+                ws = socket;
                 policy = to;
                 first = frame;
                 send_metadata = false;
@@ -244,7 +205,7 @@ where
 {
     async fn run(&mut self, send_metadata: bool, first: Option<(Bytes, Instant)>) -> End {
         let shared = self.shared;
-        let policy = self.policy.clone();
+        let policy = self.core.policy().clone();
         let cfg = &shared.cfg.server;
         if send_metadata
             && self
@@ -272,17 +233,17 @@ where
         let idle = (cfg.idle_timeout_s > 0.0).then(|| Duration::from_secs_f64(cfg.idle_timeout_s));
         let mut last_activity = Instant::now();
         let mut stalled = policy.worker.state.stalled.subscribe();
+        let wake = self.core.wake().clone();
 
         loop {
             // On shutdown, everything already read is still answered.
-            if stopping && self.outstanding == 0 && pending.is_none() && self.releasing.is_empty() {
+            if stopping && self.core.idle() && pending.is_none() {
                 close(&mut self.ws, CloseCode::Away, "server shutting down").await;
                 return End::Closed(Closed::Shutdown);
             }
             // A policy change waits for the requests in flight: they are answered first.
             if self.change.is_some()
-                && self.outstanding == 0
-                && self.releasing.is_empty()
+                && self.core.idle()
                 && let Some(change) = self.change.take()
             {
                 match change {
@@ -305,7 +266,7 @@ where
                 }
             }
             // Start the next frame if no `infer` is ahead of it and a slot is free.
-            if !self.infer_busy && pending.is_some() && self.change.is_none() {
+            if !self.core.infer_busy() && pending.is_some() && self.change.is_none() {
                 let lease = policy.worker.pool.try_acquire();
                 if let Some(lease) = lease
                     && let Some((frame, received)) = pending.take()
@@ -318,11 +279,11 @@ where
             }
             let idle_deadline = idle.map(|d| last_activity + d);
             let release_backstop = self
-                .releasing
-                .next_at()
+                .core
+                .next_release()
                 .map(|t| t + Duration::from_millis(2));
-            let quiet = self.outstanding == 0 && pending.is_none() && self.releasing.is_empty();
-            let wants_slot = !self.infer_busy && pending.is_some() && self.change.is_none();
+            let quiet = self.core.idle() && pending.is_none();
+            let wants_slot = !self.core.infer_busy() && pending.is_some() && self.change.is_none();
             tokio::select! {
                 changed = generation.changed() => {
                     if changed.is_ok() && self.change.is_none() {
@@ -341,30 +302,25 @@ where
                         return End::Closed(why);
                     }
                 }
-                lease = self.port.recv(), if self.outstanding + self.abandoned > 0 => {
-                    if lease.peek().ticket.epoch != self.epoch {
-                        // Already answered with a timeout error.
-                        self.abandoned = self.abandoned.saturating_sub(1);
+                lease = self.core.port().recv(), if self.core.awaiting() => {
+                    // None: already answered with a timeout error.
+                    let Some(lease) = self.core.returned(lease) else {
                         continue;
-                    }
-                    self.outstanding -= 1;
+                    };
                     if let Err(why) = self.finished(lease).await {
                         return End::Closed(why);
                     }
                     last_activity = Instant::now();
                 }
-                changed = stalled.changed(), if self.outstanding > 0 => {
+                changed = stalled.changed(), if self.core.outstanding() > 0 => {
                     if changed.is_ok() && *stalled.borrow_and_update() {
-                        self.epoch += 1;
-                        self.abandoned += self.outstanding;
-                        self.outstanding = 0;
-                        self.infer_busy = false;
-                        if let Err(why) = self.fail(self.stall_failure()).await {
-                        return End::Closed(why);
-                    }
+                        let f = self.core.stalled();
+                        if let Err(why) = self.fail(f).await {
+                            return End::Closed(why);
+                        }
                     }
                 }
-                _ = self.wake.notified(), if !self.releasing.is_empty() => {
+                _ = wake.notified(), if self.core.holding() => {
                     if let Err(why) = self.release_due().await {
                         return End::Closed(why);
                     }
@@ -439,184 +395,55 @@ where
     /// What a reload did to this connection's policy, if anything.
     fn reloaded(&self) -> Option<Change> {
         let set = self.shared.policies.load();
-        match set.get(&self.policy.name) {
-            Some(p) if Arc::ptr_eq(p, &self.policy) => None,
+        let current = self.core.policy();
+        match set.get(&current.name) {
+            Some(p) if Arc::ptr_eq(p, current) => None,
             Some(p) => Some(Change::Replaced(p.clone())),
             None => Some(Change::Removed),
         }
     }
 
-    /// Decodes a frame into `lease`'s slot and queues it (or answers it directly).
-    async fn start(&mut self, frame: &Bytes, received: Instant, mut lease: Lease) -> Step {
-        let shared = self.shared;
-        let policy = self.policy.clone();
-        let plan = &policy.plan;
-        let pacing = &policy.spec.pacing;
+    /// Decodes a frame into `lease`'s slot through the request core and answers what it
+    /// could not queue.
+    async fn start(&mut self, frame: &Bytes, received: Instant, lease: Lease) -> Step {
+        let policy = self.core.policy().clone();
         // Routed before it is decoded: with several policies, a frame naming another is that
         // policy's to decode (it may not even fit this one's bindings).
-        if shared.policies.load().policies.len() > 1
-            && let Some(name) = protocol::peek_policy(frame, &plan.limits)
+        if self.shared.policies.load().policies.len() > 1
+            && let Some(name) = protocol::peek_policy(frame, &policy.plan.limits)
             && name.as_str() != policy.name
         {
             drop(lease);
             return self.switch_to(&name, frame, received).await;
         }
-        let slot = lease.slot();
-        let planner = self.planner.as_deref();
-        let meta = match plan.decode_with(frame, &mut slot.inputs, &mut slot.seen, planner) {
-            Ok(m) => m,
-            Err(e) => {
-                if e.is_non_finite() {
-                    shared.stats.metrics.non_finite_inputs.inc();
-                }
-                return self.fail(Failure::Request(e.to_string())).await;
-            }
-        };
-        if let Some(name) = &meta.policy
-            && name.as_str() != policy.name
-        {
+        let started = self.core.start(
+            received,
+            lease,
+            self.dialect.reset_scope(),
+            |plan, inputs, seen, planner| plan.decode_with(frame, inputs, seen, planner),
+        );
+        match started {
+            Started::Queued => Ok(()),
+            Started::Failed(f) => self.fail(f).await,
             // One policy served: the name can only be unknown (or added by a reload since).
-            drop(lease);
-            return self.switch_to(name, frame, received).await;
-        }
-        if let Some((default, max)) = plan.sampling
-            && meta.endpoint != Endpoint::Reset
-        {
-            let steps = match meta.num_inference_steps {
-                None => default,
-                Some(n) if n >= 1 && n <= i64::from(max) => n as u32,
-                Some(n) => {
-                    let e = format!(
-                        "sampling_params.num_inference_steps must be within 1..={max} \
-                         (this policy's sampler.max_steps), got {n}"
-                    );
-                    return self.fail(Failure::Request(e)).await;
+            Started::OtherPolicy(name) => self.switch_to(&name, frame, received).await,
+            Started::Skipped {
+                timestep,
+                why,
+                report,
+            } => {
+                if report {
+                    self.skipped(timestep, why).await
+                } else {
+                    Ok(())
                 }
-            };
-            // A request's own seed makes its noise a pure function of it; without one the
-            // session's stream gives each request fresh noise.
-            let seed = match meta.seed {
-                Some(s) => s as u64,
-                None => self.sessions.next_seed(meta.session_id.as_ref()),
-            };
-            slot.sampling = crate::engine::Sampling { seed, steps };
-        }
-        if plan.tokens.is_some() && meta.endpoint != Endpoint::Reset {
-            let cache = self.sessions.prompt_cache(meta.session_id.as_ref());
-            match plan.tokenize(&mut slot.inputs, cache) {
-                Ok(t) => self.tokenized(&policy, t),
-                Err(e) => return self.fail(Failure::Request(e.to_string())).await,
             }
-        }
-        if meta.endpoint != Endpoint::Reset && *policy.worker.state.stalled.borrow() {
-            drop(lease);
-            return self.fail(self.stall_failure()).await;
-        }
-        shared.stats.metrics.request(self.dialect, meta.endpoint);
-        let release_at = crate::runtime::pacing::release_target(received, pacing.latency_budget_ms);
-        match meta.endpoint {
-            Endpoint::Reset => {
-                drop(lease);
-                match self.dialect.reset_scope() {
-                    ResetScope::Session => {
-                        self.sessions.reset(meta.session_id.as_ref());
-                        self.drop_waiting(&policy);
-                    }
-                    ResetScope::Connection => {
-                        self.sessions.reset_all();
-                        self.drop_all_waiting(&policy);
-                    }
-                }
-                self.count_sessions();
-                match Dialect::encode_reset(shared.cfg.server.reset_reply, &mut self.out) {
+            Started::Reset => {
+                match Dialect::encode_reset(self.shared.cfg.server.reset_reply, &mut self.out) {
                     Frame::Text(t) => self.send_msg(Message::text(t)).await,
                     Frame::Binary => {
                         let msg = self.send.message(&self.out);
                         self.send_msg(msg).await
-                    }
-                }
-            }
-            Endpoint::Infer => {
-                self.check_prompt(&policy, meta.session_id.as_ref(), slot);
-                let (reset, _) = self.sessions.begin(meta.session_id.as_ref());
-                self.count_sessions();
-                plan.stack_history(
-                    &mut slot.inputs,
-                    self.sessions.history(meta.session_id.as_ref()),
-                    reset,
-                );
-                slot.prepare(
-                    self.ticket(Kind::Infer, received, release_at, (0, 0.0)),
-                    reset,
-                );
-                let key = self.key(slot.ticket.session.clone());
-                match lease.submit(&policy.worker, &self.port, key) {
-                    Ok(_) => {
-                        self.outstanding += 1;
-                        self.infer_busy = true;
-                        Ok(())
-                    }
-                    Err(_) => {
-                        self.fail(Failure::Inference(
-                            "the engine worker is not running".into(),
-                        ))
-                        .await
-                    }
-                }
-            }
-            Endpoint::Observe => {
-                let (timestep, timestamp) = match meta.observed_at() {
-                    Ok(t) => t,
-                    Err(e) => return self.fail(Failure::Request(e.to_string())).await,
-                };
-                shared.stats.skips.observed.fetch_add(1, Ordering::Relaxed);
-                self.check_prompt(&policy, meta.session_id.as_ref(), slot);
-                let mut state = [0f64; crate::limits::MAX_SIMILARITY_STATE];
-                let state = plan.similarity_state(&mut slot.inputs, &mut state);
-                let (reset, session) = self.sessions.begin(meta.session_id.as_ref());
-                if let Some(gap) = session.observed(received) {
-                    shared
-                        .stats
-                        .metrics
-                        .observe_interval
-                        .observe(gap.as_secs_f64());
-                }
-                let must_go = meta.must_go.unwrap_or(false);
-                let admitted = session.admit(&self.filters, timestep, must_go, state);
-                self.count_sessions();
-                if let Err(why) = admitted {
-                    drop(lease);
-                    return self.skipped(timestep, why).await;
-                }
-                plan.stack_history(
-                    &mut slot.inputs,
-                    self.sessions.history(meta.session_id.as_ref()),
-                    reset,
-                );
-                let ticket =
-                    self.ticket(Kind::Observe, received, release_at, (timestep, timestamp));
-                slot.prepare(ticket, reset);
-                let key = self.key(slot.ticket.session.clone());
-                match lease.submit(&policy.worker, &self.port, key) {
-                    Ok(None) => {
-                        self.outstanding += 1;
-                        Ok(())
-                    }
-                    Ok(Some(mut old)) => {
-                        // The session's waiting observation was replaced before it ran.
-                        let old_step = old.slot().ticket.timestep;
-                        let sid = old.slot().ticket.session.clone();
-                        drop(old);
-                        if let Some(p) = self.sessions.pacing(&sid) {
-                            p.forget(old_step);
-                        }
-                        self.skipped(old_step, SkipReason::Superseded).await
-                    }
-                    Err(_) => {
-                        self.fail(Failure::Inference(
-                            "the engine worker is not running".into(),
-                        ))
-                        .await
                     }
                 }
             }
@@ -638,121 +465,8 @@ where
         Ok(())
     }
 
-    /// The ticket of a request of the current session.
-    fn ticket(
-        &self,
-        kind: Kind,
-        received: Instant,
-        release_at: Option<Instant>,
-        (timestep, timestamp): (i64, f64),
-    ) -> Ticket {
-        Ticket {
-            kind,
-            epoch: self.epoch,
-            session: self.sessions.current().clone(),
-            received,
-            release_at,
-            timestep,
-            timestamp,
-        }
-    }
-
-    fn stall_failure(&self) -> Failure {
-        Failure::Inference(format!(
-            "the engine has been running one inference for over {} ms (engine.timeout_ms); \
-             it may be stuck, so this request was not run",
-            self.policy.spec.engine.timeout_ms
-        ))
-    }
-
-    /// `reset_on_prompt_change`: a session whose prompt differs from its last one starts
-    /// afresh, as after `endpoint: reset` (its waiting observations are dropped too).
-    fn check_prompt(&mut self, policy: &Policy, id: Option<&protocol::SessionId>, slot: &mut Slot) {
-        if !policy.spec.reset_on_prompt_change {
-            return;
-        }
-        let hash = policy.plan.prompt_hash(&mut slot.inputs);
-        if self.sessions.prompt_changed(id, hash) {
-            self.drop_waiting(policy);
-            log::debug!(
-                "session {}: new prompt, session reset",
-                self.sessions.current()
-            );
-        }
-    }
-
-    /// Counts a truncated prompt, and says so once per session (openpi logs every one).
-    fn tokenized(&self, policy: &Policy, t: crate::bind::Tokenized) {
-        let metrics = &self.shared.stats.metrics;
-        if t.encoded {
-            metrics.prompts_tokenized.inc();
-        }
-        let Some(n) = t.truncated else {
-            return;
-        };
-        metrics.prompts_truncated.inc();
-        if t.first_truncation {
-            let max = policy
-                .plan
-                .tokens
-                .and_then(|i| policy.plan.inputs[i].tokens.as_ref());
-            log::warn!(
-                "session {}: the prompt is {n} tokens, truncated to {} (tokenizer.max_tokens; \
-                 said once per session)",
-                self.sessions.current(),
-                max.map_or(0, |t| t.max_tokens)
-            );
-        }
-    }
-
-    /// Drops the current session's observations still waiting for the engine (a reset).
-    fn drop_waiting(&mut self, policy: &Policy) {
-        let key = self.key(self.sessions.current().clone());
-        let mut dropped = 0;
-        policy.worker.scheduler.remove_session(&key, |job| {
-            dropped += 1;
-            job.recycle();
-        });
-        self.outstanding -= dropped;
-    }
-
-    /// Drops every observation of this connection still waiting for the engine (a reset of
-    /// all its sessions).
-    fn drop_all_waiting(&mut self, policy: &Policy) {
-        let mut dropped = 0;
-        policy.worker.scheduler.remove_conn(self.id, |job| {
-            dropped += 1;
-            job.recycle();
-        });
-        self.outstanding -= dropped;
-    }
-
-    /// Brings the sessions gauge in line with this connection's table.
-    fn count_sessions(&mut self) {
-        let now = self.sessions.len() as i64;
-        if now != self.counted_sessions {
-            self.shared
-                .stats
-                .metrics
-                .sessions
-                .inc_by(now - self.counted_sessions);
-            self.counted_sessions = now;
-        }
-    }
-
-    fn key(&self, session: protocol::SessionId) -> SessionKey {
-        SessionKey {
-            conn: self.id,
-            session,
-        }
-    }
-
-    /// Counts a skipped observation and, if configured, tells the client.
+    /// Tells the client an observation was skipped (`pacing.report_skipped`).
     async fn skipped(&mut self, timestep: i64, why: SkipReason) -> Step {
-        self.shared.stats.skips.count(why);
-        if !self.policy.spec.pacing.report_skipped {
-            return Ok(());
-        }
         Dialect::encode_skipped(timestep, why.as_str(), &mut self.out);
         let msg = self.send.message(&self.out);
         self.send_msg(msg).await
@@ -760,128 +474,49 @@ where
 
     /// A slot came back from the engine: report a failure, or release the result (now, or at
     /// its release time).
-    async fn finished(&mut self, mut lease: Lease) -> Step {
-        let policy = self.policy.clone();
-        let plan = &policy.plan;
-        let slot = lease.slot();
-        let failure = match slot.result.take() {
-            Some(Ok(stats)) => {
-                slot.result = Some(Ok(stats));
-                let precision = self.dialect.precision();
-                plan.non_finite_reply(&slot.outputs, &mut slot.scratch, precision)
-                    .map(|name| {
-                        Failure::Inference(format!(
-                            "the engine's output '{name}' holds NaN or infinity as it would be \
-                             sent (after un-normalisation and the cast to the reply dtype)"
-                        ))
-                    })
-            }
-            Some(Err(e)) => Some(Failure::Inference(e.to_string())),
-            None => Some(Failure::Inference("the engine returned no result".into())),
-        };
-        if let Some(f) = failure {
-            if slot.ticket.kind == Kind::Infer {
-                self.infer_busy = false;
-            }
-            drop(lease);
-            log::warn!("inference failed: {}", f.message());
-            return self.fail(f).await;
-        }
-        match crate::runtime::pacing::release(Instant::now(), slot.ticket.release_at) {
-            Release::At(at) => {
-                if let Err(lease) = self.releasing.hold(at, lease) {
-                    // One entry per slot: cannot be full; if it were, out now.
-                    return self.release(lease, false).await;
-                }
-                self.shared
-                    .pacer
-                    .wake_at(at - crate::runtime::pacing::WAKE_LEAD, &self.wake);
-                Ok(())
-            }
-            Release::Late => {
-                self.shared.stats.release.missed();
-                self.release(lease, false).await
-            }
-            Release::Now => self.release(lease, false).await,
+    async fn finished(&mut self, lease: Lease) -> Step {
+        match self.core.finished(lease) {
+            Finished::Failed(f) => self.fail(f).await,
+            Finished::Held => Ok(()),
+            Finished::Now(lease) => self.release(lease, false).await,
         }
     }
 
     /// Releases every held result whose time has come.
     async fn release_due(&mut self) -> Step {
-        while let Some(lease) = self.releasing.pop_due() {
+        while let Some(lease) = self.core.due() {
             self.release(lease, true).await?;
         }
         Ok(())
     }
 
-    /// Encodes a result and sends it.
-    async fn release(&mut self, mut lease: Lease, paced: bool) -> Step {
-        let shared = self.shared;
-        let policy = self.policy.clone();
-        let plan = &policy.plan;
-        let pacing = &policy.spec.pacing;
-        let now = Instant::now();
-        let slot = lease.slot();
-        let t = slot.ticket.clone();
-        if paced && let Some(at) = t.release_at {
-            shared.stats.release.on_time(at, now);
-        }
-        let latency = now.saturating_duration_since(t.received);
-        let delay_steps = match self.sessions.pacing(&t.session) {
-            Some(p) => {
-                p.record_latency(latency.as_secs_f64());
-                p.delay_steps(pacing.fps)
-            }
-            None => crate::runtime::session::delay_steps(latency.as_secs_f64(), pacing.fps),
-        };
-        let (compute, stages) = match &slot.result {
-            Some(Ok(s)) => (s.compute, s.stages),
-            _ => (Duration::ZERO, None),
-        };
-        let metrics = &shared.stats.metrics;
-        metrics.replied(self.dialect, latency);
-        metrics.engine.observe(compute.as_secs_f64());
-        if let Some(s) = stages {
-            metrics.sampler_steps.observe(f64::from(s.steps));
-        }
-        let mut parts = ReplyParts {
-            outputs: &slot.outputs,
-            scratch: &mut slot.scratch,
-            chunk: plan.chunk(pacing, delay_steps),
-        };
-        let mut reply = plan.reply(&mut parts);
-        match t.kind {
-            Kind::Infer => {
-                let timing = Timing {
-                    policy_infer_ms: compute.as_secs_f64() * 1e3,
-                    server_infer_ms: latency.as_secs_f64() * 1e3,
-                    prev_total_ms: self.prev_total_ms,
-                    stages: stages.map(|s| {
-                        (
-                            s.prefix.as_secs_f64() * 1e3,
-                            s.denoise.as_secs_f64() * 1e3,
-                            s.steps,
-                        )
-                    }),
-                };
-                let d = pacing.reply_delay_steps.then_some(delay_steps);
-                self.dialect
-                    .encode_infer(&mut reply, &timing, d, &mut slot.reply);
-            }
-            Kind::Observe => self.dialect.encode_observe(
-                &mut reply,
-                (t.timestep, t.timestamp),
-                1.0 / pacing.fps,
-                delay_steps,
-                &mut slot.reply,
-            ),
-        }
-        let msg = self.send.message(&slot.reply);
+    /// Encodes a result in the connection's dialect and sends it.
+    async fn release(&mut self, lease: Lease, paced: bool) -> Step {
+        let dialect = self.dialect;
+        let reply_delay_steps = self.core.policy().spec.pacing.reply_delay_steps;
+        let lease = self
+            .core
+            .release(lease, paced, |r: Released<'_, '_, '_>| match r.kind {
+                Kind::Infer => {
+                    let timing = Timing {
+                        policy_infer_ms: r.compute.as_secs_f64() * 1e3,
+                        server_infer_ms: r.latency.as_secs_f64() * 1e3,
+                        prev_total_ms: r.prev_total_ms,
+                        stages: r.stages,
+                    };
+                    let d = reply_delay_steps.then_some(r.delay_steps);
+                    dialect.encode_infer(r.reply, &timing, d, r.buf);
+                }
+                Kind::Observe => dialect.encode_observe(
+                    r.reply,
+                    (r.ticket.timestep, r.ticket.timestamp),
+                    1.0 / r.fps,
+                    r.delay_steps,
+                    r.buf,
+                ),
+            });
+        let msg = self.send.message(lease.peek().reply());
         drop(lease);
-        if t.kind == Kind::Infer {
-            self.infer_busy = false;
-            self.prev_total_ms = Some(t.received.elapsed().as_secs_f64() * 1e3);
-        }
         self.send_msg(msg).await
     }
 
@@ -891,7 +526,7 @@ where
 
     /// Reports a failure in the connection's dialect; `Err` when the dialect closes after it.
     async fn fail(&mut self, f: Failure) -> Step {
-        self.shared.stats.metrics.error(self.dialect, f.kind());
+        self.core.count_error(&f);
         let reply = self.dialect.encode_error(&f, &mut self.out);
         let sent = match reply.frame {
             Frame::Text(text) => {
@@ -914,14 +549,6 @@ where
         }
         Ok(())
     }
-}
-
-/// The planner's link, for a policy whose bindings it fits (only the default policy's plan
-/// has a planner tap).
-fn planner_for(shared: &Shared, policy: &Policy) -> Option<Arc<Link>> {
-    let link = shared.planner.as_ref()?;
-    let tap = policy.plan.planner.as_ref()?;
-    tap.fits(link).then(|| link.clone())
 }
 
 /// The error for a message the frame guard dropped for its size.

@@ -4,6 +4,7 @@
 
 pub mod auth;
 pub mod connection;
+pub mod core;
 pub mod frame_guard;
 pub mod http;
 pub mod listener;

@@ -139,14 +139,6 @@ impl Dialect {
         }
     }
 
-    /// Label `route` in `/metrics`.
-    pub const fn label(self) -> &'static str {
-        match self {
-            Dialect::Openpi => "openpi",
-            Dialect::Vllm => "vllm",
-        }
-    }
-
     /// The dtypes a reply on this route is sent in (non-finite checks run on them).
     pub fn precision(self) -> Precision {
         match self {

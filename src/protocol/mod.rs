@@ -18,6 +18,36 @@ pub use request::{
     Visitor, WireError, decode_request, peek_policy,
 };
 
+/// Which front end and wire format a request came by: label `route` in `/metrics`.
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
+pub enum Route {
+    Openpi,
+    Vllm,
+    /// LeRobot's `AsyncInference` gRPC service.
+    Lerobot,
+}
+
+impl Route {
+    pub const ALL: [Route; 3] = [Route::Openpi, Route::Vllm, Route::Lerobot];
+
+    pub const fn label(self) -> &'static str {
+        match self {
+            Route::Openpi => "openpi",
+            Route::Vllm => "vllm",
+            Route::Lerobot => "lerobot",
+        }
+    }
+}
+
+impl From<Dialect> for Route {
+    fn from(d: Dialect) -> Route {
+        match d {
+            Dialect::Openpi => Route::Openpi,
+            Dialect::Vllm => Route::Vllm,
+        }
+    }
+}
+
 /// Step `i` of a timed action chunk for an observation taken at `timestep`/`timestamp`:
 /// `(timestep + i, timestamp + i·dt)` (LeRobot's `TimedAction`s), for the scheduler's filters
 /// and the `observe` reply alike.

@@ -52,23 +52,25 @@ impl Default for Ticket {
 
 /// One request's buffers.
 pub struct Slot {
-    pub inputs: Vec<Box<dyn InputBuffer>>,
-    pub outputs: Vec<Vec<u8>>,
+    inputs: Vec<Box<dyn InputBuffer>>,
+    outputs: Vec<Vec<u8>>,
     /// Which bindings the current request supplied.
-    pub seen: Vec<bool>,
+    seen: Vec<bool>,
     /// The encoded reply.
-    pub reply: Vec<u8>,
+    reply: Vec<u8>,
     /// Outputs converted to their reply dtype, when a chunk is cut (see `pacing`).
-    pub scratch: Vec<u8>,
-    pub ticket: Ticket,
+    scratch: Vec<u8>,
+    ticket: Ticket,
     /// Tell the engine to drop its history before this run.
-    pub reset: bool,
+    reset: bool,
     /// The request's noise seed and step count (a pipeline's sampler reads them).
-    pub sampling: crate::engine::Sampling,
+    sampling: crate::engine::Sampling,
     /// The worker's result for the last run.
-    pub result: Option<Result<RunStats, EngineError>>,
+    result: Option<Result<RunStats, EngineError>>,
 }
 
+/// A slot's fields are reached through methods: what a front end may change before the engine
+/// runs (inputs, sampling, the ticket) and read after (outputs, result), never the worker's.
 impl Slot {
     /// Readies a decoded request for the engine: what it is, whether the engine drops its
     /// history first, and no result yet.
@@ -76,6 +78,40 @@ impl Slot {
         self.ticket = ticket;
         self.reset = reset;
         self.result = None;
+    }
+
+    /// The engine inputs a decoder writes, and which bindings it has written.
+    pub fn inputs_mut(&mut self) -> (&mut [Box<dyn InputBuffer>], &mut [bool]) {
+        (&mut self.inputs, &mut self.seen)
+    }
+
+    /// The request's noise seed and step count, for a pipeline's sampler.
+    pub fn set_sampling(&mut self, sampling: crate::engine::Sampling) {
+        self.sampling = sampling;
+    }
+
+    pub fn ticket(&self) -> &Ticket {
+        &self.ticket
+    }
+
+    /// The worker's result for the last run (`None` until it ran).
+    pub fn result(&self) -> Option<&Result<RunStats, EngineError>> {
+        self.result.as_ref()
+    }
+
+    /// The engine's outputs and the scratch buffer a reply converts them in.
+    pub fn outputs_and_scratch(&mut self) -> (&[Vec<u8>], &mut [u8]) {
+        (&self.outputs, &mut self.scratch)
+    }
+
+    /// What an encoder needs: the outputs, the scratch buffer and the reply buffer.
+    pub fn reply_parts(&mut self) -> (&[Vec<u8>], &mut [u8], &mut Vec<u8>) {
+        (&self.outputs, &mut self.scratch, &mut self.reply)
+    }
+
+    /// The encoded reply.
+    pub fn reply(&self) -> &[u8] {
+        &self.reply
     }
 }
 

@@ -1,0 +1,650 @@
+//! The request core both front ends share: one client's way from a decoded request to a released
+//! reply, without the socket.
+//!
+//! A front end (the WebSocket [connection](crate::net::connection), LeRobot's gRPC
+//! [service](crate::net::lerobot)) reads bytes and writes replies in its own framing; everything
+//! between is here, once: the decode into a slot (through the front end's own decoder), the
+//! request's sampling seed and prompt tokens, the session table (latest-wins, `must_go`, the
+//! predicted-timestep and similarity filters, history), the scheduler and engine worker, the
+//! engine-stall watchdog, and the pacing that holds a finished result until its release time.
+//! The core never sends: each step says what happened, and the front end answers in its format.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use tokio::sync::Notify;
+
+use crate::bind::{Plan, Reply, ReplyParts};
+use crate::engine::InputBuffer;
+use crate::net::http::Shared;
+use crate::planner::Link;
+use crate::policy::Policy;
+use crate::protocol::dialect::{Precision, ResetScope};
+use crate::protocol::{self, Endpoint, Failure, PolicyName, RequestMeta, Route, WireError};
+use crate::runtime::pacing::{Release, ReleaseQueue};
+use crate::runtime::scheduler::{Kind, SessionKey, SkipReason};
+use crate::runtime::session::{Filters, Sessions};
+use crate::runtime::worker::{Lease, ReplyPort, Ticket};
+
+/// What [`Core::start`] did with a request.
+pub enum Started {
+    /// Queued for the engine; its result comes back through [`Core::port`].
+    Queued,
+    /// A reset was done; the front end acknowledges it.
+    Reset,
+    /// Not run: the front end reports the failure.
+    Failed(Failure),
+    /// An observation was filtered out, or replaced one still waiting (counted already);
+    /// `report` is the policy's `pacing.report_skipped`.
+    Skipped {
+        timestep: i64,
+        why: SkipReason,
+        report: bool,
+    },
+    /// The request names another policy; nothing was done (the WebSocket front end switches).
+    OtherPolicy(PolicyName),
+}
+
+/// What [`Core::finished`] made of a slot back from the engine.
+pub enum Finished {
+    /// The run failed: the front end reports it.
+    Failed(Failure),
+    /// Held until its release time; [`Core::due`] hands it out when the wake fires.
+    Held,
+    /// Release it now ([`Core::release`]).
+    Now(Lease),
+}
+
+/// What a front end's encoder gets at release: the cut, converted outputs and the request's
+/// facts, to write its reply into `buf` (the slot's reply buffer).
+pub struct Released<'r, 'p, 'a> {
+    pub kind: Kind,
+    pub reply: &'r mut Reply<'p, 'a>,
+    pub ticket: &'r Ticket,
+    /// Steps the reply is late by, from the session's latency window.
+    pub delay_steps: u32,
+    /// The policy's `pacing.fps`.
+    pub fps: f64,
+    pub compute: Duration,
+    pub latency: Duration,
+    /// `(prefix ms, denoise ms, steps)` of a pipeline's run.
+    pub stages: Option<(f64, f64, u32)>,
+    /// The previous `infer`'s total time as the client saw it (openpi's `prev_total_ms`).
+    pub prev_total_ms: Option<f64>,
+    pub buf: &'r mut Vec<u8>,
+}
+
+/// One client's requests to one policy: its sessions, its slots in flight and held for release.
+pub struct Core<'s> {
+    shared: &'s Shared,
+    policy: Arc<Policy>,
+    /// The planner's link, if it feeds this policy (see [`Shared::planner`]).
+    planner: Option<Arc<Link>>,
+    /// The scheduler's connection id.
+    id: u64,
+    /// The front end, for the metrics' `route` label.
+    route: Route,
+    /// How the front end sends floats, for the non-finite check of what it will send.
+    precision: Precision,
+    sessions: Box<Sessions>,
+    port: ReplyPort,
+    /// Slots submitted and not yet back.
+    outstanding: usize,
+    /// An `infer` is queued, running or waiting for release: the next request waits.
+    infer_busy: bool,
+    /// Finished slots waiting for their release time, earliest first.
+    releasing: ReleaseQueue<Lease>,
+    wake: Arc<Notify>,
+    prev_total_ms: Option<f64>,
+    filters: Filters,
+    /// This client's share of the `policyd_sessions` gauge.
+    counted_sessions: i64,
+    /// Bumped when the engine stalls and this client's waiting requests are answered with a
+    /// timeout error; slots of an older epoch are dropped when they come back.
+    epoch: u64,
+    /// Slots submitted before the last stall, not yet back.
+    abandoned: usize,
+}
+
+impl<'s> Core<'s> {
+    pub fn new(
+        shared: &'s Shared,
+        policy: Arc<Policy>,
+        id: u64,
+        route: Route,
+        precision: Precision,
+    ) -> Self {
+        let pacing = &policy.spec.pacing;
+        Core {
+            shared,
+            planner: planner_for(shared, &policy),
+            id,
+            route,
+            precision,
+            sessions: Box::new(Sessions::new(
+                shared.cfg.server.max_sessions,
+                pacing.latency_window,
+            )),
+            port: ReplyPort::new(&policy.worker.pool),
+            outstanding: 0,
+            infer_busy: false,
+            releasing: ReleaseQueue::default(),
+            wake: Arc::new(Notify::new()),
+            prev_total_ms: None,
+            filters: Filters {
+                skip_predicted_timesteps: pacing.skip_predicted_timesteps,
+                similarity_atol: pacing.similarity_atol,
+            },
+            counted_sessions: 0,
+            epoch: 0,
+            abandoned: 0,
+            policy,
+        }
+    }
+
+    pub fn policy(&self) -> &Arc<Policy> {
+        &self.policy
+    }
+
+    /// An `infer` is ahead: the next request must wait for its reply.
+    pub fn infer_busy(&self) -> bool {
+        self.infer_busy
+    }
+
+    /// Slots submitted and not yet back.
+    pub fn outstanding(&self) -> usize {
+        self.outstanding
+    }
+
+    /// Nothing in flight or held: what shutdown and a policy switch wait for.
+    pub fn idle(&self) -> bool {
+        self.outstanding == 0 && self.releasing.is_empty()
+    }
+
+    /// Whether slots (current or abandoned) are still to come back through [`port`](Self::port).
+    pub fn awaiting(&self) -> bool {
+        self.outstanding + self.abandoned > 0
+    }
+
+    /// Where the engine hands finished slots back.
+    pub fn port(&self) -> &ReplyPort {
+        &self.port
+    }
+
+    /// Fires when a held result's release time comes (the pacer's wake).
+    pub fn wake(&self) -> &Arc<Notify> {
+        &self.wake
+    }
+
+    /// The earliest release time held.
+    pub fn next_release(&self) -> Option<Instant> {
+        self.releasing.next_at()
+    }
+
+    /// Whether results are held for release.
+    pub fn holding(&self) -> bool {
+        !self.releasing.is_empty()
+    }
+
+    /// Runs one request in `lease`'s slot: `decode` writes it into the slot's inputs (the front
+    /// end's wire format), then the request is reset, queued or filtered.
+    pub fn start<D>(
+        &mut self,
+        received: Instant,
+        mut lease: Lease,
+        reset_scope: ResetScope,
+        decode: D,
+    ) -> Started
+    where
+        D: FnOnce(
+            &Plan,
+            &mut [Box<dyn InputBuffer>],
+            &mut [bool],
+            Option<&Link>,
+        ) -> Result<RequestMeta, WireError>,
+    {
+        let shared = self.shared;
+        let policy = self.policy.clone();
+        let plan = &policy.plan;
+        let pacing = &policy.spec.pacing;
+        let slot = lease.slot();
+        let meta = {
+            let (inputs, seen) = slot.inputs_mut();
+            match decode(plan, inputs, seen, self.planner.as_deref()) {
+                Ok(m) => m,
+                Err(e) => {
+                    if e.is_non_finite() {
+                        shared.stats.metrics.non_finite_inputs.inc();
+                    }
+                    return Started::Failed(Failure::Request(e.to_string()));
+                }
+            }
+        };
+        if let Some(name) = &meta.policy
+            && name.as_str() != policy.name
+        {
+            return Started::OtherPolicy(name.clone());
+        }
+        if let Some((default, max)) = plan.sampling
+            && meta.endpoint != Endpoint::Reset
+        {
+            let steps = match meta.num_inference_steps {
+                None => default,
+                Some(n) if n >= 1 && n <= i64::from(max) => n as u32,
+                Some(n) => {
+                    return Started::Failed(Failure::Request(format!(
+                        "sampling_params.num_inference_steps must be within 1..={max} \
+                         (this policy's sampler.max_steps), got {n}"
+                    )));
+                }
+            };
+            // A request's own seed makes its noise a pure function of it; without one the
+            // session's stream gives each request fresh noise.
+            let seed = match meta.seed {
+                Some(s) => s as u64,
+                None => self.sessions.next_seed(meta.session_id.as_ref()),
+            };
+            slot.set_sampling(crate::engine::Sampling { seed, steps });
+        }
+        if plan.tokens.is_some() && meta.endpoint != Endpoint::Reset {
+            let cache = self.sessions.prompt_cache(meta.session_id.as_ref());
+            match plan.tokenize(slot.inputs_mut().0, cache) {
+                Ok(t) => self.tokenized(&policy, t),
+                Err(e) => return Started::Failed(Failure::Request(e.to_string())),
+            }
+        }
+        if meta.endpoint != Endpoint::Reset && *policy.worker.state.stalled.borrow() {
+            return Started::Failed(self.stall_failure());
+        }
+        shared.stats.metrics.request(self.route, meta.endpoint);
+        let release_at = crate::runtime::pacing::release_target(received, pacing.latency_budget_ms);
+        match meta.endpoint {
+            Endpoint::Reset => {
+                drop(lease);
+                match reset_scope {
+                    ResetScope::Session => {
+                        self.sessions.reset(meta.session_id.as_ref());
+                        self.drop_waiting();
+                    }
+                    ResetScope::Connection => self.reset_all(),
+                }
+                self.count_sessions();
+                Started::Reset
+            }
+            Endpoint::Infer => {
+                self.check_prompt(meta.session_id.as_ref(), slot.inputs_mut().0);
+                let (reset, _) = self.sessions.begin(meta.session_id.as_ref());
+                self.count_sessions();
+                plan.stack_history(
+                    slot.inputs_mut().0,
+                    self.sessions.history(meta.session_id.as_ref()),
+                    reset,
+                );
+                slot.prepare(
+                    self.ticket(Kind::Infer, received, release_at, (0, 0.0)),
+                    reset,
+                );
+                let key = self.key(slot.ticket().session.clone());
+                match lease.submit(&policy.worker, &self.port, key) {
+                    Ok(_) => {
+                        self.outstanding += 1;
+                        self.infer_busy = true;
+                        Started::Queued
+                    }
+                    Err(_) => Started::Failed(not_running()),
+                }
+            }
+            Endpoint::Observe => {
+                let (timestep, timestamp) = match meta.observed_at() {
+                    Ok(t) => t,
+                    Err(e) => return Started::Failed(Failure::Request(e.to_string())),
+                };
+                shared.stats.skips.observed.fetch_add(1, Ordering::Relaxed);
+                self.check_prompt(meta.session_id.as_ref(), slot.inputs_mut().0);
+                let mut state = [0f64; crate::limits::MAX_SIMILARITY_STATE];
+                let state = plan.similarity_state(slot.inputs_mut().0, &mut state);
+                let (reset, session) = self.sessions.begin(meta.session_id.as_ref());
+                if let Some(gap) = session.observed(received) {
+                    shared
+                        .stats
+                        .metrics
+                        .observe_interval
+                        .observe(gap.as_secs_f64());
+                }
+                let must_go = meta.must_go.unwrap_or(false);
+                let admitted = session.admit(&self.filters, timestep, must_go, state);
+                self.count_sessions();
+                if let Err(why) = admitted {
+                    drop(lease);
+                    return self.skipped(timestep, why);
+                }
+                plan.stack_history(
+                    slot.inputs_mut().0,
+                    self.sessions.history(meta.session_id.as_ref()),
+                    reset,
+                );
+                let ticket =
+                    self.ticket(Kind::Observe, received, release_at, (timestep, timestamp));
+                slot.prepare(ticket, reset);
+                let key = self.key(slot.ticket().session.clone());
+                match lease.submit(&policy.worker, &self.port, key) {
+                    Ok(None) => {
+                        self.outstanding += 1;
+                        Started::Queued
+                    }
+                    Ok(Some(mut old)) => {
+                        // The session's waiting observation was replaced before it ran.
+                        let old_step = old.slot().ticket().timestep;
+                        let sid = old.slot().ticket().session.clone();
+                        drop(old);
+                        if let Some(p) = self.sessions.pacing(&sid) {
+                            p.forget(old_step);
+                        }
+                        self.skipped(old_step, SkipReason::Superseded)
+                    }
+                    Err(_) => Started::Failed(not_running()),
+                }
+            }
+        }
+    }
+
+    /// Forgets every session and drops this client's observations still waiting for the
+    /// engine (vllm-omni's reset, LeRobot's `Ready`).
+    pub fn reset_all(&mut self) {
+        self.sessions.reset_all();
+        let mut dropped = 0;
+        self.policy.worker.scheduler.remove_conn(self.id, |job| {
+            dropped += 1;
+            job.recycle();
+        });
+        self.outstanding -= dropped;
+        self.count_sessions();
+    }
+
+    /// A slot came back through the port: `None` if it belongs to requests already answered
+    /// by a stall error (dropped), else the slot to hand to [`finished`](Self::finished).
+    pub fn returned(&mut self, lease: Lease) -> Option<Lease> {
+        if lease.peek().ticket().epoch != self.epoch {
+            self.abandoned = self.abandoned.saturating_sub(1);
+            return None;
+        }
+        self.outstanding -= 1;
+        Some(lease)
+    }
+
+    /// The engine has run past `engine.timeout_ms`: every request in flight is answered with
+    /// the returned failure now, and their slots are dropped when they come back.
+    pub fn stalled(&mut self) -> Failure {
+        self.epoch += 1;
+        self.abandoned += self.outstanding;
+        self.outstanding = 0;
+        self.infer_busy = false;
+        self.stall_failure()
+    }
+
+    /// A finished slot: a failure to report, or its result to release now or at its time.
+    pub fn finished(&mut self, mut lease: Lease) -> Finished {
+        let policy = self.policy.clone();
+        let plan = &policy.plan;
+        let slot = lease.slot();
+        let failure = match slot.result() {
+            Some(Ok(_)) => None,
+            Some(Err(e)) => Some(Failure::Inference(e.to_string())),
+            None => Some(Failure::Inference("the engine returned no result".into())),
+        };
+        let failure = failure.or_else(|| {
+            let (outputs, scratch) = slot.outputs_and_scratch();
+            plan.non_finite_reply(outputs, scratch, self.precision)
+                .map(|name| {
+                    Failure::Inference(format!(
+                        "the engine's output '{name}' holds NaN or infinity as it would be \
+                         sent (after un-normalisation and the cast to the reply dtype)"
+                    ))
+                })
+        });
+        if let Some(f) = failure {
+            if slot.ticket().kind == Kind::Infer {
+                self.infer_busy = false;
+            }
+            drop(lease);
+            log::warn!("inference failed: {}", f.message());
+            return Finished::Failed(f);
+        }
+        match crate::runtime::pacing::release(Instant::now(), slot.ticket().release_at) {
+            Release::At(at) => match self.releasing.hold(at, lease) {
+                // One entry per slot: cannot be full; if it were, out now.
+                Err(lease) => Finished::Now(lease),
+                Ok(()) => {
+                    self.shared
+                        .pacer
+                        .wake_at(at - crate::runtime::pacing::WAKE_LEAD, &self.wake);
+                    Finished::Held
+                }
+            },
+            Release::Late => {
+                self.shared.stats.release.missed();
+                Finished::Now(lease)
+            }
+            Release::Now => Finished::Now(lease),
+        }
+    }
+
+    /// The next held result whose release time has come, with `paced` for [`release`].
+    ///
+    /// [`release`]: Self::release
+    pub fn due(&mut self) -> Option<Lease> {
+        self.releasing.pop_due()
+    }
+
+    /// Releases a result: records its latency, cuts the chunk and has `encode` write the reply
+    /// into the slot's reply buffer, which the returned lease holds until the front end has
+    /// sent it. `paced`: it was held for its release time (counted as on time or not).
+    pub fn release<E>(&mut self, mut lease: Lease, paced: bool, encode: E) -> Lease
+    where
+        E: FnOnce(Released<'_, '_, '_>),
+    {
+        let shared = self.shared;
+        let policy = self.policy.clone();
+        let plan = &policy.plan;
+        let pacing = &policy.spec.pacing;
+        let now = Instant::now();
+        let slot = lease.slot();
+        let t = slot.ticket().clone();
+        if paced && let Some(at) = t.release_at {
+            shared.stats.release.on_time(at, now);
+        }
+        let latency = now.saturating_duration_since(t.received);
+        let delay_steps = match self.sessions.pacing(&t.session) {
+            Some(p) => {
+                p.record_latency(latency.as_secs_f64());
+                p.delay_steps(pacing.fps)
+            }
+            None => crate::runtime::session::delay_steps(latency.as_secs_f64(), pacing.fps),
+        };
+        let (compute, stages) = match slot.result() {
+            Some(Ok(s)) => (s.compute, s.stages),
+            _ => (Duration::ZERO, None),
+        };
+        let metrics = &shared.stats.metrics;
+        metrics.replied(self.route, latency);
+        metrics.engine.observe(compute.as_secs_f64());
+        if let Some(s) = stages {
+            metrics.sampler_steps.observe(f64::from(s.steps));
+        }
+        let (outputs, scratch, buf) = slot.reply_parts();
+        let mut parts = ReplyParts {
+            outputs,
+            scratch,
+            chunk: plan.chunk(pacing, delay_steps),
+        };
+        let mut reply = plan.reply(&mut parts);
+        encode(Released {
+            kind: t.kind,
+            reply: &mut reply,
+            ticket: &t,
+            delay_steps,
+            fps: pacing.fps,
+            compute,
+            latency,
+            stages: stages.map(|s| {
+                (
+                    s.prefix.as_secs_f64() * 1e3,
+                    s.denoise.as_secs_f64() * 1e3,
+                    s.steps,
+                )
+            }),
+            prev_total_ms: self.prev_total_ms,
+            buf,
+        });
+        if t.kind == Kind::Infer {
+            self.infer_busy = false;
+            self.prev_total_ms = Some(t.received.elapsed().as_secs_f64() * 1e3);
+        }
+        lease
+    }
+
+    /// Gives back what this client held: its share of the sessions gauge and its entries
+    /// waiting in the scheduler (running ones come back to the port, whose drop returns them).
+    pub fn close(self) {
+        self.shared
+            .stats
+            .metrics
+            .sessions
+            .dec_by(self.counted_sessions);
+        self.policy
+            .worker
+            .scheduler
+            .remove_conn(self.id, |job| job.recycle());
+    }
+
+    /// The ticket of a request of the current session.
+    fn ticket(
+        &self,
+        kind: Kind,
+        received: Instant,
+        release_at: Option<Instant>,
+        (timestep, timestamp): (i64, f64),
+    ) -> Ticket {
+        Ticket {
+            kind,
+            epoch: self.epoch,
+            session: self.sessions.current().clone(),
+            received,
+            release_at,
+            timestep,
+            timestamp,
+        }
+    }
+
+    /// Counts a failure the front end reports.
+    pub fn count_error(&self, f: &Failure) {
+        self.shared.stats.metrics.error(self.route, f.kind());
+    }
+
+    /// The failure every request gets while the engine is stalled.
+    pub fn stall_failure(&self) -> Failure {
+        Failure::Inference(format!(
+            "the engine has been running one inference for over {} ms (engine.timeout_ms); \
+             it may be stuck, so this request was not run",
+            self.policy.spec.engine.timeout_ms
+        ))
+    }
+
+    /// `reset_on_prompt_change`: a session whose prompt differs from its last one starts
+    /// afresh, as after `endpoint: reset` (its waiting observations are dropped too).
+    fn check_prompt(
+        &mut self,
+        id: Option<&protocol::SessionId>,
+        inputs: &mut [Box<dyn InputBuffer>],
+    ) {
+        if !self.policy.spec.reset_on_prompt_change {
+            return;
+        }
+        let hash = self.policy.plan.prompt_hash(inputs);
+        if self.sessions.prompt_changed(id, hash) {
+            self.drop_waiting();
+            log::debug!(
+                "session {}: new prompt, session reset",
+                self.sessions.current()
+            );
+        }
+    }
+
+    /// Counts a truncated prompt, and says so once per session (openpi logs every one).
+    fn tokenized(&self, policy: &Policy, t: crate::bind::Tokenized) {
+        let metrics = &self.shared.stats.metrics;
+        if t.encoded {
+            metrics.prompts_tokenized.inc();
+        }
+        let Some(n) = t.truncated else {
+            return;
+        };
+        metrics.prompts_truncated.inc();
+        if t.first_truncation {
+            let max = policy
+                .plan
+                .tokens
+                .and_then(|i| policy.plan.inputs[i].tokens.as_ref());
+            log::warn!(
+                "session {}: the prompt is {n} tokens, truncated to {} (tokenizer.max_tokens; \
+                 said once per session)",
+                self.sessions.current(),
+                max.map_or(0, |t| t.max_tokens)
+            );
+        }
+    }
+
+    /// Drops the current session's observations still waiting for the engine (a reset).
+    fn drop_waiting(&mut self) {
+        let key = self.key(self.sessions.current().clone());
+        let mut dropped = 0;
+        self.policy.worker.scheduler.remove_session(&key, |job| {
+            dropped += 1;
+            job.recycle();
+        });
+        self.outstanding -= dropped;
+    }
+
+    /// Brings the sessions gauge in line with this client's table.
+    fn count_sessions(&mut self) {
+        let now = self.sessions.len() as i64;
+        if now != self.counted_sessions {
+            self.shared
+                .stats
+                .metrics
+                .sessions
+                .inc_by(now - self.counted_sessions);
+            self.counted_sessions = now;
+        }
+    }
+
+    fn key(&self, session: protocol::SessionId) -> SessionKey {
+        SessionKey {
+            conn: self.id,
+            session,
+        }
+    }
+
+    /// Counts a skipped observation; the front end tells the client if `report`.
+    fn skipped(&self, timestep: i64, why: SkipReason) -> Started {
+        self.shared.stats.skips.count(why);
+        Started::Skipped {
+            timestep,
+            why,
+            report: self.policy.spec.pacing.report_skipped,
+        }
+    }
+}
+
+fn not_running() -> Failure {
+    Failure::Inference("the engine worker is not running".into())
+}
+
+/// The planner's link, for a policy whose bindings it fits (only the default policy's plan
+/// has a planner tap).
+fn planner_for(shared: &Shared, policy: &Policy) -> Option<Arc<Link>> {
+    let link = shared.planner.as_ref()?;
+    let tap = policy.plan.planner.as_ref()?;
+    tap.fits(link).then(|| link.clone())
+}
