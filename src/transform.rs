@@ -370,20 +370,24 @@ pub fn all_finite(ty: ElemType, bytes: &[u8], order: ByteOrder) -> bool {
 
 /// Reads element `i` of a buffer of `ty` as f64 (for checks such as finiteness).
 pub fn load_f64(ty: ElemType, bytes: &[u8], i: usize) -> f64 {
-    let b = &bytes[i * ty.size()..];
+    load_f64_ordered(ty, &bytes[i * ty.size()..], ByteOrder::Little)
+}
+
+/// The first element of `b`, of type `ty` stored in `order`, as f64.
+pub fn load_f64_ordered(ty: ElemType, b: &[u8], order: ByteOrder) -> f64 {
     match ty {
-        ElemType::Bool => Bool::load(b, ByteOrder::Little).to_f64(),
-        ElemType::U8 => u8::load(b, ByteOrder::Little).to_f64(),
-        ElemType::I8 => i8::load(b, ByteOrder::Little).to_f64(),
-        ElemType::U16 => u16::load(b, ByteOrder::Little).to_f64(),
-        ElemType::I16 => i16::load(b, ByteOrder::Little).to_f64(),
-        ElemType::U32 => u32::load(b, ByteOrder::Little).to_f64(),
-        ElemType::I32 => i32::load(b, ByteOrder::Little).to_f64(),
-        ElemType::U64 => u64::load(b, ByteOrder::Little).to_f64(),
-        ElemType::I64 => i64::load(b, ByteOrder::Little).to_f64(),
-        ElemType::F16 => F16::load(b, ByteOrder::Little).to_f64(),
-        ElemType::F32 => f32::load(b, ByteOrder::Little).to_f64(),
-        ElemType::F64 => f64::load(b, ByteOrder::Little).to_f64(),
+        ElemType::Bool => Bool::load(b, order).to_f64(),
+        ElemType::U8 => u8::load(b, order).to_f64(),
+        ElemType::I8 => i8::load(b, order).to_f64(),
+        ElemType::U16 => u16::load(b, order).to_f64(),
+        ElemType::I16 => i16::load(b, order).to_f64(),
+        ElemType::U32 => u32::load(b, order).to_f64(),
+        ElemType::I32 => i32::load(b, order).to_f64(),
+        ElemType::U64 => u64::load(b, order).to_f64(),
+        ElemType::I64 => i64::load(b, order).to_f64(),
+        ElemType::F16 => F16::load(b, order).to_f64(),
+        ElemType::F32 => f32::load(b, order).to_f64(),
+        ElemType::F64 => f64::load(b, order).to_f64(),
     }
 }
 

@@ -307,9 +307,10 @@ fn fuzz_corpus_and_regressions_replay_cleanly() {
     );
     let root = concat!(env!("CARGO_MANIFEST_DIR"), "/fuzz");
     type Target = fn(&[u8]);
-    let targets: [(&str, Target); 2] = [
+    let targets: [(&str, Target); 3] = [
         ("decode", policyd::testing::fuzz::decode),
         ("config", policyd::testing::fuzz::config),
+        ("pickle", policyd::testing::fuzz::pickle),
     ];
     let mut replayed = 0;
     for (target, run) in targets {

@@ -8,7 +8,9 @@
 
 pub mod dialect;
 pub mod encode;
+pub mod lerobot;
 mod msgpack;
+pub mod pickle;
 pub mod request;
 
 pub use dialect::{Dialect, ErrorKind, Failure, VLLM_PATH};

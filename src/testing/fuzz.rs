@@ -314,3 +314,27 @@ pub fn config(data: &[u8]) {
         }
     }
 }
+
+/// LeRobot's payloads: any bytes through the strict pickle reader, and a tree it accepts through
+/// the lowering to a `TimedObservation` (every entry) and a `RemotePolicyConfig`.
+pub fn pickle(data: &[u8]) {
+    use crate::protocol::lerobot;
+    use crate::protocol::pickle::{PickleLimits, PickleReader};
+    let mut reader = PickleReader::new(PickleLimits::default());
+    let Ok(tree) = reader.read(data) else {
+        return;
+    };
+    if let Ok(obs) = lerobot::observation(&tree) {
+        for entry in obs.entries() {
+            if let Ok((_, lerobot::ObsValue::Array(a))) = entry {
+                let n: usize = a.shape.iter().product();
+                assert_eq!(
+                    n * a.dtype.size(),
+                    a.data.len(),
+                    "array bytes match the shape"
+                );
+            }
+        }
+    }
+    let _ = lerobot::policy_setup(&tree);
+}

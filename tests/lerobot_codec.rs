@@ -1,0 +1,269 @@
+//! LeRobot's pickles, read without executing anything: the real client's payloads (written by
+//! lerobot 0.6.1 with numpy 2, tests/fixtures/lerobot/generate.py) lower to the values they
+//! hold, and hostile or broken ones are refused with an error that names what was wrong.
+
+use policyd::dtype::ElemType;
+use policyd::protocol::lerobot::{self, LerobotError, ObsValue};
+use policyd::protocol::pickle::{PickleError, PickleLimits, PickleReader};
+
+fn fixture(name: &str) -> Vec<u8> {
+    let path = format!(
+        "{}/tests/fixtures/lerobot/{name}.pkl",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    std::fs::read(&path).unwrap_or_else(|e| panic!("{path}: {e}"))
+}
+
+#[derive(Debug, PartialEq)]
+struct Seen {
+    timestamp: f64,
+    timestep: i64,
+    must_go: bool,
+    motors: Vec<(String, f64)>,
+    task: String,
+    cameras: Vec<(String, Vec<usize>, Vec<u8>)>,
+}
+
+fn read_observation(payload: &[u8]) -> Result<Seen, LerobotError> {
+    let mut reader = PickleReader::new(PickleLimits::default());
+    lerobot::sniff(payload)?;
+    let tree = reader.read(payload)?;
+    let obs = lerobot::observation(&tree)?;
+    let mut seen = Seen {
+        timestamp: obs.timestamp,
+        timestep: obs.timestep,
+        must_go: obs.must_go,
+        motors: vec![],
+        task: String::new(),
+        cameras: vec![],
+    };
+    for e in obs.entries() {
+        match e? {
+            (k, ObsValue::Number(v)) => seen.motors.push((k.into(), v)),
+            (_, ObsValue::Text(t)) => seen.task = t.into(),
+            (k, ObsValue::Array(a)) => {
+                assert_eq!(a.dtype, ElemType::U8);
+                seen.cameras
+                    .push((k.into(), a.shape.to_vec(), a.data.to_vec()));
+            }
+        }
+    }
+    Ok(seen)
+}
+
+const MOTORS: [&str; 6] = [
+    "shoulder_pan.pos",
+    "shoulder_lift.pos",
+    "elbow_flex.pos",
+    "wrist_flex.pos",
+    "wrist_roll.pos",
+    "gripper.pos",
+];
+
+fn check_common(s: &Seen) {
+    assert_eq!(s.timestamp, 1767225600.123456);
+    assert_eq!(s.timestep, 7);
+    assert!(s.must_go);
+    assert_eq!(s.task, "pick the cube");
+    let names: Vec<&str> = s.motors.iter().map(|(k, _)| k.as_str()).collect();
+    assert_eq!(names, MOTORS, "motors in the client's order");
+    for (i, (_, v)) in s.motors.iter().enumerate() {
+        assert_eq!(*v, 1.5 + 10.0 * i as f64);
+    }
+}
+
+#[test]
+fn the_clients_observations_lower_to_their_values_under_protocols_4_and_5() {
+    let p4 = read_observation(&fixture("observation_p4")).unwrap();
+    let p5 = read_observation(&fixture("observation_p5")).unwrap();
+    check_common(&p4);
+    check_common(&p5);
+    assert_eq!(p4.cameras[0].0, "front");
+    assert_eq!(p4.cameras[0].1, [4, 6, 3]);
+    // numpy's generator with seed 1: the frame's first pixels, as pickletools shows them.
+    assert_eq!(p4.cameras[0].2[..4], [0xff, 0xe4, 0x22, 0x79]);
+    assert_eq!(
+        p4, p5,
+        "protocol 5's _frombuffer gives what protocol 4's _reconstruct does"
+    );
+}
+
+#[test]
+fn a_second_camera_reuses_the_memoised_dtype_and_numpy_scalars_are_numbers() {
+    let two = read_observation(&fixture("observation_two_cameras")).unwrap();
+    check_common(&two);
+    let one = read_observation(&fixture("observation_p4")).unwrap();
+    assert_eq!(two.cameras[0], one.cameras[0]);
+    assert_eq!(two.cameras[1].0, "wrist");
+    assert_eq!(two.cameras[1].1, [2, 3, 3]);
+    let scalars = read_observation(&fixture("observation_numpy_scalars")).unwrap();
+    check_common(&scalars);
+    let large = read_observation(&fixture("observation_large")).unwrap();
+    check_common(&large);
+    assert_eq!(large.cameras[0].1, [100, 240, 3]);
+    assert_eq!(large.cameras[0].2.len(), 72_000);
+}
+
+#[test]
+fn the_policy_config_lowers_with_its_features_in_the_clients_order() {
+    let payload = fixture("config");
+    let mut reader = PickleReader::new(PickleLimits::default());
+    let tree = reader.read(&payload).unwrap();
+    let setup = lerobot::policy_setup(&tree).unwrap();
+    assert_eq!(setup.policy_type, "act");
+    assert_eq!(setup.pretrained_name_or_path, "user/act_so101");
+    assert_eq!(setup.actions_per_chunk, 10);
+    assert_eq!(setup.device, "cpu");
+    assert!(setup.rename_map.is_empty());
+    assert_eq!(setup.features.len(), 2);
+    assert_eq!(setup.features[0].key, "observation.state");
+    assert_eq!(setup.features[0].shape, [6]);
+    assert_eq!(setup.features[0].names, MOTORS);
+    assert_eq!(setup.features[1].key, "observation.images.front");
+    assert_eq!(setup.features[1].dtype, "image");
+    assert_eq!(setup.features[1].shape, [4, 6, 3]);
+    // The config is not an observation, and the reverse.
+    assert!(lerobot::observation(&tree).is_err());
+    let obs = fixture("observation_p4");
+    let tree = reader.read(&obs).unwrap();
+    let e = lerobot::policy_setup(&tree).unwrap_err().to_string();
+    assert!(e.contains("RemotePolicyConfig"), "{e}");
+}
+
+#[test]
+fn globals_off_the_allow_list_are_refused_by_name_and_never_resolved() {
+    for (file, pair) in [
+        ("attack_os_system", "posix.system"),
+        ("attack_builtins_eval", "builtins.eval"),
+        ("attack_subprocess_popen", "subprocess.Popen"),
+    ] {
+        let e = read_observation(&fixture(file)).unwrap_err();
+        assert!(
+            matches!(e, LerobotError::Pickle(PickleError::Global { .. })),
+            "{file}: {e:?}"
+        );
+        let msg = e.to_string();
+        assert!(msg.contains(pair), "{file}: {msg}");
+        assert!(msg.contains("allow-list"), "{msg}");
+    }
+}
+
+#[test]
+fn every_truncation_of_a_real_payload_is_an_error_not_a_panic() {
+    let full = fixture("observation_two_cameras");
+    let mut reader = PickleReader::new(PickleLimits::default());
+    for n in 0..full.len() {
+        assert!(
+            reader.read(&full[..n]).is_err(),
+            "prefix of {n} bytes was accepted"
+        );
+    }
+    assert!(reader.read(&full).is_ok());
+    let mut trailing = full.clone();
+    trailing.push(b'N');
+    assert!(matches!(
+        reader.read(&trailing),
+        Err(PickleError::Trailing(_))
+    ));
+}
+
+#[test]
+fn an_array_whose_shape_disagrees_with_its_bytes_is_refused_with_both_numbers() {
+    let mut payload = fixture("observation_p4");
+    // The shape tuple (4, 6, 3) as BININT1s then TUPLE3: claim 7 columns.
+    let at = payload
+        .windows(7)
+        .position(|w| w == b"K\x04K\x06K\x03\x87")
+        .expect("the shape tuple");
+    payload[at + 3] = 7;
+    let e = read_observation(&payload).unwrap_err().to_string();
+    assert!(e.contains("observation['front']"), "{e}");
+    assert!(e.contains("needs 84 bytes, but carries 72"), "{e}");
+}
+
+#[test]
+fn opcodes_off_the_allow_list_and_deep_nesting_are_refused() {
+    let mut reader = PickleReader::new(PickleLimits::default());
+    // GLOBAL (text protocol), INST, BINPERSID, NEWOBJ_EX, EXT1, POP, DUP, NEXT_BUFFER.
+    for (payload, name) in [
+        (&b"\x80\x02cos\nsystem\n."[..], "GLOBAL"),
+        (b"\x80\x02(ios\nsystem\n.", "INST"),
+        (b"\x80\x02NQ.", "BINPERSID"),
+        (b"\x80\x04))}\x92.", "NEWOBJ_EX"),
+        (b"\x80\x02\x82\x01.", "EXT1"),
+        (b"\x80\x02N0N.", "POP"),
+        (b"\x80\x02N2.", "DUP"),
+        (b"\x80\x05\x97.", "NEXT_BUFFER"),
+    ] {
+        let e = reader.read(payload).map(|_| ()).unwrap_err();
+        assert!(
+            matches!(e, PickleError::Opcode { name: n, .. } if n == name),
+            "{name}: {e:?}"
+        );
+        assert!(e.to_string().contains(name), "{e}");
+    }
+    let mut deep = b"\x80\x04".to_vec();
+    deep.extend(std::iter::repeat_n(b'(', 100_000));
+    let e = reader.read(&deep).map(|_| ()).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            PickleError::Limit {
+                what: "stack depth",
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+    let mut lists = b"\x80\x04".to_vec();
+    lists.extend(std::iter::repeat_n(b']', 100_000));
+    let e = reader.read(&lists).map(|_| ()).unwrap_err();
+    assert!(matches!(e, PickleError::Limit { .. }), "{e:?}");
+    // A memo index far past what was stored, and a huge declared string.
+    assert!(reader.read(b"\x80\x04j\xff\xff\xff\x7f.").is_err());
+    assert!(
+        reader
+            .read(b"\x80\x04\x8d\xff\xff\xff\xff\xff\xff\xff\x7f.")
+            .is_err()
+    );
+    assert!(matches!(
+        reader.read(b"\x80\x09N."),
+        Err(PickleError::Protocol(9))
+    ));
+}
+
+#[test]
+fn a_payload_that_is_not_a_pickle_is_named() {
+    assert!(matches!(lerobot::sniff(b""), Err(LerobotError::Empty)));
+    let e = lerobot::sniff(b"\x00\x00\x00\x10{\"type\":...}").unwrap_err();
+    assert!(e.to_string().contains("0x00"), "{e}");
+}
+
+#[test]
+fn the_reply_is_a_protocol_2_list_of_timed_actions_built_with_torch_tensor() {
+    let rows: [[f32; 2]; 2] = [[0.5, -1.25], [3.0, 4.5]];
+    let bytes: Vec<Vec<u8>> = rows
+        .iter()
+        .map(|r| r.iter().flat_map(|v| v.to_le_bytes()).collect())
+        .collect();
+    let mut buf = Vec::new();
+    lerobot::encode_actions(
+        bytes.iter().map(Vec::as_slice),
+        (40, 100.0),
+        1,
+        0.5,
+        &mut buf,
+    );
+    assert_eq!(&buf[..4], b"\x80\x02](");
+    assert!(buf.ends_with(b"e."));
+    let class = b"clerobot.async_inference.helpers\nTimedAction\n";
+    assert_eq!(buf.windows(class.len()).filter(|w| w == class).count(), 2);
+    // Step 1 of the chunk is the first sent: timestep 41 at 100.5 s, then 42 at 101.0 s.
+    let step = |t: i32| [&b"X\x08\x00\x00\x00timestepJ"[..], &t.to_le_bytes()].concat();
+    assert!(buf.windows(18).any(|w| w == step(41).as_slice()));
+    assert!(buf.windows(18).any(|w| w == step(42).as_slice()));
+    let stamp = [&b"timestampG"[..], &100.5f64.to_be_bytes()].concat();
+    assert!(buf.windows(stamp.len()).any(|w| w == stamp.as_slice()));
+    let value = [&b"G"[..], &(-1.25f64).to_be_bytes()].concat();
+    assert!(buf.windows(9).any(|w| w == value.as_slice()));
+}
