@@ -10,8 +10,29 @@
 fn main() {
     println!("cargo:rerun-if-changed=build.rs");
     bake::generate();
+    grpc::generate();
     #[cfg(feature = "tensorrt")]
     tensorrt::build();
+}
+
+/// LeRobot's `AsyncInference` service (proto/services.proto) as tonic server code, compiled by
+/// protox (pure Rust: no `protoc` on the build machine or in the cross build).
+mod grpc {
+    pub fn generate() {
+        const PROTO: &str = "proto/services.proto";
+        println!("cargo:rerun-if-changed={PROTO}");
+        let fds = protox::compile([PROTO], ["proto"]).unwrap_or_else(|e| {
+            eprintln!("{PROTO}: {e}");
+            std::process::exit(1);
+        });
+        tonic_prost_build::configure()
+            .build_client(false)
+            .compile_fds(fds)
+            .unwrap_or_else(|e| {
+                eprintln!("{PROTO}: {e}");
+                std::process::exit(1);
+            });
+    }
 }
 
 /// A firmware image: `POLICYD_EMBED_CONFIG=configs/libero.toml cargo build --release` builds

@@ -33,6 +33,36 @@ pub struct RouteLabels {
     route: &'static str,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RpcLabels {
+    rpc: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RefusedLabels {
+    reason: &'static str,
+}
+
+/// LeRobot's gRPC calls, for `rpc` labels.
+pub const LEROBOT_RPCS: [&str; 4] = [
+    "Ready",
+    "SendPolicyInstructions",
+    "SendObservations",
+    "GetActions",
+];
+
+/// Why the LeRobot service refused something, for `reason` labels: a peer off the allow-list,
+/// a payload over the cap, a broken chunk stream, a pickle the strict reader refused, a
+/// payload that read but does not fit the policy, a policy setup it cannot serve.
+pub const LEROBOT_REFUSALS: [&str; 6] = [
+    "peer",
+    "oversize",
+    "chunking",
+    "pickle",
+    "observation",
+    "setup",
+];
+
 type HistogramFamily<L> = Family<L, Histogram, fn() -> Histogram>;
 
 /// Seconds, 100 µs to ~3.3 s.
@@ -63,6 +93,12 @@ pub struct Metrics {
     pub prompts_truncated: Counter,
     /// Denoising steps a pipeline ran per request.
     pub sampler_steps: Histogram,
+    /// LeRobot's gRPC calls, by RPC.
+    pub lerobot_rpcs: Family<RpcLabels, Counter>,
+    /// What the LeRobot service refused, by reason.
+    pub lerobot_refused: Family<RefusedLabels, Counter>,
+    /// `GetActions` long polls that ended with no chunk.
+    pub lerobot_long_poll_timeouts: Counter,
 }
 
 impl Default for Metrics {
@@ -81,7 +117,16 @@ impl Default for Metrics {
             sampler_steps: Histogram::new([
                 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0,
             ]),
+            lerobot_rpcs: Family::default(),
+            lerobot_refused: Family::default(),
+            lerobot_long_poll_timeouts: Counter::default(),
         };
+        for rpc in LEROBOT_RPCS {
+            let _ = m.lerobot_rpcs.get_or_create(&RpcLabels { rpc });
+        }
+        for reason in LEROBOT_REFUSALS {
+            let _ = m.lerobot_refused.get_or_create(&RefusedLabels { reason });
+        }
         // Every label combination now, so the request path never inserts.
         for route in Route::ALL {
             for endpoint in Endpoint::ALL {
@@ -128,6 +173,18 @@ impl Metrics {
     pub fn error(&self, route: Route, kind: ErrorKind) {
         self.errors
             .get_or_create(&ErrorLabels::new(route, kind))
+            .inc();
+    }
+
+    /// Counts a LeRobot RPC (one of [`LEROBOT_RPCS`]).
+    pub fn lerobot_rpc(&self, rpc: &'static str) {
+        self.lerobot_rpcs.get_or_create(&RpcLabels { rpc }).inc();
+    }
+
+    /// Counts a LeRobot refusal (one of [`LEROBOT_REFUSALS`]).
+    pub fn lerobot_refused(&self, reason: &'static str) {
+        self.lerobot_refused
+            .get_or_create(&RefusedLabels { reason })
             .inc();
     }
 

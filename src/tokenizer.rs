@@ -157,8 +157,9 @@ impl Tokenizer {
                 .normalizer_spec
                 .as_ref()
                 .is_some_and(|n| n.add_dummy_prefix());
-            let def = Definition::from_sentencepiece_slice(&prost::Message::encode_to_vec(&proto))
-                .map_err(|e| unreadable(e.to_string()))?;
+            let def =
+                Definition::from_sentencepiece_slice(&prost013::Message::encode_to_vec(&proto))
+                    .map_err(|e| unreadable(e.to_string()))?;
             (def, "sentencepiece")
         };
         // SentencePiece encodes text that normalises to nothing (whitespace, with whitespace

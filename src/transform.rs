@@ -602,6 +602,45 @@ fn run_lut_short_rows<const N: usize>(
     }
 }
 
+/// Resizes an interleaved `uint8` image (`(height, width)`, `channels` per pixel) into `dst`'s
+/// size: bilinear with half-pixel centres and no antialiasing, as LeRobot 0.6.1's async server
+/// resizes camera frames (`F.interpolate(mode="bilinear", align_corners=False)` on uint8).
+/// Weights are computed in f32 and the result rounded to nearest; torch's own uint8 kernels
+/// round through fixed-point weights, so a pixel may differ from torch's by one level.
+/// Returns false if a buffer's length does not match its size.
+pub fn resize_bilinear_u8(
+    src: &[u8],
+    (sh, sw): (usize, usize),
+    dst: &mut [u8],
+    (dh, dw): (usize, usize),
+    channels: usize,
+) -> bool {
+    if sh == 0 || sw == 0 || src.len() != sh * sw * channels || dst.len() != dh * dw * channels {
+        return false;
+    }
+    let coord = |d: usize, scale: f32, n: usize| -> (usize, usize, f32) {
+        let s = ((d as f32 + 0.5) * scale - 0.5).max(0.0);
+        let i0 = (s as usize).min(n - 1);
+        let i1 = (i0 + 1).min(n - 1);
+        (i0, i1, s - i0 as f32)
+    };
+    let (ys, xs) = (sh as f32 / dh as f32, sw as f32 / dw as f32);
+    for y in 0..dh {
+        let (y0, y1, ly) = coord(y, ys, sh);
+        for x in 0..dw {
+            let (x0, x1, lx) = coord(x, xs, sw);
+            for c in 0..channels {
+                let p = |yy: usize, xx: usize| f32::from(src[(yy * sw + xx) * channels + c]);
+                let top = p(y0, x0) * (1.0 - lx) + p(y0, x1) * lx;
+                let bottom = p(y1, x0) * (1.0 - lx) + p(y1, x1) * lx;
+                let v = top * (1.0 - ly) + bottom * ly;
+                dst[(y * dw + x) * channels + c] = v.round().clamp(0.0, 255.0) as u8;
+            }
+        }
+    }
+    true
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

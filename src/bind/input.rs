@@ -43,31 +43,35 @@ impl Plan {
         if meta.endpoint == protocol::Endpoint::Reset {
             return Ok(meta);
         }
-        if let Some((tap, link)) = tap {
-            let b = &self.inputs[tap.prompt];
-            let sent = w.seen[tap.prompt];
-            if !sent || link.planner_first {
-                let subtask = link.subtask();
-                if let Some(s) = subtask.as_deref() {
-                    // The planner checked the length; a failure leaves the client's prompt.
-                    if write_text(b, None, s.as_bytes(), w.bufs[b.index].bytes_mut()).is_ok() {
-                        w.seen[tap.prompt] = true;
-                    }
-                }
-            }
-        }
-        for (i, (b, seen)) in self.inputs.iter().zip(w.seen.iter()).enumerate() {
-            if !*seen {
-                if !b.optional {
-                    if self.planner.as_ref().is_some_and(|t| t.prompt == i) {
-                        return Err(WireError::NoSubtaskYet { key: b.key.clone() });
-                    }
-                    return Err(WireError::MissingKey { key: b.key.clone() });
-                }
-                crate::transform::fill_bytes(b.engine_type, b.fill, w.bufs[b.index].bytes_mut());
-            }
-        }
+        w.finish()?;
         Ok(meta)
+    }
+
+    /// Binds values another front end has read (LeRobot's observation: key and value pairs)
+    /// into one slot's input buffers, as [`decode_with`](Self::decode_with) binds a frame's:
+    /// the same conversions and checks, then fills for what was left out. Keys no binding
+    /// names are skipped.
+    pub fn decode_values<'v>(
+        &self,
+        values: impl IntoIterator<Item = Result<(&'v str, Value<'v>), WireError>>,
+        bufs: &mut [Box<dyn InputBuffer>],
+        seen: &mut [bool],
+        planner: Option<&Link>,
+    ) -> Result<(), WireError> {
+        seen.iter_mut().for_each(|s| *s = false);
+        let mut w = SlotWriter {
+            plan: self,
+            tap: self.planner.as_ref().zip(planner),
+            bufs,
+            seen,
+        };
+        for v in values {
+            let (key, value) = v?;
+            if let Some(i) = w.binding(key.as_bytes()) {
+                w.value(i, key.as_bytes(), value)?;
+            }
+        }
+        w.finish()
     }
 
     /// A hash of what the text bindings (the prompt) put in the engine inputs, for
@@ -166,6 +170,38 @@ fn dtype_name(d: WireDType) -> String {
         WireDType::Num(t, _) => t.name().to_string(),
         WireDType::Unicode(n, _) => format!("str{n} (<U{n})"),
         WireDType::Bytes(n) => format!("bytes{n} (|S{n})"),
+    }
+}
+
+impl SlotWriter<'_> {
+    /// After the request's values: the planner's subtask into the prompt, fills for optional
+    /// inputs left out, an error for a required one.
+    fn finish(&mut self) -> Result<(), WireError> {
+        if let Some((tap, link)) = self.tap {
+            let b = &self.plan.inputs[tap.prompt];
+            let sent = self.seen[tap.prompt];
+            if !sent || link.planner_first {
+                let subtask = link.subtask();
+                if let Some(s) = subtask.as_deref() {
+                    // The planner checked the length; a failure leaves the client's prompt.
+                    if write_text(b, None, s.as_bytes(), self.bufs[b.index].bytes_mut()).is_ok() {
+                        self.seen[tap.prompt] = true;
+                    }
+                }
+            }
+        }
+        for (i, (b, seen)) in self.plan.inputs.iter().zip(self.seen.iter()).enumerate() {
+            if !*seen {
+                if !b.optional {
+                    if self.plan.planner.as_ref().is_some_and(|t| t.prompt == i) {
+                        return Err(WireError::NoSubtaskYet { key: b.key.clone() });
+                    }
+                    return Err(WireError::MissingKey { key: b.key.clone() });
+                }
+                crate::transform::fill_bytes(b.engine_type, b.fill, self.bufs[b.index].bytes_mut());
+            }
+        }
+        Ok(())
     }
 }
 

@@ -118,6 +118,36 @@ pub struct Reply<'p, 'a> {
     parts: &'p mut ReplyParts<'a>,
 }
 
+impl Reply<'_, '_> {
+    /// Output `i`'s kept rows (`start..stop`, `stop` at most the chunk's end) as float32,
+    /// little-endian, and the bytes of one row: what a front end that frames rows itself
+    /// (LeRobot's timed actions) sends. Converted in the slot's scratch buffer.
+    pub fn rows_f32(&mut self, i: usize, stop: usize) -> Option<(&[u8], usize)> {
+        let o = self.plan.outputs.get(i)?;
+        let tr = &o.vllm;
+        if tr.dst_type != crate::dtype::ElemType::F32 {
+            return None;
+        }
+        let bytes = tr.dst_bytes();
+        let rows = if o.shape.len() >= 2 { o.shape[0] } else { 1 };
+        let src = o.source(&self.parts.outputs[o.index], tr);
+        let scratch = self.parts.scratch.get_mut(..bytes)?;
+        if !tr.apply(src, ByteOrder::Little, scratch) {
+            return None;
+        }
+        let row = bytes / rows.max(1);
+        let Chunk { start, end } = self.parts.chunk;
+        let end = end.min(stop).min(rows);
+        let start = start.min(end);
+        Some((&scratch[start * row..end * row], row))
+    }
+
+    /// The first row a reply keeps.
+    pub fn first_row(&self) -> usize {
+        self.parts.chunk.start
+    }
+}
+
 impl Outputs for Reply<'_, '_> {
     fn count(&self) -> usize {
         self.plan.outputs.len()

@@ -6,7 +6,7 @@
 use std::path::{Path, PathBuf};
 
 use super::raw::{
-    RawAuth, RawConfig, RawEngine, RawInput, RawOutput, RawPlanner, RawServer, RawTls,
+    RawAuth, RawConfig, RawEngine, RawInput, RawLerobot, RawOutput, RawPlanner, RawServer, RawTls,
 };
 use super::*;
 use crate::limits::{
@@ -114,14 +114,123 @@ pub(super) fn resolve(raw: RawConfig, base: Option<&Path>) -> Result<Config, Con
             base,
         )?);
     }
+    let lerobot = raw
+        .lerobot
+        .as_ref()
+        .map(|l| lerobot(l, &policies, default))
+        .transpose()?;
     Ok(Config {
         server,
+        lerobot,
         planner: planner(&raw.planner, base)?,
         auth: auth(&raw.auth, base),
         tls: tls(&raw.tls, base)?,
         policies,
         default,
         named,
+    })
+}
+
+/// `[lerobot]`'s values; `serve` entries must name served policies.
+fn lerobot(
+    l: &RawLerobot,
+    policies: &[PolicySpec],
+    default: usize,
+) -> Result<LerobotConfig, ConfigError> {
+    let listen = l.listen.as_deref().ok_or_else(|| {
+        invalid(
+            "lerobot.listen",
+            "missing: the service needs its own address, e.g. \"0.0.0.0:8080\" (LeRobot's \
+             clients default to port 8080)",
+        )
+    })?;
+    let listen = listen.parse().map_err(|_| {
+        invalid(
+            "lerobot.listen",
+            format!("\"{listen}\" is not an address with a port, e.g. \"0.0.0.0:8080\""),
+        )
+    })?;
+    let allow = l
+        .allow
+        .iter()
+        .map(|a| {
+            a.parse::<ipnet::IpNet>()
+                .or_else(|_| a.parse::<std::net::IpAddr>().map(ipnet::IpNet::from))
+                .map_err(|_| {
+                    invalid(
+                        "lerobot.allow",
+                        format!(
+                            "\"{a}\" is not an address or a CIDR network such as 192.168.1.0/24"
+                        ),
+                    )
+                })
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let long_poll_ms = l.long_poll_ms.unwrap_or(2000);
+    if !(1..=60_000).contains(&long_poll_ms) {
+        return Err(invalid(
+            "lerobot.long_poll_ms",
+            format!("must be within 1..=60000 (LeRobot's server waits 2000), got {long_poll_ms}"),
+        ));
+    }
+    let max_payload_bytes = l.max_payload_bytes.unwrap_or(32 << 20);
+    if !(1024..=(1 << 30)).contains(&max_payload_bytes) {
+        return Err(invalid(
+            "lerobot.max_payload_bytes",
+            format!(
+                "must be within 1024..=1073741824 (three 640x480 cameras pickle to 2.8 MB), got \
+                 {max_payload_bytes}"
+            ),
+        ));
+    }
+    let resize = match l.resize.as_deref() {
+        None | Some("bilinear") => LerobotResize::Bilinear,
+        Some("refuse") => LerobotResize::Refuse,
+        Some(other) => {
+            return Err(invalid(
+                "lerobot.resize",
+                format!(
+                    "must be \"bilinear\" (as LeRobot 0.6.1's server) or \"refuse\", got \"{other}\""
+                ),
+            ));
+        }
+    };
+    let mut serve = Vec::new();
+    for (i, s) in l.serve.iter().enumerate() {
+        let key = format!("lerobot.serve[{i}]");
+        if s.pretrained.trim().is_empty() {
+            return Err(invalid(format!("{key}.pretrained"), "must not be empty"));
+        }
+        let policy = match &s.policy {
+            Some(p) if policies.iter().any(|q| &q.name == p) => p.clone(),
+            Some(p) => {
+                let names: Vec<&str> = policies.iter().map(|q| q.name.as_str()).collect();
+                return Err(invalid(
+                    format!("{key}.policy"),
+                    format!("no policy is named \"{p}\"; served: {}", names.join(", ")),
+                ));
+            }
+            None => policies[default].name.clone(),
+        };
+        if s.policy_type
+            .as_deref()
+            .is_some_and(|t| t.trim().is_empty())
+        {
+            return Err(invalid(format!("{key}.policy_type"), "must not be empty"));
+        }
+        serve.push(LerobotServe {
+            pretrained: s.pretrained.clone(),
+            policy,
+            policy_type: s.policy_type.clone(),
+        });
+    }
+    Ok(LerobotConfig {
+        listen,
+        allow,
+        long_poll: std::time::Duration::from_millis(long_poll_ms),
+        max_payload_bytes,
+        resize,
+        serve,
     })
 }
 

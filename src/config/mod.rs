@@ -51,6 +51,8 @@ pub struct Config {
     pub tls: Option<TlsConfig>,
     /// `[planner]`: it serves the default policy only.
     pub planner: PlannerConfig,
+    /// `[lerobot]`: LeRobot's gRPC service, when configured.
+    pub lerobot: Option<LerobotConfig>,
     /// One entry per policy served: the top-level sections of a single-policy file (named
     /// `default`), or each `[[policies]]` entry, in file order. Never empty.
     pub policies: Vec<PolicySpec>,
@@ -160,6 +162,46 @@ impl std::fmt::Debug for AuthConfig {
             .field("protect_metrics", &self.protect_metrics)
             .finish()
     }
+}
+
+/// `[lerobot]`: LeRobot's `AsyncInference` gRPC service (docs/lerobot.md).
+#[derive(Clone, Debug, PartialEq)]
+pub struct LerobotConfig {
+    /// `listen`: its own address (LeRobot's clients default to port 8080).
+    pub listen: std::net::SocketAddr,
+    /// `allow`: peers that may connect (addresses or CIDR networks); empty allows all.
+    pub allow: Vec<ipnet::IpNet>,
+    /// `long_poll_ms`: how long `GetActions` waits for a chunk before answering "none yet"
+    /// (LeRobot's server: 2000).
+    pub long_poll: std::time::Duration,
+    /// `max_payload_bytes`: the largest reassembled observation or config accepted.
+    pub max_payload_bytes: usize,
+    /// `resize`: what a camera frame of another size than the policy's input gets.
+    pub resize: LerobotResize,
+    /// `[[lerobot.serve]]`: the names a client may ask for, and the policy each means.
+    pub serve: Vec<LerobotServe>,
+}
+
+/// How camera frames whose size differs from the policy's input are handled.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LerobotResize {
+    /// Bilinear, half-pixel centres, no antialiasing, on uint8: what LeRobot 0.6.1's server
+    /// does (`F.interpolate(mode="bilinear", align_corners=False)`).
+    Bilinear,
+    /// Refuse the policy setup: the client must send frames at the policy's resolution
+    /// (the upstream resize is disputed: lerobot#2475, #2980).
+    Refuse,
+}
+
+/// One `[[lerobot.serve]]` entry.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LerobotServe {
+    /// The client's `pretrained_name_or_path`.
+    pub pretrained: String,
+    /// The served policy's name.
+    pub policy: String,
+    /// The client's `policy_type` must equal it, if given.
+    pub policy_type: Option<String>,
 }
 
 /// `[tls]`: serve `wss://` (and `https://` health) with this certificate and key (PEM).

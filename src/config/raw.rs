@@ -39,6 +39,9 @@ pub(super) struct RawConfig {
     /// The optional task planner (a vision-language model that names the next subtask).
     #[serde(default)]
     pub(super) planner: RawPlanner,
+    /// LeRobot's async-inference gRPC service, on its own port (off without the section).
+    #[serde(default)]
+    pub(super) lerobot: Option<RawLerobot>,
     /// Reset a session when its prompt changes (single-policy configs; with `[[policies]]`,
     /// each policy has its own).
     #[serde(default)]
@@ -145,6 +148,30 @@ pub(super) struct RawSampler {
     /// float64, rounded to float32, as LeRobot's `euler_integrate`).
     #[serde(default)]
     pub(super) flow_time: Option<String>,
+}
+
+/// `[lerobot]`: LeRobot's `AsyncInference` gRPC service for its unmodified `robot_client`
+/// (see docs/lerobot.md). Plaintext and unauthenticated like LeRobot's own server, so it is off
+/// unless the section is there, and `allow` can restrict who may connect.
+#[derive(Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub(super) struct RawLerobot {
+    pub(super) listen: Option<String>,
+    pub(super) allow: Vec<String>,
+    pub(super) long_poll_ms: Option<u64>,
+    pub(super) max_payload_bytes: Option<usize>,
+    pub(super) resize: Option<String>,
+    pub(super) serve: Vec<RawLerobotServe>,
+}
+
+/// `[[lerobot.serve]]`: a name the client may send as `pretrained_name_or_path`, and the
+/// served policy it means.
+#[derive(Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawLerobotServe {
+    pub(super) pretrained: String,
+    pub(super) policy: Option<String>,
+    pub(super) policy_type: Option<String>,
 }
 
 /// `[tls]`: serve `wss://` (and `https://` health) with this certificate and key (PEM),

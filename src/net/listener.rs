@@ -29,6 +29,13 @@ pub enum ServeError {
         addr: String,
         source: std::io::Error,
     },
+    #[error(
+        "cannot listen on {addr} (lerobot.listen): {source} (is LeRobot's own policy_server still running?)"
+    )]
+    LerobotBind {
+        addr: std::net::SocketAddr,
+        source: std::io::Error,
+    },
     #[error("cannot start the pacing clock: {0}")]
     Pacer(std::io::Error),
     #[error("cannot start the task planner: {0}")]
@@ -131,6 +138,33 @@ pub async fn serve_set(
         access,
         planner: planner_link.clone(),
     });
+    // LeRobot's gRPC service on its own port (`[lerobot]`).
+    let lerobot = match &shared.cfg.lerobot {
+        Some(l) => {
+            let listener =
+                TcpListener::bind(l.listen)
+                    .await
+                    .map_err(|source| ServeError::LerobotBind {
+                        addr: l.listen,
+                        source,
+                    })?;
+            log::info!(
+                "lerobot: LeRobot's AsyncInference gRPC service on {} (plaintext, no \
+                 authentication{})",
+                listener.local_addr().unwrap_or(l.listen),
+                if l.allow.is_empty() {
+                    "; any peer may connect: set lerobot.allow".to_string()
+                } else {
+                    format!("; peers allowed: {}", l.allow.len())
+                }
+            );
+            Some(tokio::spawn(crate::net::lerobot::serve(
+                shared.clone(),
+                listener,
+            )))
+        }
+        None => None,
+    };
     let reloading = reloader.map(|(r, open)| {
         let served = Arc::new(crate::policy::reload::Served {
             policies: shared.policies.clone(),
@@ -188,6 +222,13 @@ pub async fn serve_set(
     let drained = tokio::time::timeout(Duration::from_secs(10), all.acquire_many(max as u32)).await;
     if drained.is_err() {
         log::warn!("some connections did not close within 10 s");
+    }
+    if let Some(l) = lerobot
+        && tokio::time::timeout(Duration::from_secs(5), l)
+            .await
+            .is_err()
+    {
+        log::warn!("lerobot: the gRPC service did not stop within 5 s");
     }
     if let Some(r) = reloading {
         r.abort();

@@ -7,6 +7,7 @@ pub mod connection;
 pub mod core;
 pub mod frame_guard;
 pub mod http;
+pub mod lerobot;
 pub mod listener;
 pub mod scrape;
 pub mod tls;

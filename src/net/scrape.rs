@@ -414,6 +414,21 @@ pub fn registry(m: &Metrics, live: Live) -> Registry {
         "denoising steps a pipeline ran per request ([sampler], sampling_params.num_inference_steps)",
         m.sampler_steps.clone(),
     );
+    r.register(
+        "policyd_lerobot_rpcs",
+        "LeRobot AsyncInference calls ([lerobot]), by rpc",
+        m.lerobot_rpcs.clone(),
+    );
+    r.register(
+        "policyd_lerobot_refused",
+        "what the LeRobot service refused, by reason (peer, oversize, chunking, pickle, observation, setup)",
+        m.lerobot_refused.clone(),
+    );
+    r.register(
+        "policyd_lerobot_long_poll_timeouts",
+        "GetActions long polls that ended with no chunk (lerobot.long_poll_ms)",
+        m.lerobot_long_poll_timeouts.clone(),
+    );
     r.register_collector(Box::new(live));
     r
 }

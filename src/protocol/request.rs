@@ -44,6 +44,9 @@ impl Default for Limits {
 pub enum WireError {
     #[error("the frame is empty; send one msgpack map")]
     Empty,
+    /// Another front end's payload (LeRobot's pickles) could not be read or bound.
+    #[error("{0}")]
+    Payload(String),
     #[error("not msgpack: byte 0x{byte:02x} at offset {offset} is not a valid msgpack marker")]
     NotMsgpack { byte: u8, offset: usize },
     #[error("truncated msgpack: the frame ends at byte {len} but a value needs {need} more")]
