@@ -602,43 +602,147 @@ fn run_lut_short_rows<const N: usize>(
     }
 }
 
-/// Resizes an interleaved `uint8` image (`(height, width)`, `channels` per pixel) into `dst`'s
-/// size: bilinear with half-pixel centres and no antialiasing, as LeRobot 0.6.1's async server
-/// resizes camera frames (`F.interpolate(mode="bilinear", align_corners=False)` on uint8).
-/// Weights are computed in f32 and the result rounded to nearest; torch's own uint8 kernels
-/// round through fixed-point weights, so a pixel may differ from torch's by one level.
-/// Returns false if a buffer's length does not match its size.
-pub fn resize_bilinear_u8(
-    src: &[u8],
-    (sh, sw): (usize, usize),
-    dst: &mut [u8],
-    (dh, dw): (usize, usize),
-    channels: usize,
-) -> bool {
-    if sh == 0 || sw == 0 || src.len() != sh * sw * channels || dst.len() != dh * dw * channels {
-        return false;
-    }
-    let coord = |d: usize, scale: f32, n: usize| -> (usize, usize, f32) {
-        let s = ((d as f32 + 0.5) * scale - 0.5).max(0.0);
-        let i0 = (s as usize).min(n - 1);
-        let i1 = (i0 + 1).min(n - 1);
-        (i0, i1, s - i0 as f32)
-    };
-    let (ys, xs) = (sh as f32 / dh as f32, sw as f32 / dw as f32);
-    for y in 0..dh {
-        let (y0, y1, ly) = coord(y, ys, sh);
-        for x in 0..dw {
-            let (x0, x1, lx) = coord(x, xs, sw);
-            for c in 0..channels {
-                let p = |yy: usize, xx: usize| f32::from(src[(yy * sw + xx) * channels + c]);
-                let top = p(y0, x0) * (1.0 - lx) + p(y0, x1) * lx;
-                let bottom = p(y1, x0) * (1.0 - lx) + p(y1, x1) * lx;
-                let v = top * (1.0 - ly) + bottom * ly;
-                dst[(y * dw + x) * channels + c] = v.round().clamp(0.0, 255.0) as u8;
+/// One axis of a uint8 bilinear resize: for each output index, the first input index and the
+/// fixed-point weights of its taps.
+#[derive(Clone, Debug)]
+struct ResizeAxis {
+    /// `(first input index, offset into weights, taps)` per output index.
+    taps: Vec<(usize, usize, usize)>,
+    weights: Vec<i32>,
+    precision: u32,
+}
+
+impl ResizeAxis {
+    /// Bilinear (a triangle filter of support 1, no antialiasing) from `n_in` to `n_out`
+    /// samples with half-pixel centres; weights normalised, then rounded to 16-bit fixed point
+    /// with as many fraction bits as the largest weight allows.
+    fn new(n_in: usize, n_out: usize) -> ResizeAxis {
+        let scale = n_in as f64 / n_out as f64;
+        let mut taps = Vec::with_capacity(n_out);
+        let mut real = Vec::new();
+        for i in 0..n_out {
+            let center = scale * (i as f64 + 0.5);
+            let first = ((center - 1.0 + 0.5) as i64).max(0) as usize;
+            let last = ((center + 1.0 + 0.5) as i64)
+                .min(n_in as i64)
+                .max(first as i64) as usize;
+            let offset = real.len();
+            for j in first..last {
+                let x = j as f64 - center + 0.5;
+                real.push((1.0 - x.abs()).max(0.0));
             }
+            let total: f64 = real[offset..].iter().sum();
+            if total != 0.0 {
+                real[offset..].iter_mut().for_each(|w| *w /= total);
+            }
+            taps.push((first, offset, last - first));
+        }
+        let max = real.iter().copied().fold(0.0f64, f64::max);
+        let mut precision = 0;
+        while precision < 22
+            && (0.5 + max * f64::from(1u32 << (precision + 1))) < f64::from(1u32 << 15)
+        {
+            precision += 1;
+        }
+        let one = f64::from(1u32 << precision);
+        let weights = real
+            .iter()
+            .map(|&w| if w < 0.0 { (-0.5 + w * one).trunc() } else { (0.5 + w * one).trunc() } as i32)
+            .collect();
+        ResizeAxis {
+            taps,
+            weights,
+            precision,
         }
     }
-    true
+
+    /// Output sample `i` from the inputs `at(first..first + taps)`, rounded and clamped.
+    fn sample(&self, i: usize, at: impl Fn(usize) -> u8) -> u8 {
+        let (first, offset, n) = self.taps[i];
+        let mut acc: i32 = 1 << self.precision.saturating_sub(1);
+        for (j, &k) in self.weights[offset..offset + n].iter().enumerate() {
+            acc += i32::from(at(first + j)) * k;
+        }
+        (acc >> self.precision).clamp(0, 255) as u8
+    }
+}
+
+/// Resizes interleaved `uint8` images of one size to another, as LeRobot 0.6.1's async server
+/// resizes camera frames (`F.interpolate(mode="bilinear", align_corners=False)` on a uint8
+/// HWC frame): torch's uint8 kernel, separable (horizontal, then vertical, each rounded to
+/// uint8) with fixed-point weights, reproduced so that the pixels are the same. Weights and
+/// the intermediate buffer are made once, for one pair of sizes.
+#[derive(Clone, Debug)]
+pub struct Resize {
+    from: (usize, usize),
+    to: (usize, usize),
+    channels: usize,
+    horizontal: Option<ResizeAxis>,
+    vertical: Option<ResizeAxis>,
+    tmp: Vec<u8>,
+}
+
+impl Resize {
+    /// From `(height, width)` to `(height, width)`, `channels` interleaved.
+    pub fn new(from: (usize, usize), to: (usize, usize), channels: usize) -> Resize {
+        let horizontal = (from.1 != to.1).then(|| ResizeAxis::new(from.1, to.1));
+        let vertical = (from.0 != to.0).then(|| ResizeAxis::new(from.0, to.0));
+        let tmp = if horizontal.is_some() && vertical.is_some() {
+            vec![0; from.0 * to.1 * channels]
+        } else {
+            Vec::new()
+        };
+        Resize {
+            from,
+            to,
+            channels,
+            horizontal,
+            vertical,
+            tmp,
+        }
+    }
+
+    /// The input size it takes.
+    pub fn from(&self) -> (usize, usize) {
+        self.from
+    }
+
+    /// Resizes `src` into `dst`; false if either length does not match its size.
+    pub fn run(&mut self, src: &[u8], dst: &mut [u8]) -> bool {
+        let c = self.channels;
+        let ((sh, sw), (dh, dw)) = (self.from, self.to);
+        if src.len() != sh * sw * c || dst.len() != dh * dw * c {
+            return false;
+        }
+        let horizontal = |ax: &ResizeAxis, src: &[u8], out: &mut [u8]| {
+            for y in 0..sh {
+                for x in 0..dw {
+                    for ch in 0..c {
+                        out[(y * dw + x) * c + ch] = ax.sample(x, |j| src[(y * sw + j) * c + ch]);
+                    }
+                }
+            }
+        };
+        let vertical = |ax: &ResizeAxis, src: &[u8], out: &mut [u8]| {
+            for y in 0..dh {
+                for x in 0..dw {
+                    for ch in 0..c {
+                        out[(y * dw + x) * c + ch] = ax.sample(y, |j| src[(j * dw + x) * c + ch]);
+                    }
+                }
+            }
+        };
+        match (&self.horizontal, &self.vertical) {
+            (Some(h), Some(v)) => {
+                horizontal(h, src, &mut self.tmp);
+                vertical(v, &self.tmp, dst);
+            }
+            (Some(h), None) => horizontal(h, src, dst),
+            (None, Some(v)) => vertical(v, src, dst),
+            (None, None) => dst.copy_from_slice(src),
+        }
+        true
+    }
 }
 
 #[cfg(test)]

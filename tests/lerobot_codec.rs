@@ -267,3 +267,38 @@ fn the_reply_is_a_protocol_2_list_of_timed_actions_built_with_torch_tensor() {
     let value = [&b"G"[..], &(-1.25f64).to_be_bytes()].concat();
     assert!(buf.windows(9).any(|w| w == value.as_slice()));
 }
+
+/// Frames resized as LeRobot 0.6.1's server resizes them: torch's uint8 bilinear kernel on the
+/// client's HWC frame, pixel for pixel (cases from tests/fixtures/lerobot/generate.py).
+#[test]
+fn camera_frames_resize_to_the_same_pixels_as_torch() {
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/fixtures/lerobot/resize.json"
+    );
+    let cases: Vec<serde_json::Value> =
+        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    assert_eq!(cases.len(), 4);
+    let dims = |v: &serde_json::Value| -> (usize, usize) {
+        (
+            v[0].as_u64().unwrap() as usize,
+            v[1].as_u64().unwrap() as usize,
+        )
+    };
+    let bytes = |v: &serde_json::Value| -> Vec<u8> {
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap() as u8)
+            .collect()
+    };
+    for case in &cases {
+        let (from, to) = (dims(&case["from"]), dims(&case["to"]));
+        let (src, want) = (bytes(&case["src"]), bytes(&case["dst"]));
+        let mut r = policyd::transform::Resize::new(from, to, 3);
+        let mut got = vec![0u8; want.len()];
+        assert!(r.run(&src, &mut got));
+        assert_eq!(got, want, "{from:?} -> {to:?}");
+        assert!(!r.run(&src[1..], &mut got), "a short frame is refused");
+    }
+}

@@ -71,9 +71,7 @@ class PolicydTestRobot(Robot):
         with self.lock:
             if self.config.constant and self.observations:
                 return dict(self.observations[0])
-            obs: dict[str, Any] = {
-                f"{m}.pos": float(self.rng.uniform(-90.0, 90.0)) for m in MOTORS
-            }
+            obs: dict[str, Any] = {f"{m}.pos": float(self.rng.uniform(-90.0, 90.0)) for m in MOTORS}
             for cam, (h, w) in self.config.frames.items():
                 obs[cam] = self.rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
             self.observations.append(obs)

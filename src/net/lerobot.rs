@@ -291,7 +291,7 @@ impl AsyncInference for Service {
             Err(status) => Err(self.refuse(
                 if status.code() == tonic::Code::FailedPrecondition {
                     "setup"
-                } else if status.message().contains("pickle") {
+                } else if status.message().starts_with("pickle: ") {
                     "pickle"
                 } else {
                     "observation"
@@ -332,9 +332,10 @@ struct Camera {
     binding: String,
     /// The policy's `(height, width, channels)`.
     size: (usize, usize, usize),
-    /// Allocated at setup when the client's frames have another size (and resizing is on).
+    /// Allocated at setup when the client's frames have another size (and resizing is on):
+    /// the resize from the client's declared size, and its output.
+    resize: Option<crate::transform::Resize>,
     resized: Vec<u8>,
-    resize: bool,
 }
 
 /// How one client's observation maps onto one policy's bindings, fixed at
@@ -474,12 +475,14 @@ impl Adapter {
                     raw: cam.to_string(),
                     binding: b.key.clone(),
                     size: (h, w, c),
+                    resize: resize.then(|| {
+                        crate::transform::Resize::new((f.shape[0], f.shape[1]), (h, w), c)
+                    }),
                     resized: if resize {
                         vec![0; h * w * c]
                     } else {
                         Vec::new()
                     },
-                    resize,
                 });
             } else if b.key == "task" && b.text {
                 task = true;
@@ -520,7 +523,12 @@ impl Adapter {
         inputs: &mut [Box<dyn crate::engine::InputBuffer>],
         seen: &mut [bool],
     ) -> Result<RequestMeta, WireError> {
-        let wire = |e: lerobot::LerobotError| WireError::Payload(format!("pickle: {e}"));
+        // "pickle: " marks what the reader refused (counted apart from observations that read
+        // but do not fit the policy).
+        let wire = |e: lerobot::LerobotError| match e {
+            lerobot::LerobotError::Invalid(m) => WireError::Payload(m),
+            e => WireError::Payload(format!("pickle: {e}")),
+        };
         lerobot::sniff(payload).map_err(wire)?;
         let tree = reader.read(payload).map_err(|e| wire(e.into()))?;
         let obs = lerobot::observation(&tree).map_err(wire)?;
@@ -576,23 +584,28 @@ impl Adapter {
                     a.shape.as_slice()
                 )));
             }
-            let data = if a.shape[..2] == [h, w] {
-                a.data
-            } else if cam.resize {
-                crate::transform::resize_bilinear_u8(
-                    a.data,
-                    (a.shape[0], a.shape[1]),
-                    &mut cam.resized,
-                    (h, w),
-                    c,
-                );
-                &cam.resized
-            } else {
-                return Err(WireError::Payload(format!(
-                    "observation['{}'] is {}x{}; the policy takes {h}x{w} (lerobot.resize = \
-                     \"refuse\")",
-                    cam.raw, a.shape[1], a.shape[0]
-                )));
+            let data = match &mut cam.resize {
+                _ if a.shape[..2] == [h, w] => a.data,
+                Some(r) if r.from() == (a.shape[0], a.shape[1]) => {
+                    r.run(a.data, &mut cam.resized);
+                    &cam.resized
+                }
+                _ => {
+                    return Err(WireError::Payload(format!(
+                        "observation['{}'] is {}x{}; the policy takes {h}x{w}{}",
+                        cam.raw,
+                        a.shape[1],
+                        a.shape[0],
+                        match &cam.resize {
+                            Some(r) => format!(
+                                " and the client declared {}x{} (its lerobot_features)",
+                                r.from().1,
+                                r.from().0
+                            ),
+                            None => String::new(),
+                        }
+                    )));
+                }
             };
             let mut shape = Shape::new();
             let _ = shape.extend_from_slice(&[h, w, c]);

@@ -54,16 +54,45 @@ def _toml(header: str, body: dict) -> str:
     return lines + "\n" + tomli_w.dumps(body)
 
 
-def write(tmp: Path, ckpt: Checkpoint, exported: Exported) -> None:
+def lerobot_names(path: Path, extra: list[str]) -> list[str]:
+    """The names LeRobot's robot_client may send as `pretrained_name_or_path` for this
+    checkpoint: `extra`, its resolved path, and its Hub id if it lies in the Hugging Face cache
+    (`.../models--user--name/snapshots/<revision>/...`)."""
+    names = list(extra)
+    resolved = path.resolve()
+    names.append(str(resolved))
+    for part in resolved.parts:
+        if part.startswith("models--"):
+            names.append(part.removeprefix("models--").replace("--", "/", 1))
+            break
+    return list(dict.fromkeys(names))
+
+
+def write(
+    tmp: Path, ckpt: Checkpoint, exported: Exported, client_names: list[str] | None = None
+) -> None:
     """Writes the configs, the TensorRT script and the manifest next to the graphs in `tmp`."""
-    config = {"server": {"host": "127.0.0.1", "port": 8000}, **exported.config}
+    # LeRobot's robot_client reaches the policy over its gRPC service, on LeRobot's port and
+    # only from this machine until the operator opens it (it has no authentication).
+    serve = [
+        {"pretrained": n, "policy_type": ckpt.type}
+        for n in lerobot_names(ckpt.path, client_names or [])
+    ]
+    config = {
+        "server": {"host": "127.0.0.1", "port": 8000},
+        **exported.config,
+        "lerobot": {"listen": "127.0.0.1:8080", "serve": serve},
+    }
     graphs = [g.file for g in exported.graphs]
     header = (
         f"policyd config written by policyd-export {__version__} from the LeRobot {ckpt.type} "
         f"checkpoint\n{ckpt.path.resolve()}\n"
         "Serve it with `policyd --config policyd.toml`; request keys are the LeRobot observation\n"
         "names, images uint8 HWC at the checkpoint's resolution. Normalisation is the\n"
-        "checkpoint's own (policy_preprocessor / policy_postprocessor statistics)."
+        "checkpoint's own (policy_preprocessor / policy_postprocessor statistics).\n"
+        "LeRobot's robot_client connects to [lerobot] listen (127.0.0.1:8080: this machine only;\n"
+        "set 0.0.0.0:8080 and lerobot.allow for a robot on the network) with one of the\n"
+        "[[lerobot.serve]] names as --policy.pretrained_name_or_path (see docs/lerobot.md)."
     )
     (tmp / CONFIG).write_text(_toml(header, config))
     trt = copy.deepcopy(config)

@@ -32,7 +32,7 @@ def _lerobot(args: argparse.Namespace) -> int:
     try:
         tokenizer = Path(args.tokenizer) if args.tokenizer else None
         exported = export(ckpt, tmp, verbose=args.verbose, tokenizer=tokenizer)
-        bundle.write(tmp, ckpt, exported)
+        bundle.write(tmp, ckpt, exported, client_names=args.lerobot_name)
         bundle.commit(tmp, out)
     except BaseException:
         import shutil
@@ -120,6 +120,15 @@ def parser() -> argparse.ArgumentParser:
         "--tokenizer",
         help="pi0: the tokenizer's directory (or its tokenizer.model), when the checkpoint "
         "names one that is neither a local directory nor in the Hugging Face cache",
+    )
+    e.add_argument(
+        "--lerobot-name",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a pretrained_name_or_path LeRobot's robot_client may ask for (its "
+        "--policy.pretrained_name_or_path, e.g. a Hub id); repeatable. The checkpoint's own "
+        "path, and its Hub id when it lies in the Hugging Face cache, are always mapped",
     )
     e.set_defaults(run=_lerobot)
     v = sub.add_parser(

@@ -131,6 +131,8 @@ def injected_config(bundle: Path, manifest: dict, tmp: Path) -> tuple[Path, bool
                 }
             )
     config.setdefault("server", {})["host"] = "127.0.0.1"
+    # verify speaks openpi-client only; LeRobot's port may be taken (by LeRobot's own server).
+    config.pop("lerobot", None)
     path = tmp / "policyd.toml"
     path.write_text(tomli_w.dumps(config))
     return path, step_noise

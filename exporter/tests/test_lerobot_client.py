@@ -1,0 +1,423 @@
+"""LeRobot's own async inference against policyd's `[lerobot]` gRPC service: the unmodified
+`RobotClient` of lerobot 0.6.1 (real torch, real grpcio) drives an exported bundle, the actions
+equal those LeRobot's own `policy_server` gives for the same observation, a Diffusion Policy
+(which LeRobot 0.6.1's server cannot serve) runs, and hostile payloads are refused with the
+server still serving and nothing executed."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import threading
+import time
+import tomllib
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import policyd_test_robot as test_robot
+import pytest
+import tomli_w
+from conftest import Exported
+from lerobot.async_inference.configs import RobotClientConfig
+from lerobot.async_inference.helpers import (
+    RemotePolicyConfig,
+    TimedAction,
+    TimedObservation,
+    map_robot_keys_to_lerobot_features,
+)
+from lerobot.transport import services_pb2, services_pb2_grpc
+from lerobot.transport.utils import grpc_channel_options, send_bytes_in_chunks
+
+MARKER = Path("/tmp/policyd-pwned")
+ATTACKS = Path(__file__).resolve().parents[2] / "tests/fixtures/lerobot"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(port: int, proc: subprocess.Popen, log: Path, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise AssertionError(f"policyd exited: {log.read_text()}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        assert time.monotonic() < deadline, "policyd did not become ready"
+        time.sleep(0.05)
+
+
+class Served:
+    def __init__(self, port: int, grpc_port: int, log: Path) -> None:
+        self.port, self.grpc_port, self.log = port, grpc_port, log
+        self.address = f"127.0.0.1:{grpc_port}"
+
+    def healthy(self) -> bool:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/healthz", timeout=2) as r:
+            return r.status == 200
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=2) as r:
+            return r.read().decode()
+
+
+@contextlib.contextmanager
+def served(policyd: str, b: Exported, tmp: Path, **lerobot: object) -> Iterator[Served]:
+    """The bundle's own config, as exported, with free ports and `lerobot` overrides."""
+    config = tomllib.loads((b.bundle / "policyd.toml").read_text())
+    for section in ("engine", "denoise"):
+        if section in config:
+            config[section]["model"] = str(b.bundle / config[section]["model"])
+    grpc_port = free_port()
+    config["lerobot"]["listen"] = f"127.0.0.1:{grpc_port}"
+    config["lerobot"].update(lerobot)
+    path = tmp / f"policyd-{grpc_port}.toml"
+    path.write_text(tomli_w.dumps(config))
+    port = free_port()
+    log = tmp / f"policyd-{grpc_port}.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            [policyd, "--config", str(path), "--port", str(port)], stdout=out, stderr=out
+        )
+    try:
+        wait_ready(port, proc, log)
+        yield Served(port, grpc_port, log)
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def robot_config(**kw: object) -> test_robot.PolicydTestRobotConfig:
+    return test_robot.PolicydTestRobotConfig(**kw)
+
+
+def remote_config(
+    b: Exported, robot: test_robot.PolicydTestRobot, chunk: int
+) -> RemotePolicyConfig:
+    """What RobotClient sends: its robot's features, positionally, as it builds them."""
+    features = map_robot_keys_to_lerobot_features(robot)
+    return RemotePolicyConfig("act", str(b.checkpoint.resolve()), features, chunk, "cpu")
+
+
+class Stub:
+    """LeRobot's own stub, channel options and chunking, one call at a time (what RobotClient's
+    threads do, without its loop)."""
+
+    def __init__(self, address: str) -> None:
+        self.channel = grpc.insecure_channel(address, grpc_channel_options())
+        self.stub = services_pb2_grpc.AsyncInferenceStub(self.channel)
+
+    def setup(self, config: RemotePolicyConfig | bytes) -> None:
+        data = config if isinstance(config, bytes) else pickle.dumps(config)
+        self.stub.Ready(services_pb2.Empty())
+        self.stub.SendPolicyInstructions(services_pb2.PolicySetup(data=data))
+
+    def observe(self, obs: TimedObservation | bytes) -> None:
+        data = obs if isinstance(obs, bytes) else pickle.dumps(obs)
+        self.stub.SendObservations(send_bytes_in_chunks(data, services_pb2.Observation))
+
+    def actions(self, timeout: float = 30.0) -> list[TimedAction]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            data = self.stub.GetActions(services_pb2.Empty()).data
+            if data:
+                return pickle.loads(data)  # noqa: S301 (the server under test wrote it)
+        raise AssertionError("no actions within the timeout")
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+def observation(robot: test_robot.PolicydTestRobot, step: int) -> TimedObservation:
+    raw = robot.get_observation()
+    raw["task"] = "pick the cube"
+    return TimedObservation(time.time(), step, raw, must_go=True)
+
+
+@pytest.fixture(scope="module")
+def act(tmp_path_factory: pytest.TempPathFactory) -> Exported:
+    import checkpoints
+    from conftest import _export
+
+    return _export(tmp_path_factory.mktemp("lerobot-act"), "act", checkpoints.act, cameras=1)
+
+
+def test_the_bundle_maps_the_checkpoint_for_lerobot_clients(act: Exported) -> None:
+    config = tomllib.loads((act.bundle / "policyd.toml").read_text())
+    assert config["lerobot"]["listen"] == "127.0.0.1:8080"
+    assert config["lerobot"]["serve"] == [
+        {"pretrained": str(act.checkpoint.resolve()), "policy_type": "act"}
+    ]
+
+
+def test_robot_client_runs_against_policyd(
+    act: Exported, policyd: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # robot_client's logger writes logs/ into the working directory when it is imported.
+    monkeypatch.chdir(tmp_path)
+    from lerobot.async_inference.robot_client import RobotClient
+
+    with served(policyd, act, tmp_path) as s:
+        cfg = RobotClientConfig(
+            policy_type="act",
+            pretrained_name_or_path=str(act.checkpoint.resolve()),
+            robot=robot_config(),
+            actions_per_chunk=10,
+            server_address=s.address,
+            task="pick the cube",
+            fps=30,
+        )
+        client = RobotClient(cfg)
+        assert client.start()
+        receiver = threading.Thread(target=client.receive_actions, daemon=True)
+        receiver.start()
+        loop = threading.Thread(target=client.control_loop, args=(cfg.task,), daemon=True)
+        loop.start()
+        time.sleep(4.0)
+        client.shutdown_event.set()
+        loop.join(5)
+        robot = client.robot
+        client.stop()
+        receiver.join(5)
+        # 4 s at 30 Hz: actions flow from the first chunk on, one per tick.
+        assert len(robot.actions) >= 80, len(robot.actions)
+        assert client.latest_action >= 80
+        assert client.action_chunk_size == 10
+        assert len(robot.observations) >= 4
+        for a in robot.actions:
+            assert list(a) == [f"{m}.pos" for m in test_robot.MOTORS]
+            assert all(math.isfinite(v) for v in a.values())
+        # The client sends an observation when its queue runs half empty: chunks aggregate.
+        assert max(client.action_queue_size) <= 10
+        assert s.healthy()
+        m = s.metrics()
+        assert 'policyd_lerobot_rpcs_total{rpc="SendObservations"}' in m
+        assert 'policyd_requests_total{route="lerobot",endpoint="observe"}' in m
+
+
+@contextlib.contextmanager
+def lerobot_server(tmp: Path) -> Iterator[str]:
+    """LeRobot 0.6.1's own policy_server, as its users start it."""
+    port = free_port()
+    log = tmp / "lerobot-server.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "lerobot.async_inference.policy_server",
+                "--host=127.0.0.1",
+                f"--port={port}",
+                "--fps=30",
+                "--inference_latency=0",
+            ],
+            stdout=out,
+            stderr=out,
+            env={**os.environ, "HF_HUB_OFFLINE": "1"},
+            cwd=tmp,  # its logs/
+        )
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, log.read_text()
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.5):
+                break
+            assert time.monotonic() < deadline, "LeRobot's server did not start"
+            time.sleep(0.1)
+        yield f"127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def test_actions_equal_lerobots_own_policy_server(
+    act: Exported, policyd: str, tmp_path: Path
+) -> None:
+    robot = test_robot.PolicydTestRobot(robot_config(seed=3))
+    config = remote_config(act, robot, chunk=8)
+    observations = [observation(robot, step) for step in (0, 5, 12)]
+    replies: dict[str, list[list[TimedAction]]] = {}
+    with served(policyd, act, tmp_path) as s, lerobot_server(tmp_path) as upstream:
+        for name, address in (("policyd", s.address), ("lerobot", upstream)):
+            stub = Stub(address)
+            stub.setup(config)
+            replies[name] = []
+            for obs in observations:
+                stub.observe(obs)
+                replies[name].append(stub.actions())
+            stub.close()
+    worst = 0.0
+    for ours, theirs, obs in zip(replies["policyd"], replies["lerobot"], observations, strict=True):
+        assert len(ours) == len(theirs) == 8
+        for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+            assert a.get_timestep() == b.get_timestep() == obs.get_timestep() + i
+            assert abs(a.get_timestamp() - b.get_timestamp()) < 1e-6
+            ta, tb = a.get_action(), b.get_action()
+            assert ta.dtype == tb.dtype and ta.shape == tb.shape and ta.device.type == "cpu"
+            scale = max(float(tb.abs().max()), 1.0)
+            diff = float((ta - tb).abs().max())
+            worst = max(worst, diff / scale)
+    assert worst <= 1e-4, worst
+    print(f"policyd vs LeRobot's policy_server: max relative difference {worst:.2e}")
+
+
+def test_frames_of_another_size_are_resized_like_lerobots_server(
+    act: Exported, policyd: str, tmp_path: Path
+) -> None:
+    """A 60x80 camera for a 48x64 policy: both servers resize (torch's uint8 bilinear kernel,
+    which policyd reproduces pixel for pixel), so the actions agree as closely as at 48x64."""
+    robot = test_robot.PolicydTestRobot(robot_config(seed=4, frames={"cam0": (60, 80)}))
+    config = remote_config(act, robot, chunk=4)
+    obs = observation(robot, 0)
+    got = {}
+    with served(policyd, act, tmp_path) as s, lerobot_server(tmp_path) as upstream:
+        for name, address in (("policyd", s.address), ("lerobot", upstream)):
+            stub = Stub(address)
+            stub.setup(config)
+            stub.observe(obs)
+            got[name] = np.stack([a.get_action().numpy() for a in stub.actions()])
+            stub.close()
+    scale = max(float(np.abs(got["lerobot"]).max()), 1.0)
+    assert float(np.abs(got["policyd"] - got["lerobot"]).max()) / scale <= 1e-4
+    with served(policyd, act, tmp_path, resize="refuse") as s:
+        stub = Stub(s.address)
+        with pytest.raises(grpc.RpcError) as e:
+            stub.setup(config)
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "lerobot.resize" in e.value.details() and "80x60" in e.value.details()
+
+
+def test_diffusion_policy_is_served_with_its_observation_history(
+    ddim_bundle: Exported, policyd: str, tmp_path: Path
+) -> None:
+    """LeRobot 0.6.1's own server cannot serve Diffusion Policy (lerobot#3861); policyd keeps
+    its n_obs_steps history per session in fixed buffers."""
+    robot = test_robot.PolicydTestRobot(robot_config(frames={"cam0": (96, 96)}))
+    features = map_robot_keys_to_lerobot_features(robot)
+    ckpt = str(ddim_bundle.checkpoint.resolve())
+    with served(policyd, ddim_bundle, tmp_path) as s:
+        stub = Stub(s.address)
+        stub.setup(RemotePolicyConfig("diffusion", ckpt, features, 8, "cpu"))
+        for step in (0, 3, 6):
+            stub.observe(observation(robot, step))
+            actions = stub.actions()
+            assert len(actions) == 8
+            assert [a.get_timestep() for a in actions] == list(range(step, step + 8))
+            assert all(bool(a.get_action().isfinite().all()) for a in actions)
+        stub.close()
+        assert (
+            "history"
+            in subprocess.run(
+                [policyd, "check-config", str(ddim_bundle.bundle / "policyd.toml")],
+                capture_output=True,
+                text=True,
+            ).stdout
+        )
+
+
+def status_of(call: object) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as e:
+        call()
+    return e.value
+
+
+def test_hostile_payloads_are_refused_and_the_server_keeps_serving(
+    act: Exported, policyd: str, tmp_path: Path
+) -> None:
+    MARKER.unlink(missing_ok=True)
+    robot = test_robot.PolicydTestRobot(robot_config(seed=5))
+    config = remote_config(act, robot, chunk=10)
+    with served(policyd, act, tmp_path, max_payload_bytes=1 << 20) as s:
+        stub = Stub(s.address)
+        # Code in the config or an observation: refused by name, never run.
+        for f in sorted(ATTACKS.glob("attack_*.pkl")):
+            e = status_of(lambda f=f: stub.setup(f.read_bytes()))
+            assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and "allow-list" in e.details()
+        stub.setup(config)
+        for f in sorted(ATTACKS.glob("attack_*.pkl")):
+            e = status_of(lambda f=f: stub.observe(f.read_bytes()))
+            assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and "allow-list" in e.details()
+        assert not MARKER.exists()
+        good = pickle.dumps(observation(robot, 0))
+        # Truncated, and a payload past lerobot.max_payload_bytes (sent in LeRobot's chunks).
+        e = status_of(lambda: stub.observe(good[: len(good) // 2]))
+        assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and "truncated" in e.details()
+        big = good + b"\0" * (1 << 21)
+        e = status_of(lambda: stub.observe(big))
+        assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "lerobot.max_payload_bytes" in e.details()
+        # A chunk stream without END, and one that starts UNKNOWN.
+        begin = services_pb2.Observation(transfer_state=services_pb2.TRANSFER_BEGIN, data=good)
+        e = status_of(lambda: stub.stub.SendObservations(iter([begin])))
+        assert "TRANSFER_END" in e.details()
+        unknown = services_pb2.Observation(data=good)
+        e = status_of(lambda: stub.stub.SendObservations(iter([unknown])))
+        assert "TRANSFER_UNKNOWN" in e.details()
+        # An array whose bytes do not match its shape, and deep nesting.
+        lying = bytearray(good)
+        at = lying.find(b"K0K@K\x03\x87")  # the shape (48, 64, 3)
+        assert at > 0
+        lying[at + 3] = 65
+        e = status_of(lambda: stub.observe(bytes(lying)))
+        assert "needs" in e.details() and "cam0" in e.details()
+        e = status_of(lambda: stub.observe(b"\x80\x04" + b"(" * 100_000))
+        assert "stack depth" in e.details()
+        # A policy it does not serve, and a chunk longer than the policy's.
+        unknown_policy = RemotePolicyConfig("act", "user/other", config.lerobot_features, 10)
+        e = status_of(lambda: stub.setup(unknown_policy))
+        assert e.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert '"user/other" is not served here' in e.details()
+        too_long = RemotePolicyConfig(
+            "act", config.pretrained_name_or_path, config.lerobot_features, 11
+        )
+        e = status_of(lambda: stub.setup(too_long))
+        assert "actions_per_chunk = 11" in e.details()
+        wrong_type = RemotePolicyConfig(
+            "pi0", config.pretrained_name_or_path, config.lerobot_features, 10
+        )
+        e = status_of(lambda: stub.setup(wrong_type))
+        assert 'policy_type "pi0"' in e.details()
+        # A second client's Ready mid-stream resets the session; the first goes on.
+        stub.setup(config)
+        stub.observe(observation(robot, 1))
+        assert len(stub.actions()) == 10
+        other = Stub(s.address)
+        other.stub.Ready(services_pb2.Empty())
+        stub.observe(observation(robot, 2))
+        assert [a.get_timestep() for a in stub.actions()][0] == 2
+        other.close()
+        stub.close()
+        assert s.healthy()
+        m = s.metrics()
+        for reason in ("pickle", "oversize", "chunking", "observation", "setup"):
+            line = next(
+                x
+                for x in m.splitlines()
+                if f'policyd_lerobot_refused_total{{reason="{reason}"}}' in x
+            )
+            assert float(line.split()[-1]) >= 1, line
+    assert not MARKER.exists()
+
+
+def test_a_peer_off_the_allow_list_is_refused(act: Exported, policyd: str, tmp_path: Path) -> None:
+    with served(policyd, act, tmp_path, allow=["10.0.0.0/8"]) as s:
+        stub = Stub(s.address)
+        e = status_of(lambda: stub.stub.Ready(services_pb2.Empty(), timeout=5))
+        assert e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+        stub.close()
+        assert 'policyd_lerobot_refused_total{reason="peer"}' in s.metrics()
+        assert "not in lerobot.allow" in s.log.read_text()
