@@ -302,3 +302,71 @@ fn camera_frames_resize_to_the_same_pixels_as_torch() {
         assert!(!r.run(&src[1..], &mut got), "a short frame is refused");
     }
 }
+
+/// lerobot PR #3048's format: a JSON length, the JSON, safetensors. The reply parses back with
+/// the safetensors crate into the rows, timesteps and timestamps it was given.
+#[test]
+fn the_json_safetensors_reply_parses_back_and_observations_read() {
+    use policyd::protocol::lerobot_json;
+    let rows: [[f32; 3]; 2] = [[0.5, -1.25, 2.0], [3.0, 4.5, -6.0]];
+    let bytes: Vec<Vec<u8>> = rows
+        .iter()
+        .map(|r| r.iter().flat_map(|v| v.to_le_bytes()).collect())
+        .collect();
+    let mut buf = Vec::new();
+    lerobot_json::encode_actions(
+        bytes.iter().map(Vec::as_slice),
+        (40, 100.0),
+        1,
+        0.5,
+        &mut buf,
+    );
+    let n = u32::from_be_bytes(buf[..4].try_into().unwrap()) as usize;
+    let meta: serde_json::Value = serde_json::from_slice(&buf[4..4 + n]).unwrap();
+    assert_eq!(meta["type"], "TimedActions");
+    assert_eq!(meta["actions"][0]["timestep"], 41);
+    assert_eq!(meta["actions"][1]["timestamp"], 101.0);
+    let st = safetensors::SafeTensors::deserialize(&buf[4 + n..]).unwrap();
+    let a1 = st.tensor("action_1").unwrap();
+    assert_eq!(a1.shape(), [3]);
+    assert_eq!(a1.data(), bytes[1].as_slice());
+    assert_eq!(lerobot::codec(&buf).unwrap(), lerobot::Codec::Json);
+
+    // An observation as PR #3048's serialize_observation writes one (built here by hand).
+    let json = br#"{"type": "TimedObservation", "timestamp": 12.5, "timestep": 3, "must_go": true, "scalar_data": {"gripper.pos": 7.5, "task": "pick"}, "numpy_keys": ["front"]}"#;
+    let tensor = br#"{"front":{"dtype":"U8","shape":[2,2,3],"data_offsets":[0,12]}}"#;
+    let mut payload = (json.len() as u32).to_be_bytes().to_vec();
+    payload.extend_from_slice(json);
+    payload.extend_from_slice(&(tensor.len() as u64).to_le_bytes());
+    payload.extend_from_slice(tensor);
+    payload.extend(0u8..12);
+    let obs = lerobot_json::observation(&payload).unwrap();
+    assert_eq!((obs.timestep, obs.timestamp, obs.must_go), (3, 12.5, true));
+    let entries: Vec<_> = obs.entries().map(Result::unwrap).collect();
+    assert_eq!(entries[0], ("gripper.pos", ObsValue::Number(7.5)));
+    assert_eq!(entries[1], ("task", ObsValue::Text("pick")));
+    match &entries[2] {
+        ("front", ObsValue::Array(a)) => {
+            assert_eq!(a.shape.as_slice(), [2, 2, 3]);
+            assert_eq!(a.data, (0u8..12).collect::<Vec<_>>().as_slice());
+        }
+        other => panic!("{other:?}"),
+    }
+    // A wrong type, a JSON length past the end.
+    let mut wrong = payload.clone();
+    let at = wrong
+        .windows(16)
+        .position(|w| w == b"TimedObservation")
+        .unwrap();
+    wrong[at] = b'X';
+    let e = lerobot_json::observation(&wrong)
+        .map(|_| ())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("expected a TimedObservation"), "{e}");
+    let e = lerobot_json::observation(&[0, 0, 1, 0, b'{'])
+        .map(|_| ())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("runs past its end"), "{e}");
+}

@@ -329,6 +329,83 @@ def test_diffusion_policy_is_served_with_its_observation_history(
         )
 
 
+def pr3048(meta: dict, tensors: dict | None = None) -> bytes:
+    """lerobot PR #3048's payload: a big-endian u32 JSON length, the JSON, safetensors."""
+    import json
+    import struct
+
+    from safetensors.torch import save
+
+    body = json.dumps(meta).encode()
+    return struct.pack(">I", len(body)) + body + (save(tensors) if tensors else b"")
+
+
+def from_pr3048(data: bytes) -> tuple[dict, dict]:
+    import json
+    import struct
+
+    from safetensors.torch import load
+
+    (n,) = struct.unpack(">I", data[:4])
+    rest = data[4 + n :]
+    return json.loads(data[4 : 4 + n]), (load(rest) if rest else {})
+
+
+def test_pr_3048_json_safetensors_clients_get_answers_in_their_format(
+    act: Exported, policyd: str, tmp_path: Path
+) -> None:
+    """A client on lerobot PR #3048's branch (JSON + safetensors, no pickle) gets the same
+    actions as a pickle client, answered in its own format."""
+    import torch
+
+    robot = test_robot.PolicydTestRobot(robot_config(seed=6))
+    config = remote_config(act, robot, chunk=6)
+    obs = observation(robot, 4)
+    with served(policyd, act, tmp_path) as s:
+        stub = Stub(s.address)
+        stub.setup(config)
+        stub.observe(obs)
+        pickled = stub.actions()
+        stub.setup(
+            pr3048(
+                {
+                    "type": "RemotePolicyConfig",
+                    "policy_type": config.policy_type,
+                    "pretrained_name_or_path": config.pretrained_name_or_path,
+                    "lerobot_features": config.lerobot_features,
+                    "actions_per_chunk": 6,
+                    "device": "cpu",
+                    "rename_map": {},
+                }
+            )
+        )
+        raw = obs.get_observation()
+        arrays = {k: torch.from_numpy(v) for k, v in raw.items() if isinstance(v, np.ndarray)}
+        meta = {
+            "type": "TimedObservation",
+            "timestamp": obs.get_timestamp(),
+            "timestep": obs.get_timestep(),
+            "must_go": True,
+            "scalar_data": {k: v for k, v in raw.items() if k not in arrays},
+            "numpy_keys": list(arrays),
+        }
+        stub.observe(pr3048(meta, arrays))
+        deadline = time.monotonic() + 30
+        while not (data := stub.stub.GetActions(services_pb2.Empty()).data):
+            assert time.monotonic() < deadline
+        assert data[0] != 0x80, "answered in the client's format, not pickle"
+        reply, tensors = from_pr3048(data)
+        assert reply["type"] == "TimedActions" and len(reply["actions"]) == 6
+        for i, (a, p) in enumerate(zip(reply["actions"], pickled, strict=True)):
+            assert a["timestep"] == p.get_timestep() == 4 + i
+            assert a["timestamp"] == p.get_timestamp()
+            assert torch.equal(tensors[f"action_{i}"], p.get_action())
+        # A pickle observation on a JSON session is refused by name.
+        e = status_of(lambda: stub.observe(obs))
+        assert "set up with JSON + safetensors" in e.details()
+        stub.close()
+
+
 def status_of(call: object) -> grpc.RpcError:
     with pytest.raises(grpc.RpcError) as e:
         call()

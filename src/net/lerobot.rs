@@ -30,7 +30,7 @@ use crate::net::core::{Core, Finished, Started};
 use crate::net::http::Shared;
 use crate::policy::Policy;
 use crate::protocol::dialect::{Precision, ResetScope};
-use crate::protocol::lerobot::{self, ObsValue, PolicySetup};
+use crate::protocol::lerobot::{self, Codec, ObsValue, PolicySetup};
 use crate::protocol::pickle::{PickleLimits, PickleReader};
 use crate::protocol::{ArrayView, Endpoint, RequestMeta, Route, Shape, Value, WireError};
 use crate::runtime::worker::Lease;
@@ -195,16 +195,19 @@ impl AsyncInference for Service {
             .metrics
             .lerobot_rpc("SendPolicyInstructions");
         let data = request.into_inner().data;
-        let setup = read_setup(&data)
+        let (setup, codec) = read_setup(&data)
             .map_err(|e| self.refuse("pickle", Status::invalid_argument(e.to_string())))?;
         let set = self.shared.policies.load();
-        let (policy, adapter) = Adapter::for_setup(&self.cfg, &set, &setup)
+        let (policy, mut adapter) = Adapter::for_setup(&self.cfg, &set, &setup)
             .map_err(|e| self.refuse("setup", Status::failed_precondition(e)))?;
+        adapter.codec = codec;
         log::info!(
-            "lerobot: client asks for {} \"{}\" ({} actions per chunk): serving policy \"{}\"",
+            "lerobot: client asks for {} \"{}\" ({} actions per chunk, {} payloads): serving \
+             policy \"{}\"",
             setup.policy_type,
             setup.pretrained_name_or_path,
             setup.actions_per_chunk,
+            codec.name(),
             policy.name
         );
         self.tx
@@ -318,11 +321,18 @@ impl AsyncInference for Service {
     }
 }
 
-fn read_setup(data: &[u8]) -> Result<PolicySetup, lerobot::LerobotError> {
-    lerobot::sniff(data)?;
-    let mut reader = PickleReader::new(PickleLimits::default());
-    let tree = reader.read(data)?;
-    lerobot::policy_setup(&tree)
+/// Reads the client's `RemotePolicyConfig` in whichever format it sent, and says which.
+fn read_setup(data: &[u8]) -> Result<(PolicySetup, Codec), lerobot::LerobotError> {
+    let codec = lerobot::codec(data)?;
+    let setup = match codec {
+        Codec::Pickle => {
+            let mut reader = PickleReader::new(PickleLimits::default());
+            let tree = reader.read(data)?;
+            lerobot::policy_setup(&tree)?
+        }
+        Codec::Json => crate::protocol::lerobot_json::policy_setup(data)?,
+    };
+    Ok((setup, codec))
 }
 
 /// A camera the policy reads: the client's raw key, the binding it feeds, the frame size the
@@ -351,6 +361,9 @@ struct Adapter {
     actions_per_chunk: usize,
     /// The output sent as the actions.
     action_output: usize,
+    /// The client's payload format (its policy config's), used for its observations and
+    /// for the replies.
+    codec: Codec,
 }
 
 impl Adapter {
@@ -510,11 +523,12 @@ impl Adapter {
             task,
             actions_per_chunk: apc as usize,
             action_output,
+            codec: Codec::Pickle,
         })
     }
 
-    /// Reads one `TimedObservation` pickle into a slot's inputs; the request's meta for the
-    /// core.
+    /// Reads one `TimedObservation`, in the format the client set up with, into a slot's
+    /// inputs; the request's meta for the core.
     fn decode(
         &mut self,
         reader: &mut PickleReader,
@@ -523,22 +537,45 @@ impl Adapter {
         inputs: &mut [Box<dyn crate::engine::InputBuffer>],
         seen: &mut [bool],
     ) -> Result<RequestMeta, WireError> {
-        // "pickle: " marks what the reader refused (counted apart from observations that read
-        // but do not fit the policy).
-        let wire = |e: lerobot::LerobotError| match e {
-            lerobot::LerobotError::Invalid(m) => WireError::Payload(m),
-            e => WireError::Payload(format!("pickle: {e}")),
-        };
-        lerobot::sniff(payload).map_err(wire)?;
-        let tree = reader.read(payload).map_err(|e| wire(e.into()))?;
-        let obs = lerobot::observation(&tree).map_err(wire)?;
+        let codec = lerobot::codec(payload).map_err(wire)?;
+        if codec != self.codec {
+            return Err(WireError::Payload(format!(
+                "the client set up with {} payloads and sent an observation as {}",
+                self.codec.name(),
+                codec.name()
+            )));
+        }
+        match codec {
+            Codec::Pickle => {
+                let tree = reader.read(payload).map_err(|e| wire(e.into()))?;
+                let obs = lerobot::observation(&tree).map_err(wire)?;
+                let at = (obs.timestep, obs.timestamp, obs.must_go);
+                self.bind(at, obs.entries(), plan, inputs, seen)
+            }
+            Codec::Json => {
+                let obs = crate::protocol::lerobot_json::observation(payload).map_err(wire)?;
+                let at = (obs.timestep, obs.timestamp, obs.must_go);
+                self.bind(at, obs.entries(), plan, inputs, seen)
+            }
+        }
+    }
+
+    /// Binds one observation's entries (either format) into a slot's inputs.
+    fn bind<'o>(
+        &mut self,
+        (timestep, timestamp, must_go): (i64, f64, bool),
+        entries: impl Iterator<Item = Result<(&'o str, ObsValue<'o>), lerobot::LerobotError>>,
+        plan: &crate::bind::Plan,
+        inputs: &mut [Box<dyn crate::engine::InputBuffer>],
+        seen: &mut [bool],
+    ) -> Result<RequestMeta, WireError> {
         self.filled.iter_mut().for_each(|f| *f = false);
         let mut frames: heapless::Vec<Option<lerobot::NdArray<'_>>, 16> = heapless::Vec::new();
         for _ in &self.cameras {
             let _ = frames.push(None);
         }
         let mut task: Option<&str> = None;
-        for entry in obs.entries() {
+        for entry in entries {
             let (key, value) = entry.map_err(wire)?;
             match value {
                 ObsValue::Number(v) => {
@@ -626,11 +663,20 @@ impl Adapter {
         plan.decode_values(values.into_iter().map(Ok), inputs, seen, None)?;
         Ok(RequestMeta {
             endpoint: Endpoint::Observe,
-            timestep: Some(obs.timestep),
-            timestamp: Some(obs.timestamp),
-            must_go: Some(obs.must_go),
+            timestep: Some(timestep),
+            timestamp: Some(timestamp),
+            must_go: Some(must_go),
             ..RequestMeta::default()
         })
+    }
+}
+
+/// A LeRobot payload error as a request error; "pickle: " marks what the reader refused (counted
+/// apart from observations that read but do not fit the policy).
+fn wire(e: lerobot::LerobotError) -> WireError {
+    match e {
+        lerobot::LerobotError::Invalid(m) => WireError::Payload(m),
+        e => WireError::Payload(format!("pickle: {e}")),
     }
 }
 
@@ -875,20 +921,33 @@ fn deliver(
     ready: &mut Option<Vec<u8>>,
     waiter: &mut Option<oneshot::Sender<Vec<u8>>>,
 ) {
-    let (output, apc) = (a.adapter.action_output, a.adapter.actions_per_chunk);
+    let (output, apc, codec) = (
+        a.adapter.action_output,
+        a.adapter.actions_per_chunk,
+        a.adapter.codec,
+    );
     let mut ok = true;
     let lease = a.core.release(lease, paced, |r| {
         let first = r.reply.first_row();
         let dt = 1.0 / r.fps;
         let (timestep, timestamp) = (r.ticket.timestep, r.ticket.timestamp);
         match r.reply.rows_f32(output, apc.max(first + 1)) {
-            Some((rows, row)) if row > 0 => lerobot::encode_actions(
-                rows.chunks_exact(row),
-                (timestep, timestamp),
-                first,
-                dt,
-                r.buf,
-            ),
+            Some((rows, row)) if row > 0 => match codec {
+                Codec::Pickle => lerobot::encode_actions(
+                    rows.chunks_exact(row),
+                    (timestep, timestamp),
+                    first,
+                    dt,
+                    r.buf,
+                ),
+                Codec::Json => crate::protocol::lerobot_json::encode_actions(
+                    rows.chunks_exact(row),
+                    (timestep, timestamp),
+                    first,
+                    dt,
+                    r.buf,
+                ),
+            },
             _ => ok = false,
         }
     });

@@ -477,7 +477,35 @@ fn feature(tree: &Tree<'_, '_>, key: &str, id: NodeId) -> Result<Feature, Lerobo
     }
 }
 
-/// Checks the payload's first byte: a pickle starts with `PROTO` (0x80).
+/// The two payload formats a LeRobot client may send.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Codec {
+    /// Pickles (lerobot 0.6.1's client).
+    Pickle,
+    /// JSON + safetensors (lerobot PR #3048, [`super::lerobot_json`]).
+    Json,
+}
+
+impl Codec {
+    pub fn name(self) -> &'static str {
+        match self {
+            Codec::Pickle => "pickle",
+            Codec::Json => "JSON + safetensors (lerobot PR #3048)",
+        }
+    }
+}
+
+/// Tells the formats apart by the first byte: a pickle starts with `PROTO` (0x80, protocol 2 and
+/// up); PR #3048's payloads with their JSON length, big-endian (0x00 below 16 MiB).
+pub fn codec(payload: &[u8]) -> Result<Codec, LerobotError> {
+    match payload.first() {
+        None => Err(LerobotError::Empty),
+        Some(0x80) => Ok(Codec::Pickle),
+        Some(_) => Ok(Codec::Json),
+    }
+}
+
+/// Checks that a payload is a pickle (it starts with `PROTO`, 0x80).
 pub fn sniff(payload: &[u8]) -> Result<(), LerobotError> {
     match payload.first() {
         None => Err(LerobotError::Empty),

@@ -9,6 +9,7 @@
 pub mod dialect;
 pub mod encode;
 pub mod lerobot;
+pub mod lerobot_json;
 mod msgpack;
 pub mod pickle;
 pub mod request;

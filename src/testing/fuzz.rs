@@ -316,10 +316,28 @@ pub fn config(data: &[u8]) {
 }
 
 /// LeRobot's payloads: any bytes through the strict pickle reader, and a tree it accepts through
-/// the lowering to a `TimedObservation` (every entry) and a `RemotePolicyConfig`.
+/// the lowering to a `TimedObservation` (every entry) and a `RemotePolicyConfig`; bytes that
+/// are not a pickle through the JSON + safetensors reader (lerobot PR #3048).
 pub fn pickle(data: &[u8]) {
-    use crate::protocol::lerobot;
     use crate::protocol::pickle::{PickleLimits, PickleReader};
+    use crate::protocol::{lerobot, lerobot_json};
+    if data.first() != Some(&0x80) {
+        // lerobot PR #3048's JSON + safetensors payloads.
+        if let Ok(obs) = lerobot_json::observation(data) {
+            for entry in obs.entries() {
+                if let Ok((_, lerobot::ObsValue::Array(a))) = entry {
+                    let n: usize = a.shape.iter().product();
+                    assert_eq!(
+                        n * a.dtype.size(),
+                        a.data.len(),
+                        "tensor bytes match the shape"
+                    );
+                }
+            }
+        }
+        let _ = lerobot_json::policy_setup(data);
+        return;
+    }
     let mut reader = PickleReader::new(PickleLimits::default());
     let Ok(tree) = reader.read(data) else {
         return;
