@@ -269,7 +269,7 @@ pub fn encode_actions<'a>(
     }
     buf.push(b'}');
     // Padded with spaces to 8 bytes, as safetensors writes it.
-    while (buf.len() - header_at - 8) % 8 != 0 {
+    while !(buf.len() - header_at - 8).is_multiple_of(8) {
         buf.push(b' ');
     }
     let header_len = (buf.len() - header_at - 8) as u64;
