@@ -41,7 +41,14 @@ from policyd_export.cli import main as export_main
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "exporter" / "tests"))
 checkpoints = importlib.import_module("checkpoints")
-MOTORS = ["shoulder_pan", "shoulder_lift", "elbow_flex", "wrist_flex", "wrist_roll", "gripper"]
+MOTORS = [
+    "shoulder_pan",
+    "shoulder_lift",
+    "elbow_flex",
+    "wrist_flex",
+    "wrist_roll",
+    "gripper",
+]
 
 
 def free_port() -> int:
@@ -60,7 +67,10 @@ def wait_port(port: int, proc: subprocess.Popen, timeout: float = 120.0) -> None
     while True:
         if proc.poll() is not None:
             raise SystemExit(f"server exited ({proc.returncode})")
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.5):
+        with (
+            contextlib.suppress(OSError),
+            socket.create_connection(("127.0.0.1", port), 0.5),
+        ):
             return
         if time.monotonic() > deadline:
             raise SystemExit("server did not start")
@@ -69,7 +79,9 @@ def wait_port(port: int, proc: subprocess.Popen, timeout: float = 120.0) -> None
 
 @contextlib.contextmanager
 def server(args: list[str], port: int, cwd: Path) -> Iterator[subprocess.Popen]:
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=cwd)
+    proc = subprocess.Popen(
+        args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=cwd
+    )
     try:
         wait_port(port, proc)
         yield proc
@@ -157,7 +169,13 @@ def main() -> None:
         (tmp / "policyd.toml").write_text(tomli_w.dumps(config))
         rows = {}
         with server(
-            [args.policyd, "--config", str(tmp / "policyd.toml"), "--port", str(free_port())],
+            [
+                args.policyd,
+                "--config",
+                str(tmp / "policyd.toml"),
+                "--port",
+                str(free_port()),
+            ],
             grpc_port,
             tmp,
         ) as p:
@@ -173,8 +191,12 @@ def main() -> None:
             "--inference_latency=0",
         ]
         with server(upstream, port, tmp) as p:
-            rows["LeRobot policy_server"] = measure(f"127.0.0.1:{port}", p.pid, ckpt, args.n)
-    print(f"ACT (52M), 480×640 camera resized to 96×128, {args.n} chunks of 10 actions\n")
+            rows["LeRobot policy_server"] = measure(
+                f"127.0.0.1:{port}", p.pid, ckpt, args.n
+            )
+    print(
+        f"ACT (52M), 480×640 camera resized to 96×128, {args.n} chunks of 10 actions\n"
+    )
     print("| server | latency p50 | p99 | server CPU / chunk | observation | reply |")
     print("|---|---|---|---|---|---|")
     for name, r in rows.items():
