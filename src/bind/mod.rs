@@ -130,6 +130,70 @@ impl PlannerTap {
     }
 }
 
+/// What a LeRobot `robot_client` can fill of a plan's bindings (see [`Plan::lerobot_fit`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LerobotFit {
+    /// The state vector's length, if the plan reads `observation.state`.
+    pub state: Option<usize>,
+    /// `(camera, height, width)` of each `observation.images.<camera>` binding.
+    pub cameras: Vec<(String, usize, usize)>,
+    /// The plan reads the task as a prompt.
+    pub task: bool,
+}
+
+impl Plan {
+    /// Whether LeRobot's clients can drive this plan: every required binding must be one they
+    /// send (the state vector, uint8 `(height, width, 3)` camera frames, the task as text), and
+    /// an output must hold the actions. An error names the binding that cannot be filled.
+    pub fn lerobot_fit(&self) -> Result<LerobotFit, String> {
+        use crate::protocol::lerobot::{IMAGE_PREFIX, STATE_KEY, TASK_KEY};
+        let mut fit = LerobotFit {
+            state: None,
+            cameras: Vec::new(),
+            task: false,
+        };
+        for b in &self.inputs {
+            if b.key == STATE_KEY && !b.text && b.shape.len() == 1 {
+                fit.state = Some(b.shape[0]);
+            } else if let Some(cam) = b.key.strip_prefix(IMAGE_PREFIX)
+                && !b.text
+            {
+                let [h, w, 3] = b.shape[..] else {
+                    return Err(format!(
+                        "input '{}' has shape {:?}; LeRobot clients send camera frames as uint8 \
+                         (height, width, 3)",
+                        b.key, b.shape
+                    ));
+                };
+                if !b
+                    .accepted
+                    .iter()
+                    .any(|(t, _)| *t == crate::dtype::ElemType::U8)
+                {
+                    return Err(format!(
+                        "input '{}' does not accept uint8; LeRobot clients send camera frames as \
+                         uint8",
+                        b.key
+                    ));
+                }
+                fit.cameras.push((cam.to_string(), h, w));
+            } else if b.key == TASK_KEY && b.text {
+                fit.task = true;
+            } else if !b.optional {
+                return Err(format!(
+                    "input '{}' is not one LeRobot clients send ({STATE_KEY} of shape [n], \
+                     {IMAGE_PREFIX}<camera> of shape [height, width, 3], {TASK_KEY} as text)",
+                    b.key
+                ));
+            }
+        }
+        if self.outputs.is_empty() {
+            return Err("the policy has no outputs to send as actions".into());
+        }
+        Ok(fit)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

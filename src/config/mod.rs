@@ -731,6 +731,61 @@ tensor = "actions"
     }
 
     #[test]
+    fn lerobot_section_is_checked_key_by_key() {
+        let ok = |extra: &str| {
+            Config::parse(&format!("{MIN}\n{extra}"), "test.toml", None)
+                .unwrap_or_else(|e| panic!("{extra}: {e}"))
+        };
+        assert_eq!(ok("").lerobot, None, "off without the section");
+        let c = ok(
+            "[lerobot]\nlisten = \"0.0.0.0:8080\"\nallow = [\"10.0.0.0/8\", \"192.168.1.7\"]\n\
+                    [[lerobot.serve]]\npretrained = \"user/act\"\npolicy_type = \"act\"",
+        )
+        .lerobot
+        .expect("on");
+        assert_eq!(c.listen.port(), 8080);
+        assert_eq!(c.allow.len(), 2);
+        assert_eq!(c.long_poll, std::time::Duration::from_millis(2000));
+        assert_eq!(c.resize, LerobotResize::Bilinear);
+        assert_eq!(
+            c.serve[0].policy, "default",
+            "the default policy when none is named"
+        );
+        for (extra, key) in [
+            ("[lerobot]", "lerobot.listen"),
+            ("[lerobot]\nlisten = \"8080\"", "lerobot.listen"),
+            (
+                "[lerobot]\nlisten = \"0.0.0.0:1\"\nallow = [\"10.0.0/8\"]",
+                "lerobot.allow",
+            ),
+            (
+                "[lerobot]\nlisten = \"0.0.0.0:1\"\nlong_poll_ms = 0",
+                "lerobot.long_poll_ms",
+            ),
+            (
+                "[lerobot]\nlisten = \"0.0.0.0:1\"\nmax_payload_bytes = 10",
+                "lerobot.max_payload_bytes",
+            ),
+            (
+                "[lerobot]\nlisten = \"0.0.0.0:1\"\nresize = \"nearest\"",
+                "lerobot.resize",
+            ),
+            ("[lerobot]\nlisten = \"0.0.0.0:1\"\nport = 1", "port"),
+            (
+                "[lerobot]\nlisten = \"0.0.0.0:1\"\n[[lerobot.serve]]\npretrained = \"a\"\npolicy = \"b\"",
+                "lerobot.serve[0].policy",
+            ),
+            (
+                "[lerobot]\nlisten = \"0.0.0.0:1\"\n[[lerobot.serve]]\npretrained = \" \"",
+                "lerobot.serve[0].pretrained",
+            ),
+        ] {
+            let e = err(extra);
+            assert!(e.contains(key), "{extra}: {e}");
+        }
+    }
+
+    #[test]
     fn errors_name_the_key() {
         assert!(err("[server]\nmax_connections = 0").contains("server.max_connections"));
         assert!(err("[server]\nmax_message_bytes = 10").contains("server.max_message_bytes"));

@@ -48,9 +48,7 @@ use transport::{Actions, Empty, Observation, TransferState};
 const CHUNK_BYTES: usize = 2 << 20;
 /// What the client accepts in one reply (gRPC's and LeRobot's cap).
 const CLIENT_MAX_MESSAGE: usize = 4 << 20;
-/// The key of LeRobot's state feature and the prefix of its camera features.
-const STATE_KEY: &str = "observation.state";
-const IMAGE_PREFIX: &str = "observation.images.";
+use crate::protocol::lerobot::{IMAGE_PREFIX, STATE_KEY};
 
 /// Serves the service on `listener` until the server shuts down.
 pub async fn serve(shared: Arc<Shared>, listener: TcpListener) {

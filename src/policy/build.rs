@@ -177,6 +177,7 @@ pub fn load_engine(
     engine: Box<dyn Engine>,
 ) -> Result<Loaded, PolicyError> {
     let plan = Plan::compile(cfg, spec, engine.io())?;
+    lerobot_fit(cfg, spec, &plan)?;
     let mut budget = Budget::compute(cfg, spec, &plan);
     budget.add(engine.working_memory());
     let backend = engine.backend();
@@ -190,6 +191,60 @@ pub fn load_engine(
         backend,
         warmup,
     })
+}
+
+/// For a policy that `[[lerobot.serve]]` entries name: checks that LeRobot's clients can drive
+/// its bindings (an error naming the entry), and says what they send for `check-config`.
+fn lerobot_fit(
+    cfg: &Config,
+    spec: &PolicySpec,
+    plan: &Plan,
+) -> Result<Option<String>, ConfigError> {
+    let Some(l) = &cfg.lerobot else {
+        return Ok(None);
+    };
+    let entries: Vec<(usize, &crate::config::LerobotServe)> = l
+        .serve
+        .iter()
+        .enumerate()
+        .filter(|(_, s)| s.policy == spec.name)
+        .collect();
+    let Some(&(first, _)) = entries.first() else {
+        return Ok(None);
+    };
+    let fit = plan.lerobot_fit().map_err(|e| {
+        crate::config::invalid(
+            format!("lerobot.serve[{first}].policy"),
+            format!(
+                "policy \"{}\" cannot be driven by LeRobot's robot_client: {e}",
+                spec.name
+            ),
+        )
+    })?;
+    let names: Vec<String> = entries
+        .iter()
+        .map(|(_, s)| match &s.policy_type {
+            Some(t) => format!("\"{}\" ({t})", s.pretrained),
+            None => format!("\"{}\"", s.pretrained),
+        })
+        .collect();
+    let cameras: Vec<String> = fit
+        .cameras
+        .iter()
+        .map(|(c, h, w)| format!("{c} {w}x{h}"))
+        .collect();
+    Ok(Some(format!(
+        "  lerobot: robot_client on {} asking for {}: state of {} motors, cameras: {}{}",
+        l.listen,
+        names.join(", "),
+        fit.state.map_or("no".to_string(), |n| n.to_string()),
+        if cameras.is_empty() {
+            "none".into()
+        } else {
+            cameras.join(", ")
+        },
+        if fit.task { ", task as the prompt" } else { "" }
+    )))
 }
 
 /// What decides whether a reload keeps a policy's engine: its engine, bindings, metadata,
@@ -379,6 +434,7 @@ pub fn check(cfg: &Config, origin: &str) -> Result<String, PolicyError> {
         let mut engine = open_engine(c).map_err(context)?;
         let plan = Plan::compile(cfg, c, engine.io()).map_err(|e| context(e.into()))?;
         trial_run_if_tract_may_fail(c, engine.as_mut(), &plan).map_err(context)?;
+        let lerobot = lerobot_fit(cfg, c, &plan).map_err(|e| context(e.into()))?;
         let mut budget = Budget::compute(cfg, c, &plan);
         budget.add(engine.working_memory());
         let title = if several {
@@ -401,6 +457,9 @@ pub fn check(cfg: &Config, origin: &str) -> Result<String, PolicyError> {
         }
         for s in &engine.io().outputs {
             let _ = writeln!(out, "  output '{}' {} {:?}", s.name, s.dtype, s.shape);
+        }
+        if let Some(line) = lerobot {
+            let _ = writeln!(out, "{line}");
         }
         if let Some(tap) = &plan.planner {
             let p = &cfg.planner;

@@ -17,6 +17,14 @@ use super::pickle::{Global, Node, NodeId, PickleError, Seq, Tree};
 use crate::dtype::{ByteOrder, ElemType, WireDType, parse_numpy_dtype};
 use crate::limits::MAX_RANK;
 
+/// The binding key of LeRobot's state feature (the client's motors, in its order).
+pub const STATE_KEY: &str = "observation.state";
+/// The prefix of LeRobot's camera features: `observation.images.<camera>`, filled from the
+/// client's `<camera>` frame.
+pub const IMAGE_PREFIX: &str = "observation.images.";
+/// The key of the task (a VLA's prompt).
+pub const TASK_KEY: &str = "task";
+
 /// Why a LeRobot payload was refused.
 #[derive(Clone, Debug, Error, PartialEq)]
 pub enum LerobotError {
