@@ -170,7 +170,7 @@ def main() -> None:
         rows = {}
         with server(
             [
-                args.policyd,
+                str(Path(args.policyd).resolve()),
                 "--config",
                 str(tmp / "policyd.toml"),
                 "--port",
