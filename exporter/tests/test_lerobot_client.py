@@ -82,6 +82,9 @@ def served(policyd: str, b: Exported, tmp: Path, **lerobot: object) -> Iterator[
     for section in ("engine", "denoise"):
         if section in config:
             config[section]["model"] = str(b.bundle / config[section]["model"])
+    for binding in config["inputs"]:
+        if "tokenizer" in binding:
+            binding["tokenizer"]["file"] = str(b.bundle / binding["tokenizer"]["file"])
     grpc_port = free_port()
     config["lerobot"]["listen"] = f"127.0.0.1:{grpc_port}"
     config["lerobot"].update(lerobot)

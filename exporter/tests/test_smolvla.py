@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import tomllib
+from pathlib import Path
 
 import pytest
 from checkpoints import smolvla, tiny_smolvlm
@@ -94,3 +95,29 @@ def test_tokens_equal_lerobots_preprocessor(prompt: str, bundle: Exported, polic
     n = len(want_ids)
     assert got["ids"][:n] == want_ids and [bool(m) for m in got["mask"][:n]] == want_mask
     assert not any(got["mask"][n:]) and all(i == t["pad_id"] for i in got["ids"][n:])
+
+
+def test_lerobot_robot_clients_task_reaches_the_prompt(
+    bundle: Exported, policyd: str, tmp_path: Path
+) -> None:
+    """Over LeRobot's gRPC service: the observation's `task` is tokenized into the prompt (a
+    VLA bundle needs no edits for robot_client), and a chunk comes back."""
+    import policyd_test_robot as test_robot
+    from lerobot.async_inference.helpers import (
+        RemotePolicyConfig,
+        map_robot_keys_to_lerobot_features,
+    )
+    from test_lerobot_client import Stub, observation, served
+
+    robot = test_robot.PolicydTestRobot(test_robot.PolicydTestRobotConfig(seed=8))
+    features = map_robot_keys_to_lerobot_features(robot)
+    ckpt = str(bundle.checkpoint.resolve())
+    with served(policyd, bundle, tmp_path) as s:
+        stub = Stub(s.address)
+        stub.setup(RemotePolicyConfig("smolvla", ckpt, features, 5, "cpu"))
+        stub.observe(observation(robot, 2))
+        actions = stub.actions()
+        assert [a.get_timestep() for a in actions] == list(range(2, 7))
+        assert all(bool(a.get_action().isfinite().all()) for a in actions)
+        stub.close()
+        assert "policyd_prompts_tokenized_total 1" in s.metrics()
