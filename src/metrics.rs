@@ -52,11 +52,12 @@ pub const LEROBOT_RPCS: [&str; 4] = [
 ];
 
 /// Why the LeRobot service refused something, for `reason` labels: a peer off the allow-list,
-/// a payload over the cap, a broken chunk stream, a pickle the strict reader refused, a
+/// a payload over the cap, too many observations arriving at once, a broken chunk stream, a pickle the strict reader refused, a
 /// payload that read but does not fit the policy, a policy setup it cannot serve.
-pub const LEROBOT_REFUSALS: [&str; 6] = [
+pub const LEROBOT_REFUSALS: [&str; 7] = [
     "peer",
     "oversize",
+    "busy",
     "chunking",
     "pickle",
     "observation",

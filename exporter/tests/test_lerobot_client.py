@@ -447,6 +447,22 @@ def test_hostile_payloads_are_refused_and_the_server_keeps_serving(
         unknown = services_pb2.Observation(data=good)
         e = status_of(lambda: stub.stub.SendObservations(iter([unknown])))
         assert "TRANSFER_UNKNOWN" in e.details()
+        # Observations held open mid-stream: two are received at once, a third is refused.
+        release = threading.Event()
+
+        def held() -> Iterator[services_pb2.Observation]:
+            yield begin
+            release.wait(10)
+
+        open_streams = [stub.stub.SendObservations.future(held()) for _ in range(2)]
+        time.sleep(0.5)
+        e = status_of(lambda: stub.stub.SendObservations(iter([begin]), timeout=5))
+        assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e
+        assert "one at a time" in e.details()
+        release.set()
+        for f in open_streams:
+            with contextlib.suppress(grpc.RpcError):
+                f.result(10)
         # An array whose bytes do not match its shape, and deep nesting.
         lying = bytearray(good)
         at = lying.find(b"K0K@K\x03\x87")  # the shape (48, 64, 3)
@@ -483,7 +499,7 @@ def test_hostile_payloads_are_refused_and_the_server_keeps_serving(
         stub.close()
         assert s.healthy()
         m = s.metrics()
-        for reason in ("pickle", "oversize", "chunking", "observation", "setup"):
+        for reason in ("pickle", "oversize", "busy", "chunking", "observation", "setup"):
             line = next(
                 x
                 for x in m.splitlines()

@@ -50,6 +50,12 @@ const CHUNK_BYTES: usize = 2 << 20;
 const CLIENT_MAX_MESSAGE: usize = 4 << 20;
 use crate::protocol::lerobot::{IMAGE_PREFIX, STATE_KEY};
 
+/// Observations reassembled at once (one client sends one at a time; more is abuse).
+const REASSEMBLIES: usize = 2;
+/// Streams one connection may have open (LeRobot's client has two at most: an observation and
+/// a long poll).
+const STREAMS_PER_CONNECTION: u32 = 8;
+
 /// Serves the service on `listener` until the server shuts down.
 pub async fn serve(shared: Arc<Shared>, listener: TcpListener) {
     let Some(cfg) = shared.cfg.lerobot.clone() else {
@@ -62,6 +68,7 @@ pub async fn serve(shared: Arc<Shared>, listener: TcpListener) {
         cfg: cfg.clone(),
         tx,
         buffers: Mutex::new(Vec::new()),
+        reassembling: tokio::sync::Semaphore::new(REASSEMBLIES),
     };
     let server = AsyncInferenceServer::new(service)
         .max_decoding_message_size(CHUNK_BYTES + 1024)
@@ -104,6 +111,7 @@ pub async fn serve(shared: Arc<Shared>, listener: TcpListener) {
         .initial_stream_window_size(Some(8 << 20))
         .initial_connection_window_size(Some(16 << 20))
         .tcp_nodelay(true)
+        .max_concurrent_streams(Some(STREAMS_PER_CONNECTION))
         .add_service(server)
         .serve_with_incoming_shutdown(
             tokio_stream::wrappers::ReceiverStream::new(incoming),
@@ -159,6 +167,9 @@ struct Service {
     tx: mpsc::Sender<Command>,
     /// Reassembly buffers handed back by the session task: one or two, reused.
     buffers: Mutex<Vec<Vec<u8>>>,
+    /// Observations being reassembled at once: at most [`REASSEMBLIES`] buffers of
+    /// `max_payload_bytes`, however many streams clients open.
+    reassembling: tokio::sync::Semaphore,
 }
 
 impl Service {
@@ -225,6 +236,14 @@ impl AsyncInference for Service {
     ) -> Result<Response<Empty>, Status> {
         self.shared.stats.metrics.lerobot_rpc("SendObservations");
         let received = Instant::now();
+        let Ok(_reassembling) = self.reassembling.try_acquire() else {
+            return Err(self.refuse(
+                "busy",
+                Status::resource_exhausted(format!(
+                    "{REASSEMBLIES} observations are being received already; send one at a time"
+                )),
+            ));
+        };
         let mut stream = request.into_inner();
         let mut buf = self
             .buffers
@@ -694,6 +713,24 @@ struct Active<'s> {
     core: Core<'s>,
     adapter: Box<Adapter>,
     setup: Box<PolicySetup>,
+    /// The policy's engine-stall flag, watched while requests are in flight.
+    stalled: tokio::sync::watch::Receiver<bool>,
+}
+
+impl<'s> Active<'s> {
+    fn new(
+        shared: &'s Shared,
+        policy: Arc<Policy>,
+        adapter: Box<Adapter>,
+        setup: Box<PolicySetup>,
+    ) -> Self {
+        Active {
+            stalled: policy.worker.state.stalled.subscribe(),
+            core: new_core(shared, policy),
+            adapter,
+            setup,
+        }
+    }
 }
 
 /// The session task: owns the request core, answers the handlers' commands, releases chunks.
@@ -724,11 +761,7 @@ async fn session(shared: Arc<Shared>, mut rx: mpsc::Receiver<Command>) {
                         "lerobot: policy \"{}\" reloaded; the session starts afresh",
                         p.name
                     );
-                    active = Some(Active {
-                        core: new_core(shared, p),
-                        adapter: Box::new(adapter),
-                        setup,
-                    });
+                    active = Some(Active::new(shared, p, Box::new(adapter), setup));
                 } else {
                     log::warn!(
                         "lerobot: the session's policy is gone after a reload; the client must set up again"
@@ -752,7 +785,6 @@ async fn session(shared: Arc<Shared>, mut rx: mpsc::Receiver<Command>) {
         };
         let backstop = a.core.next_release().map(|t| t + Duration::from_millis(2));
         let wake = a.core.wake().clone();
-        let mut stalled = a.core.policy().worker.state.stalled.subscribe();
         tokio::select! {
             cmd = rx.recv() => match cmd {
                 None => return,
@@ -787,8 +819,8 @@ async fn session(shared: Arc<Shared>, mut rx: mpsc::Receiver<Command>) {
                     deliver(a, lease, true, &mut ready, &mut waiter);
                 }
             }
-            changed = stalled.changed(), if a.core.outstanding() > 0 => {
-                if changed.is_ok() && *stalled.borrow_and_update() {
+            changed = a.stalled.changed(), if a.core.outstanding() > 0 => {
+                if changed.is_ok() && *a.stalled.borrow_and_update() {
                     let f = a.core.stalled();
                     a.core.count_error(&f);
                     log::warn!("lerobot: {}", f.message());
@@ -844,11 +876,7 @@ fn command<'s>(
                     a.setup = setup;
                     None
                 }
-                _ => Some(Active {
-                    core: new_core(shared, policy),
-                    adapter,
-                    setup,
-                }),
+                _ => Some(Active::new(shared, policy, adapter, setup)),
             }
         }
         Command::Poll(tx) => {

@@ -421,7 +421,7 @@ pub fn registry(m: &Metrics, live: Live) -> Registry {
     );
     r.register(
         "policyd_lerobot_refused",
-        "what the LeRobot service refused, by reason (peer, oversize, chunking, pickle, observation, setup)",
+        "what the LeRobot service refused, by reason (peer, oversize, busy, chunking, pickle, observation, setup)",
         m.lerobot_refused.clone(),
     );
     r.register(
