@@ -18,6 +18,8 @@ use policyd::config::Config;
 use policyd::demo;
 use policyd::dtype::ElemType;
 use policyd::engine::{IoSpec, TensorSpec};
+use policyd::protocol::lerobot;
+use policyd::protocol::pickle::{PickleLimits, PickleReader};
 use policyd::protocol::{Dialect, Encoder, SessionId, Timing};
 use policyd::runtime::pacing::Pacer;
 use policyd::runtime::scheduler::{Kind, SessionKey};
@@ -633,6 +635,83 @@ rows = [1, 9]
     allocs() - before
 }
 
+/// LeRobot's gRPC route below tonic: a real client's pickled observation (6 motors, a 4×6
+/// camera resized to the policy's 2×3, the task) read by the strict reader and bound into a
+/// slot's inputs by the adapter made at setup.
+fn lerobot_path(n: usize) -> u64 {
+    let text = r#"
+[engine]
+model = "m.onnx"
+[[inputs]]
+key = "observation.state"
+tensor = "state"
+dtypes = ["float32"]
+shape = [6]
+[[inputs]]
+key = "observation.images.front"
+tensor = "front"
+dtypes = ["uint8"]
+shape = [2, 3, 3]
+[[inputs]]
+key = "task"
+tensor = "task"
+dtypes = ["text"]
+shape = [32]
+[[outputs]]
+tensor = "action"
+"#;
+    let cfg = Config::parse(text, "test", None).unwrap();
+    let spec = |name: &str, dtype, shape: Vec<usize>| TensorSpec {
+        name: name.into(),
+        dtype,
+        shape,
+    };
+    let io = IoSpec {
+        inputs: vec![
+            spec("state", ElemType::F32, vec![1, 6]),
+            spec("front", ElemType::U8, vec![1, 2, 3, 3]),
+            spec("task", ElemType::U8, vec![1, 32]),
+        ],
+        outputs: vec![spec("action", ElemType::F32, vec![1, 10, 6])],
+    };
+    let plan = policyd::bind::Plan::compile(&cfg, cfg.default_policy(), &io).unwrap();
+    let fixture = |name: &str| {
+        std::fs::read(format!(
+            "{}/tests/fixtures/lerobot/{name}.pkl",
+            env!("CARGO_MANIFEST_DIR")
+        ))
+        .unwrap()
+    };
+    let mut reader = PickleReader::new(PickleLimits::default());
+    let config = fixture("config");
+    let setup = lerobot::policy_setup(&reader.read(&config).unwrap()).unwrap();
+    let mut adapter = policyd::bind::lerobot::Adapter::new(
+        policyd::config::LerobotResize::Bilinear,
+        &plan,
+        "default",
+        &setup,
+    )
+    .unwrap();
+    let mut bufs: Vec<Box<dyn policyd::engine::InputBuffer>> = [24, 18, 32]
+        .into_iter()
+        .map(|n| Box::new(policyd::engine::HostBuffer(vec![0; n])) as _)
+        .collect();
+    let mut seen = vec![false; 3];
+    let payload = fixture("observation_p4");
+    let mut go = || {
+        let meta = adapter
+            .decode(&mut reader, &payload, &plan, &mut bufs, &mut seen)
+            .unwrap();
+        assert_eq!(meta.timestep, Some(7));
+    };
+    go();
+    let before = allocs();
+    for _ in 0..n {
+        go();
+    }
+    allocs() - before
+}
+
 /// The fewest allocations of three runs. The counter sees every thread of the process, so a
 /// one-off allocation elsewhere (a runtime thread's first park, a thread-local) can land in
 /// one window; a path that allocates per request, or every few hundred, shows in all three.
@@ -653,6 +732,15 @@ fn steady_state_allocations() {
         fewest(pipeline),
         0,
         "a pipeline's request allocated: {pipeline:?}"
+    );
+    let lerobot = [0; 3].map(|_| lerobot_path(1000));
+    println!(
+        "LeRobot observation (pickle read, 6 motors, a resized camera, task): {lerobot:?} allocations over 1000 requests (3 runs)"
+    );
+    assert_eq!(
+        fewest(lerobot),
+        0,
+        "reading and binding a LeRobot observation allocated: {lerobot:?}"
     );
     let history = [0; 3].map(|_| history_path(1000));
     println!(

@@ -9,6 +9,7 @@
 
 mod compile;
 mod input;
+pub mod lerobot;
 mod output;
 mod tokens;
 

@@ -24,15 +24,15 @@ use tokio::net::TcpListener;
 use tokio::sync::{mpsc, oneshot};
 use tonic::{Request, Response, Status, Streaming};
 
-use crate::config::{LerobotConfig, LerobotResize};
-use crate::dtype::{ByteOrder, ElemType, WireDType};
+use crate::bind::lerobot::Adapter;
+use crate::config::LerobotConfig;
 use crate::net::core::{Core, Finished, Started};
 use crate::net::http::Shared;
 use crate::policy::Policy;
+use crate::protocol::Route;
 use crate::protocol::dialect::{Precision, ResetScope};
-use crate::protocol::lerobot::{self, Codec, ObsValue, PolicySetup};
+use crate::protocol::lerobot::{self, Codec, PolicySetup};
 use crate::protocol::pickle::{PickleLimits, PickleReader};
-use crate::protocol::{ArrayView, Endpoint, RequestMeta, Route, Shape, Value, WireError};
 use crate::runtime::worker::Lease;
 
 /// The service's messages and server, generated from proto/services.proto by build.rs.
@@ -48,7 +48,6 @@ use transport::{Actions, Empty, Observation, TransferState};
 const CHUNK_BYTES: usize = 2 << 20;
 /// What the client accepts in one reply (gRPC's and LeRobot's cap).
 const CLIENT_MAX_MESSAGE: usize = 4 << 20;
-use crate::protocol::lerobot::{IMAGE_PREFIX, STATE_KEY};
 
 /// Observations reassembled at once (one client sends one at a time; more is abuse).
 const REASSEMBLIES: usize = 2;
@@ -207,9 +206,9 @@ impl AsyncInference for Service {
         let (setup, codec) = read_setup(&data)
             .map_err(|e| self.refuse("pickle", Status::invalid_argument(e.to_string())))?;
         let set = self.shared.policies.load();
-        let (policy, mut adapter) = Adapter::for_setup(&self.cfg, &set, &setup)
+        let (policy, mut adapter) = for_setup(&self.cfg, &set, &setup)
             .map_err(|e| self.refuse("setup", Status::failed_precondition(e)))?;
-        adapter.codec = codec;
+        adapter.set_codec(codec);
         log::info!(
             "lerobot: client asks for {} \"{}\" ({} actions per chunk, {} payloads): serving \
              policy \"{}\"",
@@ -352,360 +351,40 @@ fn read_setup(data: &[u8]) -> Result<(PolicySetup, Codec), lerobot::LerobotError
     Ok((setup, codec))
 }
 
-/// A camera the policy reads: the client's raw key, the binding it feeds, the frame size the
-/// client declared and the policy's, and the buffer a resized frame is written to.
-struct Camera {
-    raw: String,
-    binding: String,
-    /// The policy's `(height, width, channels)`.
-    size: (usize, usize, usize),
-    /// Allocated at setup when the client's frames have another size (and resizing is on):
-    /// the resize from the client's declared size, and its output.
-    resize: Option<crate::transform::Resize>,
-    resized: Vec<u8>,
-}
-
-/// How one client's observation maps onto one policy's bindings, fixed at
-/// `SendPolicyInstructions` (buffers included, so an observation allocates nothing here).
-struct Adapter {
-    /// The client's motor keys in its `observation.state` order, and the vector they fill.
-    motors: Vec<String>,
-    state: Vec<u8>,
-    filled: Vec<bool>,
-    cameras: Vec<Camera>,
-    /// The policy has a `task` (prompt) binding.
-    task: bool,
-    actions_per_chunk: usize,
-    /// The output sent as the actions.
-    action_output: usize,
-    /// The client's payload format (its policy config's), used for its observations and
-    /// for the replies.
-    codec: Codec,
-}
-
-impl Adapter {
-    /// Checks a client's setup against the served policies: the one it names (by
-    /// `[[lerobot.serve]]` or by name), its features against the bindings, its chunk length.
-    fn for_setup(
-        cfg: &LerobotConfig,
-        set: &crate::policy::PolicySet,
-        setup: &PolicySetup,
-    ) -> Result<(Arc<Policy>, Adapter), String> {
-        let asked = &setup.pretrained_name_or_path;
-        let entry = cfg.serve.iter().find(|s| &s.pretrained == asked);
-        let name = match entry {
-            Some(s) => s.policy.as_str(),
-            None => asked.as_str(),
-        };
-        let Some(policy) = set.get(name) else {
-            let mut offered: Vec<&str> = cfg.serve.iter().map(|s| s.pretrained.as_str()).collect();
-            offered.extend(set.policies.iter().map(|p| p.name.as_str()));
-            return Err(format!(
-                "pretrained_name_or_path \"{asked}\" is not served here (policyd never loads what \
-                 a client names); ask for one of: {}, or map it onto a served policy with a \
-                 [[lerobot.serve]] entry whose pretrained = \"{asked}\"",
-                offered.join(", ")
-            ));
-        };
-        if let Some(want) = entry.and_then(|e| e.policy_type.as_deref())
-            && want != setup.policy_type
-        {
-            return Err(format!(
-                "policy_type \"{}\" does not match the served policy \"{}\", which is a \"{want}\" \
-                 ([[lerobot.serve]] policy_type)",
-                setup.policy_type, policy.name
-            ));
-        }
-        let adapter = Adapter::new(cfg, policy, setup)?;
-        Ok((policy.clone(), adapter))
+/// Checks a client's setup against the served policies: the one it names (by
+/// `[[lerobot.serve]]` or by name), its features against the bindings, its chunk length.
+fn for_setup(
+    cfg: &LerobotConfig,
+    set: &crate::policy::PolicySet,
+    setup: &PolicySetup,
+) -> Result<(Arc<Policy>, Adapter), String> {
+    let asked = &setup.pretrained_name_or_path;
+    let entry = cfg.serve.iter().find(|s| &s.pretrained == asked);
+    let name = match entry {
+        Some(s) => s.policy.as_str(),
+        None => asked.as_str(),
+    };
+    let Some(policy) = set.get(name) else {
+        let mut offered: Vec<&str> = cfg.serve.iter().map(|s| s.pretrained.as_str()).collect();
+        offered.extend(set.policies.iter().map(|p| p.name.as_str()));
+        return Err(format!(
+            "pretrained_name_or_path \"{asked}\" is not served here (policyd never loads what \
+             a client names); ask for one of: {}, or map it onto a served policy with a \
+             [[lerobot.serve]] entry whose pretrained = \"{asked}\"",
+            offered.join(", ")
+        ));
+    };
+    if let Some(want) = entry.and_then(|e| e.policy_type.as_deref())
+        && want != setup.policy_type
+    {
+        return Err(format!(
+            "policy_type \"{}\" does not match the served policy \"{}\", which is a \"{want}\" \
+             ([[lerobot.serve]] policy_type)",
+            setup.policy_type, policy.name
+        ));
     }
-
-    fn new(cfg: &LerobotConfig, policy: &Policy, setup: &PolicySetup) -> Result<Adapter, String> {
-        let plan = &policy.plan;
-        let horizon = plan.horizon;
-        let apc = setup.actions_per_chunk;
-        if apc < 1 || apc as u64 > horizon as u64 {
-            return Err(format!(
-                "actions_per_chunk = {apc} must be within 1..={horizon} (the chunk policy \"{}\" \
-                 predicts)",
-                policy.name
-            ));
-        }
-        let feature = |key: &str| setup.features.iter().find(|f| f.key == key);
-        let mut motors = Vec::new();
-        let mut cameras = Vec::new();
-        let mut task = false;
-        for b in &plan.inputs {
-            if b.key == STATE_KEY {
-                let Some(f) = feature(STATE_KEY) else {
-                    if b.optional {
-                        continue;
-                    }
-                    return Err(format!(
-                        "lerobot_features has no \"{STATE_KEY}\"; policy \"{}\" needs it (shape \
-                         {:?})",
-                        policy.name, b.shape
-                    ));
-                };
-                if f.names.is_empty() || b.shape != [f.names.len()] {
-                    return Err(format!(
-                        "lerobot_features[\"{STATE_KEY}\"] names {} motors; policy \"{}\" takes a \
-                         state of shape {:?}",
-                        f.names.len(),
-                        policy.name,
-                        b.shape
-                    ));
-                }
-                motors = f.names.clone();
-            } else if let Some(cam) = b.key.strip_prefix(IMAGE_PREFIX) {
-                let Some(f) = feature(&b.key) else {
-                    if b.optional {
-                        continue;
-                    }
-                    let have: Vec<&str> = setup
-                        .features
-                        .iter()
-                        .map(|f| f.key.as_str())
-                        .filter(|k| k.starts_with(IMAGE_PREFIX))
-                        .collect();
-                    return Err(format!(
-                        "lerobot_features has no \"{}\"; policy \"{}\" needs that camera (the \
-                         client's cameras: {}); camera names must match the policy's",
-                        b.key,
-                        policy.name,
-                        if have.is_empty() {
-                            "none".into()
-                        } else {
-                            have.join(", ")
-                        }
-                    ));
-                };
-                let [h, w, c] = b.shape[..] else {
-                    return Err(format!(
-                        "policy \"{}\" takes \"{}\" as shape {:?}; the LeRobot service sends \
-                         camera frames as uint8 (height, width, channels)",
-                        policy.name, b.key, b.shape
-                    ));
-                };
-                if f.shape.len() != 3 || f.shape[2] != c {
-                    return Err(format!(
-                        "lerobot_features[\"{}\"] has shape {:?}; policy \"{}\" takes {c} channels",
-                        b.key, f.shape, policy.name
-                    ));
-                }
-                let resize = f.shape[..2] != [h, w];
-                if resize && cfg.resize == LerobotResize::Refuse {
-                    return Err(format!(
-                        "camera \"{cam}\" sends {}x{} frames; policy \"{}\" takes {h}x{w} and \
-                         lerobot.resize = \"refuse\"; set the camera's resolution to {w}x{h}",
-                        f.shape[1], f.shape[0], policy.name
-                    ));
-                }
-                cameras.push(Camera {
-                    raw: cam.to_string(),
-                    binding: b.key.clone(),
-                    size: (h, w, c),
-                    resize: resize.then(|| {
-                        crate::transform::Resize::new((f.shape[0], f.shape[1]), (h, w), c)
-                    }),
-                    resized: if resize {
-                        vec![0; h * w * c]
-                    } else {
-                        Vec::new()
-                    },
-                });
-            } else if b.key == "task" && b.text {
-                task = true;
-            } else if !b.optional {
-                return Err(format!(
-                    "policy \"{}\" needs input \"{}\", which a LeRobot client does not send (it \
-                     sends {STATE_KEY}, {IMAGE_PREFIX}<camera> and task)",
-                    policy.name, b.key
-                ));
-            }
-        }
-        let action_output = plan
-            .outputs
-            .iter()
-            .position(|o| o.key == "action" || o.key == "actions")
-            .unwrap_or(0);
-        if plan.outputs.is_empty() {
-            return Err(format!("policy \"{}\" has no outputs", policy.name));
-        }
-        Ok(Adapter {
-            state: vec![0; motors.len() * 4],
-            filled: vec![false; motors.len()],
-            motors,
-            cameras,
-            task,
-            actions_per_chunk: apc as usize,
-            action_output,
-            codec: Codec::Pickle,
-        })
-    }
-
-    /// Reads one `TimedObservation`, in the format the client set up with, into a slot's
-    /// inputs; the request's meta for the core.
-    fn decode(
-        &mut self,
-        reader: &mut PickleReader,
-        payload: &[u8],
-        plan: &crate::bind::Plan,
-        inputs: &mut [Box<dyn crate::engine::InputBuffer>],
-        seen: &mut [bool],
-    ) -> Result<RequestMeta, WireError> {
-        let codec = lerobot::codec(payload).map_err(wire)?;
-        if codec != self.codec {
-            return Err(WireError::Payload(format!(
-                "the client set up with {} payloads and sent an observation as {}",
-                self.codec.name(),
-                codec.name()
-            )));
-        }
-        match codec {
-            Codec::Pickle => {
-                let tree = reader.read(payload).map_err(|e| wire(e.into()))?;
-                let obs = lerobot::observation(&tree).map_err(wire)?;
-                let at = (obs.timestep, obs.timestamp, obs.must_go);
-                self.bind(at, obs.entries(), plan, inputs, seen)
-            }
-            Codec::Json => {
-                let obs = crate::protocol::lerobot_json::observation(payload).map_err(wire)?;
-                let at = (obs.timestep, obs.timestamp, obs.must_go);
-                self.bind(at, obs.entries(), plan, inputs, seen)
-            }
-        }
-    }
-
-    /// Binds one observation's entries (either format) into a slot's inputs.
-    fn bind<'o>(
-        &mut self,
-        (timestep, timestamp, must_go): (i64, f64, bool),
-        entries: impl Iterator<Item = Result<(&'o str, ObsValue<'o>), lerobot::LerobotError>>,
-        plan: &crate::bind::Plan,
-        inputs: &mut [Box<dyn crate::engine::InputBuffer>],
-        seen: &mut [bool],
-    ) -> Result<RequestMeta, WireError> {
-        self.filled.iter_mut().for_each(|f| *f = false);
-        let mut frames: heapless::Vec<Option<lerobot::NdArray<'_>>, 16> = heapless::Vec::new();
-        for _ in &self.cameras {
-            let _ = frames.push(None);
-        }
-        let mut task: Option<&str> = None;
-        for entry in entries {
-            let (key, value) = entry.map_err(wire)?;
-            match value {
-                ObsValue::Number(v) => {
-                    if let Some(j) = self.motors.iter().position(|m| m == key) {
-                        self.state[j * 4..j * 4 + 4].copy_from_slice(&(v as f32).to_le_bytes());
-                        self.filled[j] = true;
-                    }
-                }
-                ObsValue::Text(t) if key == "task" => task = Some(t),
-                ObsValue::Text(_) => {}
-                ObsValue::Array(a) => {
-                    if let Some(i) = self.cameras.iter().position(|c| c.raw == key) {
-                        frames[i] = Some(a);
-                    }
-                }
-            }
-        }
-        if let Some(j) = self.filled.iter().position(|f| !f) {
-            return Err(WireError::Payload(format!(
-                "the observation has no '{}' (a motor of the client's {STATE_KEY} feature)",
-                self.motors[j]
-            )));
-        }
-        let mut values: heapless::Vec<(&str, Value<'_>), 18> = heapless::Vec::new();
-        if !self.motors.is_empty() {
-            let mut shape = Shape::new();
-            let _ = shape.push(self.motors.len());
-            let _ = values.push((STATE_KEY, array(ElemType::F32, shape, &self.state)));
-        }
-        for (cam, frame) in self.cameras.iter_mut().zip(frames) {
-            let Some(a) = frame else {
-                return Err(WireError::Payload(format!(
-                    "the observation has no '{}' (the camera of {})",
-                    cam.raw, cam.binding
-                )));
-            };
-            let (h, w, c) = cam.size;
-            if a.dtype != ElemType::U8 || a.shape.len() != 3 || a.shape[2] != c {
-                return Err(WireError::Payload(format!(
-                    "observation['{}'] is {} of shape {:?}; expected uint8 (height, width, {c})",
-                    cam.raw,
-                    a.dtype.name(),
-                    a.shape.as_slice()
-                )));
-            }
-            let data = match &mut cam.resize {
-                _ if a.shape[..2] == [h, w] => a.data,
-                Some(r) if r.from() == (a.shape[0], a.shape[1]) => {
-                    r.run(a.data, &mut cam.resized);
-                    &cam.resized
-                }
-                _ => {
-                    return Err(WireError::Payload(format!(
-                        "observation['{}'] is {}x{}; the policy takes {h}x{w}{}",
-                        cam.raw,
-                        a.shape[1],
-                        a.shape[0],
-                        match &cam.resize {
-                            Some(r) => format!(
-                                " and the client declared {}x{} (its lerobot_features)",
-                                r.from().1,
-                                r.from().0
-                            ),
-                            None => String::new(),
-                        }
-                    )));
-                }
-            };
-            let mut shape = Shape::new();
-            let _ = shape.extend_from_slice(&[h, w, c]);
-            let _ = values.push((cam.binding.as_str(), array(ElemType::U8, shape, data)));
-        }
-        if self.task {
-            let t = task.ok_or_else(|| {
-                WireError::Payload("the observation has no 'task' (the policy's prompt)".into())
-            })?;
-            let _ = values.push((
-                "task",
-                Value::Text {
-                    dtype: None,
-                    data: t.as_bytes(),
-                },
-            ));
-        }
-        plan.decode_values(values.into_iter().map(Ok), inputs, seen, None)?;
-        Ok(RequestMeta {
-            endpoint: Endpoint::Observe,
-            timestep: Some(timestep),
-            timestamp: Some(timestamp),
-            must_go: Some(must_go),
-            ..RequestMeta::default()
-        })
-    }
-}
-
-/// A LeRobot payload error as a request error; "pickle: " marks what the reader refused (counted
-/// apart from observations that read but do not fit the policy).
-fn wire(e: lerobot::LerobotError) -> WireError {
-    match e {
-        lerobot::LerobotError::Invalid(m) => WireError::Payload(m),
-        e => WireError::Payload(format!("pickle: {e}")),
-    }
-}
-
-fn array(t: ElemType, shape: Shape, data: &[u8]) -> Value<'_> {
-    Value::Array(ArrayView {
-        declared: WireDType::Num(t, ByteOrder::Little),
-        storage: t,
-        order: ByteOrder::Little,
-        shape,
-        data,
-        native: false,
-    })
+    let adapter = Adapter::new(cfg.resize, &policy.plan, &policy.name, setup)?;
+    Ok((policy.clone(), adapter))
 }
 
 /// The session's state while a policy is set up.
@@ -748,10 +427,15 @@ async fn session(shared: Arc<Shared>, mut rx: mpsc::Receiver<Command>) {
             replaced = false;
             let set = shared.policies.load();
             let next = set.get(&a.core.policy().name).cloned().and_then(|p| {
-                Adapter::new(shared.cfg.lerobot.as_ref()?, &p, &a.setup)
-                    .map_err(|e| log::warn!("lerobot: after the reload: {e}"))
-                    .ok()
-                    .map(|ad| (p, ad))
+                Adapter::new(
+                    shared.cfg.lerobot.as_ref()?.resize,
+                    &p.plan,
+                    &p.name,
+                    &a.setup,
+                )
+                .map_err(|e| log::warn!("lerobot: after the reload: {e}"))
+                .ok()
+                .map(|ad| (p, ad))
             });
             if let Some(old) = active.take() {
                 let setup = old.setup;
@@ -948,9 +632,9 @@ fn deliver(
     waiter: &mut Option<oneshot::Sender<Vec<u8>>>,
 ) {
     let (output, apc, codec) = (
-        a.adapter.action_output,
-        a.adapter.actions_per_chunk,
-        a.adapter.codec,
+        a.adapter.action_output(),
+        a.adapter.actions_per_chunk(),
+        a.adapter.codec(),
     );
     let mut ok = true;
     let lease = a.core.release(lease, paced, |r| {
