@@ -6,7 +6,7 @@ shape is made with LeRobot's classes, exported with `policyd-export` (timed), th
   torch limited to 1 and to 2 threads;
 - policyd: the bundle served by the given binary, driven by openpi-client on loopback, one
   request at a time; the reply's `policy_timing.infer_ms` (the engine) and the client's round
-  trip (decode, engine, encode, transport);
+  trip (decode, engine, encode, transport); then the engine again with `engine.threads = 2`;
 p50 and p99 over `--n` chunks after 3 warm-up chunks.
 
     .venv-export/bin/python benches/lerobot_families.py --policyd target/release/policyd
@@ -21,9 +21,11 @@ import importlib
 import sys
 import tempfile
 import time
+import tomllib
 from pathlib import Path
 
 import numpy as np
+import tomli_w
 import torch
 from openpi_client import websocket_client_policy
 from policyd_export.checkpoint import load
@@ -72,10 +74,16 @@ def torch_times(ckpt: Path, obs: list[dict], n: int, threads: int) -> list[float
 
 
 def policyd_times(
-    binary: str, bundle: Path, obs: list[dict], n: int
+    binary: str, bundle: Path, obs: list[dict], n: int, threads: int = 1
 ) -> tuple[list, list]:
+    """The bundle served as exported, with `engine.threads` set."""
     engine, trip = [], []
-    with serve(binary, bundle / "policyd.toml") as port:
+    config = tomllib.loads((bundle / "policyd.toml").read_text())
+    config["engine"]["threads"] = threads
+    config.pop("lerobot", None)
+    path = bundle / f"policyd-{threads}t.toml"
+    path.write_text(tomli_w.dumps(config))
+    with serve(binary, path) as port:
         client = websocket_client_policy.WebsocketClientPolicy("127.0.0.1", port)
         for i in range(n + 3):
             t = time.perf_counter()
@@ -98,13 +106,14 @@ def measure(name: str, ckpt: Path, bundle: Path, n: int, binary: str) -> tuple |
     t2 = pct(torch_times(ckpt, obs, n, 2))
     engine, trip = policyd_times(binary, bundle, obs, n)
     e, r = pct(engine), pct(trip)
+    e2 = pct(policyd_times(binary, bundle, obs, n, threads=2)[0])
     print(
         f"{name}: export {export_s:.0f} s, torch 1t {t1}, 2t {t2}, policyd engine {e}, "
-        f"round trip {r}",
+        f"round trip {r}, engine on 2 threads {e2}",
         file=sys.stderr,
         flush=True,
     )
-    return (name, export_s, t1, t2, e, r)
+    return (name, export_s, t1, t2, e, r, e2)
 
 
 def main() -> int:
@@ -146,14 +155,15 @@ def main() -> int:
         return 1
     print(
         "| policy | export | LeRobot torch, 1 thread p50 / p99 | torch, 2 threads | "
-        "policyd engine (tract, 1 thread) | policyd round trip | policyd engine / torch 1t |"
+        "policyd engine (tract, 1 thread) | policyd round trip | policyd engine / torch 1t | "
+        "policyd engine, 2 threads (`engine.threads = 2`) | policyd 2t / torch 2t |"
     )
-    print("|---|---|---|---|---|---|---|")
-    for name, export_s, t1, t2, e, r in rows:
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, export_s, t1, t2, e, r, e2 in rows:
         print(
             f"| {name} | {export_s:.0f} s | {t1[0]:.1f} / {t1[1]:.1f} ms | {t2[0]:.1f} / "
             f"{t2[1]:.1f} ms | {e[0]:.1f} / {e[1]:.1f} ms | {r[0]:.1f} / {r[1]:.1f} ms | "
-            f"{e[0] / t1[0]:.2f} |"
+            f"{e[0] / t1[0]:.2f} | {e2[0]:.1f} / {e2[1]:.1f} ms | {e2[0] / t2[0]:.2f} |"
         )
     return 0
 

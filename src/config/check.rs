@@ -718,6 +718,18 @@ fn engine(
             ),
         ));
     }
+    // Validated against the machine that starts: more threads than CPUs only contend (and
+    // steal time from the serving threads).
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    if !(1..=cpus).contains(&e.threads) {
+        return Err(cx.invalid(
+            "engine.threads",
+            format!(
+                "must be within 1..={cpus} (this machine's CPUs), got {}",
+                e.threads
+            ),
+        ));
+    }
     if e.warmup_runs > 1000 {
         return Err(cx.invalid(
             "engine.warmup_runs",
@@ -735,6 +747,7 @@ fn engine(
             slots: e.slots,
             warmup_runs: e.warmup_runs,
             timeout_ms: e.timeout_ms,
+            threads: e.threads,
         },
         ModelSource::File(path(base, model)),
     ))

@@ -367,6 +367,8 @@ pub struct EngineConfig {
     pub warmup_runs: usize,
     /// A run taking longer than this counts as a stalled engine (0 = never).
     pub timeout_ms: u64,
+    /// `cpu`: threads one run may use; 1 runs on the engine's own thread only.
+    pub threads: usize,
 }
 
 /// `engine.backend`: the backends this build can have.

@@ -376,6 +376,9 @@ pub(super) struct RawEngine {
     /// get a timeout error, new ones are refused, health answers 503 until it finishes.
     #[serde(default = "default_engine_timeout")]
     pub(super) timeout_ms: u64,
+    /// `cpu`: threads one run may use (intra-op parallelism).
+    #[serde(default = "default_threads")]
+    pub(super) threads: usize,
 }
 
 impl Default for RawEngine {
@@ -391,8 +394,13 @@ impl Default for RawEngine {
             slots: default_slots(),
             warmup_runs: default_warmup(),
             timeout_ms: default_engine_timeout(),
+            threads: default_threads(),
         }
     }
+}
+
+fn default_threads() -> usize {
+    1
 }
 
 fn default_backend() -> String {

@@ -27,6 +27,9 @@ pub struct CpuEngine {
     datum: Vec<DatumType>,
     /// The rewrite a failing run should name (a pattern tract 0.23 cannot run).
     hint: Option<String>,
+    /// `engine.threads` > 1: the pool tract's matrix products run on, set for each run on
+    /// the engine's thread only (each policy has its own).
+    executor: Option<tract_linalg::multithread::Executor>,
 }
 
 /// An input tensor owned by the slot and shared with tract only while it runs.
@@ -198,7 +201,17 @@ impl CpuEngine {
             io,
             datum,
             hint: None,
+            executor: None,
         })
+    }
+
+    /// Runs tract's matrix products (its convolutions lowered to them, and the transformers')
+    /// on `threads` threads; 1 keeps everything on the engine's own thread.
+    pub fn with_threads(mut self, threads: usize) -> Self {
+        self.executor = (threads > 1).then(|| {
+            tract_linalg::multithread::Executor::multithread_with_name(threads, "policyd-tract")
+        });
+        self
     }
 }
 
@@ -291,7 +304,14 @@ impl Engine for CpuEngine {
                 .ok_or_else(|| EngineError::Run("input buffer from another backend".into()))?;
             values.push(TValue::from_const(t.0.clone()));
         }
-        let result = self.state.run(values).map_err(|e| match &self.hint {
+        let (state, executor) = (&mut self.state, &self.executor);
+        let result = match executor {
+            Some(pool) => tract_linalg::multithread::multithread_tract_scope(pool.clone(), || {
+                state.run(values)
+            }),
+            None => state.run(values),
+        };
+        let result = result.map_err(|e| match &self.hint {
             Some(h) => EngineError::Run(format!("{e:#}\n{h}")),
             None => EngineError::Run(format!("{e:#}")),
         })?;

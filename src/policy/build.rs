@@ -146,10 +146,10 @@ fn open_model(spec: &PolicySpec, model: &ModelSource) -> Result<Box<dyn Engine>,
     };
     match spec.engine.backend {
         #[cfg(feature = "cpu")]
-        Backend::Cpu => Ok(Box::new(crate::engine::cpu::CpuEngine::load(
-            model,
-            &shape_hints(spec),
-        )?)),
+        Backend::Cpu => Ok(Box::new(
+            crate::engine::cpu::CpuEngine::load(model, &shape_hints(spec))?
+                .with_threads(spec.engine.threads),
+        )),
         #[cfg(feature = "tensorrt")]
         Backend::Tensorrt => {
             let e = &spec.engine;
