@@ -333,7 +333,7 @@ fn the_json_safetensors_reply_parses_back_and_observations_read() {
     assert_eq!(lerobot::codec(&buf).unwrap(), lerobot::Codec::Json);
 
     // An observation as PR #3048's serialize_observation writes one (built here by hand).
-    let json = br#"{"type": "TimedObservation", "timestamp": 12.5, "timestep": 3, "must_go": true, "scalar_data": {"gripper.pos": 7.5, "task": "pick"}, "numpy_keys": ["front"]}"#;
+    let json = br#"{"type": "TimedObservation", "timestamp": 1796494091.8933365, "timestep": 3, "must_go": true, "scalar_data": {"gripper.pos": 7.5, "task": "pick"}, "numpy_keys": ["front"]}"#;
     let tensor = br#"{"front":{"dtype":"U8","shape":[2,2,3],"data_offsets":[0,12]}}"#;
     let mut payload = (json.len() as u32).to_be_bytes().to_vec();
     payload.extend_from_slice(json);
@@ -341,7 +341,12 @@ fn the_json_safetensors_reply_parses_back_and_observations_read() {
     payload.extend_from_slice(tensor);
     payload.extend(0u8..12);
     let obs = lerobot_json::observation(&payload).unwrap();
-    assert_eq!((obs.timestep, obs.timestamp, obs.must_go), (3, 12.5, true));
+    // Parsed to the exact double Python's json wrote (serde_json's default parse can be off
+    // by one unit in the last place here).
+    assert_eq!(
+        (obs.timestep, obs.timestamp, obs.must_go),
+        (3, 1796494091.8933365, true)
+    );
     let entries: Vec<_> = obs.entries().map(Result::unwrap).collect();
     assert_eq!(entries[0], ("gripper.pos", ObsValue::Number(7.5)));
     assert_eq!(entries[1], ("task", ObsValue::Text("pick")));
