@@ -426,6 +426,13 @@ async fn session(shared: Arc<Shared>, mut rx: mpsc::Receiver<Command>) {
         if replaced && let Some(a) = active.as_ref().filter(|a| a.core.idle()) {
             replaced = false;
             let set = shared.policies.load();
+            // A reload that kept this policy's engine (same fingerprint) changes nothing here.
+            let kept = set
+                .get(&a.core.policy().name)
+                .is_some_and(|p| Arc::ptr_eq(p, a.core.policy()));
+            if kept {
+                continue;
+            }
             let next = set.get(&a.core.policy().name).cloned().and_then(|p| {
                 Adapter::new(
                     shared.cfg.lerobot.as_ref()?.resize,
