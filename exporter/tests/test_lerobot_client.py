@@ -62,8 +62,11 @@ def wait_ready(port: int, proc: subprocess.Popen, log: Path, timeout: float = 12
 
 
 class Served:
-    def __init__(self, port: int, grpc_port: int, log: Path) -> None:
+    def __init__(
+        self, port: int, grpc_port: int, log: Path, config: Path, proc: subprocess.Popen
+    ) -> None:
         self.port, self.grpc_port, self.log = port, grpc_port, log
+        self.config, self.proc = config, proc
         self.address = f"127.0.0.1:{grpc_port}"
 
     def healthy(self) -> bool:
@@ -98,7 +101,7 @@ def served(policyd: str, b: Exported, tmp: Path, **lerobot: object) -> Iterator[
         )
     try:
         wait_ready(port, proc, log)
-        yield Served(port, grpc_port, log)
+        yield Served(port, grpc_port, log, path, proc)
     finally:
         proc.terminate()
         proc.wait(10)
@@ -517,3 +520,36 @@ def test_a_peer_off_the_allow_list_is_refused(act: Exported, policyd: str, tmp_p
         stub.close()
         assert 'policyd_lerobot_refused_total{reason="peer"}' in s.metrics()
         assert "not in lerobot.allow" in s.log.read_text()
+
+
+def test_a_reload_moves_the_session_to_the_new_engine(
+    act: Exported, policyd: str, tmp_path: Path
+) -> None:
+    """SIGHUP with a changed policy (here its control rate): the session carries on with the
+    new engine, without a new setup; its timestamps follow the new rate."""
+    import signal
+
+    robot = test_robot.PolicydTestRobot(robot_config(seed=9))
+    config = remote_config(act, robot, chunk=4)
+    with served(policyd, act, tmp_path) as s:
+        stub = Stub(s.address)
+        stub.setup(config)
+        stub.observe(observation(robot, 0))
+        before = stub.actions()
+        assert abs(before[1].get_timestamp() - before[0].get_timestamp() - 1 / 30) < 1e-6
+        text = tomllib.loads(s.config.read_text())
+        text.setdefault("pacing", {})["fps"] = 10.0
+        s.config.write_text(tomli_w.dumps(text))
+        s.proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 60
+        while "session starts afresh" not in s.log.read_text():
+            # The session moves once it is idle and sees the new generation: poke it.
+            with contextlib.suppress(grpc.RpcError):
+                stub.stub.GetActions(services_pb2.Empty(), timeout=0.5)
+            assert time.monotonic() < deadline, s.log.read_text()
+            time.sleep(0.2)
+        stub.observe(observation(robot, 5))
+        after = stub.actions()
+        assert after[0].get_timestep() == 5
+        assert abs(after[1].get_timestamp() - after[0].get_timestamp() - 0.1) < 1e-6
+        stub.close()
