@@ -9,13 +9,92 @@ use super::Plan;
 use crate::config::LerobotResize;
 use crate::dtype::{ByteOrder, ElemType, WireDType};
 use crate::engine::InputBuffer;
-use crate::protocol::lerobot::{self, Codec, IMAGE_PREFIX, ObsValue, PolicySetup, STATE_KEY};
+use crate::protocol::lerobot::{
+    self, Codec, IMAGE_PREFIX, ObsValue, PolicySetup, STATE_KEY, TASK_KEY,
+};
 use crate::protocol::pickle::PickleReader;
 use crate::protocol::{ArrayView, Endpoint, RequestMeta, Shape, Value, WireError};
 
-/// A policy's name, for messages.
-struct Named<'a> {
-    name: &'a str,
+/// What a LeRobot `robot_client` can fill of a plan's bindings (see [`Plan::lerobot_fit`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LerobotFit {
+    /// The plan's `observation.state` binding, if it has one.
+    pub state: Option<FitState>,
+    /// Each `observation.images.<camera>` binding.
+    pub cameras: Vec<FitCamera>,
+    /// The plan reads the task as a prompt.
+    pub task: bool,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FitState {
+    pub len: usize,
+    pub optional: bool,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FitCamera {
+    /// The client's camera key (the binding's key after `observation.images.`).
+    pub name: String,
+    pub height: usize,
+    pub width: usize,
+    pub optional: bool,
+}
+
+impl Plan {
+    /// Whether LeRobot's clients can drive this plan: every required binding must be one they
+    /// send (the state vector, uint8 `(height, width, 3)` camera frames, the task as text), and
+    /// an output must hold the actions. An error names the binding that cannot be filled.
+    pub fn lerobot_fit(&self) -> Result<LerobotFit, String> {
+        let mut fit = LerobotFit {
+            state: None,
+            cameras: Vec::new(),
+            task: false,
+        };
+        for b in &self.inputs {
+            if b.key == STATE_KEY && !b.text && b.shape.len() == 1 {
+                fit.state = Some(FitState {
+                    len: b.shape[0],
+                    optional: b.optional,
+                });
+            } else if let Some(cam) = b.key.strip_prefix(IMAGE_PREFIX)
+                && !b.text
+            {
+                let [h, w, 3] = b.shape[..] else {
+                    return Err(format!(
+                        "input '{}' has shape {:?}; LeRobot clients send camera frames as uint8 \
+                         (height, width, 3)",
+                        b.key, b.shape
+                    ));
+                };
+                if !b.accepted.iter().any(|(t, _)| *t == ElemType::U8) {
+                    return Err(format!(
+                        "input '{}' does not accept uint8; LeRobot clients send camera frames as \
+                         uint8",
+                        b.key
+                    ));
+                }
+                fit.cameras.push(FitCamera {
+                    name: cam.to_string(),
+                    height: h,
+                    width: w,
+                    optional: b.optional,
+                });
+            } else if b.key == TASK_KEY && b.text {
+                fit.task = true;
+            } else if !b.optional {
+                return Err(format!(
+                    "input '{}' is not one LeRobot clients send ({STATE_KEY} of shape [n], \
+                     {IMAGE_PREFIX}<camera> of shape [height, width, 3], {TASK_KEY} as text)",
+                    b.key
+                ));
+            }
+        }
+        if self.outputs.is_empty() {
+            return Err("the policy has no outputs to send as actions".into());
+        }
+        Ok(fit)
+    }
 }
 
 /// A camera the policy reads: the client's raw key, the binding it feeds, the frame size the
@@ -58,123 +137,103 @@ impl Adapter {
         name: &str,
         setup: &PolicySetup,
     ) -> Result<Adapter, String> {
-        let policy = Named { name };
         let horizon = plan.horizon;
         let apc = setup.actions_per_chunk;
         if apc < 1 || apc as u64 > horizon as u64 {
             return Err(format!(
-                "actions_per_chunk = {apc} must be within 1..={horizon} (the chunk policy \"{}\" \
-                 predicts)",
-                policy.name
+                "actions_per_chunk = {apc} must be within 1..={horizon} (the chunk policy \"{name}\" \
+                 predicts)"
             ));
         }
+        let fit = plan
+            .lerobot_fit()
+            .map_err(|e| format!("policy \"{name}\": {e}"))?;
         let feature = |key: &str| setup.features.iter().find(|f| f.key == key);
         let mut motors = Vec::new();
-        let mut cameras = Vec::new();
-        let mut task = false;
-        for b in &plan.inputs {
-            if b.key == STATE_KEY {
-                let Some(f) = feature(STATE_KEY) else {
-                    if b.optional {
-                        continue;
-                    }
+        if let Some(state) = &fit.state {
+            match feature(STATE_KEY) {
+                None if state.optional => {}
+                None => {
                     return Err(format!(
-                        "lerobot_features has no \"{STATE_KEY}\"; policy \"{}\" needs it (shape \
-                         {:?})",
-                        policy.name, b.shape
+                        "lerobot_features has no \"{STATE_KEY}\"; policy \"{name}\" needs it \
+                         (shape [{}])",
+                        state.len
                     ));
-                };
-                if f.names.is_empty() || b.shape != [f.names.len()] {
+                }
+                Some(f) if f.names.is_empty() || f.names.len() != state.len => {
                     return Err(format!(
-                        "lerobot_features[\"{STATE_KEY}\"] names {} motors; policy \"{}\" takes a \
-                         state of shape {:?}",
+                        "lerobot_features[\"{STATE_KEY}\"] names {} motors; policy \"{name}\" \
+                         takes a state of shape [{}]",
                         f.names.len(),
-                        policy.name,
-                        b.shape
+                        state.len
                     ));
                 }
-                motors = f.names.clone();
-            } else if let Some(cam) = b.key.strip_prefix(IMAGE_PREFIX) {
-                let Some(f) = feature(&b.key) else {
-                    if b.optional {
-                        continue;
-                    }
-                    let have: Vec<&str> = setup
-                        .features
-                        .iter()
-                        .map(|f| f.key.as_str())
-                        .filter(|k| k.starts_with(IMAGE_PREFIX))
-                        .collect();
-                    return Err(format!(
-                        "lerobot_features has no \"{}\"; policy \"{}\" needs that camera (the \
-                         client's cameras: {}); camera names must match the policy's",
-                        b.key,
-                        policy.name,
-                        if have.is_empty() {
-                            "none".into()
-                        } else {
-                            have.join(", ")
-                        }
-                    ));
-                };
-                let [h, w, c] = b.shape[..] else {
-                    return Err(format!(
-                        "policy \"{}\" takes \"{}\" as shape {:?}; the LeRobot service sends \
-                         camera frames as uint8 (height, width, channels)",
-                        policy.name, b.key, b.shape
-                    ));
-                };
-                if f.shape.len() != 3 || f.shape[2] != c {
-                    return Err(format!(
-                        "lerobot_features[\"{}\"] has shape {:?}; policy \"{}\" takes {c} channels",
-                        b.key, f.shape, policy.name
-                    ));
+                Some(f) => motors = f.names.clone(),
+            }
+        }
+        let mut cameras = Vec::new();
+        for cam in &fit.cameras {
+            let binding = format!("{IMAGE_PREFIX}{}", cam.name);
+            let Some(f) = feature(&binding) else {
+                if cam.optional {
+                    continue;
                 }
-                let resize = f.shape[..2] != [h, w];
-                if resize && on_resize == LerobotResize::Refuse {
-                    return Err(format!(
-                        "camera \"{cam}\" sends {}x{} frames; policy \"{}\" takes {h}x{w} and \
-                         lerobot.resize = \"refuse\"; set the camera's resolution to {w}x{h}",
-                        f.shape[1], f.shape[0], policy.name
-                    ));
-                }
-                cameras.push(Camera {
-                    raw: cam.to_string(),
-                    binding: b.key.clone(),
-                    size: (h, w, c),
-                    resize: resize.then(|| {
-                        crate::transform::Resize::new((f.shape[0], f.shape[1]), (h, w), c)
-                    }),
-                    resized: if resize {
-                        vec![0; h * w * c]
-                    } else {
-                        Vec::new()
-                    },
-                });
-            } else if b.key == "task" && b.text {
-                task = true;
-            } else if !b.optional {
+                let have: Vec<&str> = setup
+                    .features
+                    .iter()
+                    .map(|f| f.key.as_str())
+                    .filter(|k| k.starts_with(IMAGE_PREFIX))
+                    .collect();
                 return Err(format!(
-                    "policy \"{}\" needs input \"{}\", which a LeRobot client does not send (it \
-                     sends {STATE_KEY}, {IMAGE_PREFIX}<camera> and task)",
-                    policy.name, b.key
+                    "lerobot_features has no \"{binding}\"; policy \"{name}\" needs that camera \
+                     (the client's cameras: {}); camera names must match the policy's",
+                    if have.is_empty() {
+                        "none".into()
+                    } else {
+                        have.join(", ")
+                    }
+                ));
+            };
+            let (h, w, c) = (cam.height, cam.width, 3);
+            if f.shape.len() != 3 || f.shape[2] != c {
+                return Err(format!(
+                    "lerobot_features[\"{binding}\"] has shape {:?}; policy \"{name}\" takes \
+                     {c} channels",
+                    f.shape
                 ));
             }
+            let resize = f.shape[..2] != [h, w];
+            if resize && on_resize == LerobotResize::Refuse {
+                return Err(format!(
+                    "camera \"{}\" sends {}x{} frames; policy \"{name}\" takes {h}x{w} and \
+                     lerobot.resize = \"refuse\"; set the camera's resolution to {w}x{h}",
+                    cam.name, f.shape[1], f.shape[0]
+                ));
+            }
+            cameras.push(Camera {
+                raw: cam.name.clone(),
+                binding,
+                size: (h, w, c),
+                resize: resize
+                    .then(|| crate::transform::Resize::new((f.shape[0], f.shape[1]), (h, w), c)),
+                resized: if resize {
+                    vec![0; h * w * c]
+                } else {
+                    Vec::new()
+                },
+            });
         }
         let action_output = plan
             .outputs
             .iter()
             .position(|o| o.key == "action" || o.key == "actions")
             .unwrap_or(0);
-        if plan.outputs.is_empty() {
-            return Err(format!("policy \"{}\" has no outputs", policy.name));
-        }
         Ok(Adapter {
             state: vec![0; motors.len() * 4],
             filled: vec![false; motors.len()],
             motors,
             cameras,
-            task,
+            task: fit.task,
             actions_per_chunk: apc as usize,
             action_output,
             codec: Codec::Pickle,

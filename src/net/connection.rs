@@ -23,7 +23,7 @@ use tokio_tungstenite::tungstenite::protocol::CloseFrame;
 use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
 use tokio_tungstenite::tungstenite::{Bytes, Message};
 
-use crate::net::core::{Core, Finished, Released, Started};
+use crate::net::core::{Core, Finished, Released, Started, sleep_until_opt};
 use crate::net::frame_guard::oversize_marker;
 use crate::net::http::Shared;
 use crate::policy::Policy;
@@ -556,13 +556,6 @@ fn oversize(size: u64, limit: usize) -> Failure {
     Failure::Request(format!(
         "the message ({size} bytes or more) exceeds server.max_message_bytes = {limit}; it was discarded unread"
     ))
-}
-
-async fn sleep_until_opt(deadline: Option<Instant>) {
-    match deadline {
-        Some(d) => tokio::time::sleep_until(d.into()).await,
-        None => std::future::pending().await,
-    }
 }
 
 /// The close code for a stream error the client caused: 1007 for text that is not UTF-8,

@@ -648,3 +648,11 @@ fn planner_for(shared: &Shared, policy: &Policy) -> Option<Arc<Link>> {
     let tap = policy.plan.planner.as_ref()?;
     tap.fits(link).then(|| link.clone())
 }
+
+/// Sleeps until `deadline`, or forever without one (a `select!` branch that is off).
+pub async fn sleep_until_opt(deadline: Option<Instant>) {
+    match deadline {
+        Some(d) => tokio::time::sleep_until(d.into()).await,
+        None => std::future::pending().await,
+    }
+}

@@ -26,7 +26,7 @@ use tonic::{Request, Response, Status, Streaming};
 
 use crate::bind::lerobot::Adapter;
 use crate::config::LerobotConfig;
-use crate::net::core::{Core, Finished, Started};
+use crate::net::core::{Core, Finished, Started, sleep_until_opt};
 use crate::net::http::Shared;
 use crate::policy::Policy;
 use crate::protocol::Route;
@@ -681,12 +681,5 @@ fn deliver(
             }
         }
         None => *ready = Some(data),
-    }
-}
-
-async fn sleep_until_opt(deadline: Option<Instant>) {
-    match deadline {
-        Some(d) => tokio::time::sleep_until(d.into()).await,
-        None => std::future::pending().await,
     }
 }

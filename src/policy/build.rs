@@ -231,13 +231,13 @@ fn lerobot_fit(
     let cameras: Vec<String> = fit
         .cameras
         .iter()
-        .map(|(c, h, w)| format!("{c} {w}x{h}"))
+        .map(|c| format!("{} {}x{}", c.name, c.width, c.height))
         .collect();
     Ok(Some(format!(
         "  lerobot: robot_client on {} asking for {}: state of {} motors, cameras: {}{}",
         l.listen,
         names.join(", "),
-        fit.state.map_or("no".to_string(), |n| n.to_string()),
+        fit.state.map_or("no".to_string(), |s| s.len.to_string()),
         if cameras.is_empty() {
             "none".into()
         } else {

@@ -321,29 +321,11 @@ pub fn config(data: &[u8]) {
 pub fn pickle(data: &[u8]) {
     use crate::protocol::pickle::{PickleLimits, PickleReader};
     use crate::protocol::{lerobot, lerobot_json};
-    if data.first() != Some(&0x80) {
-        // lerobot PR #3048's JSON + safetensors payloads.
-        if let Ok(obs) = lerobot_json::observation(data) {
-            for entry in obs.entries() {
-                if let Ok((_, lerobot::ObsValue::Array(a))) = entry {
-                    let n: usize = a.shape.iter().product();
-                    assert_eq!(
-                        n * a.dtype.size(),
-                        a.data.len(),
-                        "tensor bytes match the shape"
-                    );
-                }
-            }
-        }
-        let _ = lerobot_json::policy_setup(data);
-        return;
-    }
-    let mut reader = PickleReader::new(PickleLimits::default());
-    let Ok(tree) = reader.read(data) else {
-        return;
-    };
-    if let Ok(obs) = lerobot::observation(&tree) {
-        for entry in obs.entries() {
+    // Every array an observation lowers to holds exactly its shape's bytes.
+    fn check<'a>(
+        entries: impl Iterator<Item = Result<(&'a str, lerobot::ObsValue<'a>), lerobot::LerobotError>>,
+    ) {
+        for entry in entries {
             if let Ok((_, lerobot::ObsValue::Array(a))) = entry {
                 let n: usize = a.shape.iter().product();
                 assert_eq!(
@@ -353,6 +335,21 @@ pub fn pickle(data: &[u8]) {
                 );
             }
         }
+    }
+    if data.first() != Some(&0x80) {
+        // lerobot PR #3048's JSON + safetensors payloads.
+        if let Ok(obs) = lerobot_json::observation(data) {
+            check(obs.entries());
+        }
+        let _ = lerobot_json::policy_setup(data);
+        return;
+    }
+    let mut reader = PickleReader::new(PickleLimits::default());
+    let Ok(tree) = reader.read(data) else {
+        return;
+    };
+    if let Ok(obs) = lerobot::observation(&tree) {
+        check(obs.entries());
     }
     let _ = lerobot::policy_setup(&tree);
 }
