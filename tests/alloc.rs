@@ -20,6 +20,8 @@ use policyd::dtype::ElemType;
 use policyd::engine::{IoSpec, TensorSpec};
 use policyd::protocol::lerobot;
 use policyd::protocol::pickle::{PickleLimits, PickleReader};
+
+mod common;
 use policyd::protocol::{Dialect, Encoder, SessionId, Timing};
 use policyd::runtime::pacing::Pacer;
 use policyd::runtime::scheduler::{Kind, SessionKey};
@@ -238,6 +240,49 @@ fn cpu_engine_per_run(n: u64) -> f64 {
         engine.run(&mut inputs, &mut outputs, false).unwrap();
     }
     (allocs() - before) as f64 / n as f64
+}
+
+/// Rust-side allocations of one run on the `ort` backend (onnxruntime's own C++ allocations
+/// are not seen by this allocator; docs/onnxruntime.md has them), after warm-up: `config`
+/// (configs/NAME.toml) moved to ort. `None` where no library is given (see common).
+#[cfg(feature = "ort")]
+fn ort_engine_per_run(config: &str, n: u64) -> Option<f64> {
+    let lib = common::ort_library()?;
+    let root = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let text = std::fs::read_to_string(root.join(format!("configs/{config}.toml")))
+        .unwrap()
+        .replace("\"../", &format!("\"{}/", root.display()))
+        .replacen(
+            "backend = \"cpu\"",
+            &format!("backend = \"ort\"\nort_library = \"{}\"", lib.display()),
+            1,
+        );
+    let cfg = policyd::config::Config::parse(&text, "test", None).unwrap();
+    let mut engine = policyd::policy::build::open_engine(cfg.default_policy()).unwrap();
+    // Two slots' buffers, alternated as the worker does: rebinding is part of the path.
+    let mut slots = [engine.alloc_inputs().unwrap(), engine.alloc_inputs().unwrap()];
+    let mut outputs: Vec<Vec<u8>> = engine
+        .io()
+        .outputs
+        .iter()
+        .map(|s| vec![0u8; s.bytes()])
+        .collect();
+    let sampling = |i: u64| policyd::engine::Sampling {
+        seed: i,
+        steps: 1 + (i % 10) as u32,
+    };
+    for i in 0..4 {
+        engine
+            .run_sampled(&mut slots[i % 2], &mut outputs, false, sampling(i as u64))
+            .unwrap();
+    }
+    let before = allocs();
+    for i in 0..n {
+        engine
+            .run_sampled(&mut slots[(i % 2) as usize], &mut outputs, false, sampling(i))
+            .unwrap();
+    }
+    Some((allocs() - before) as f64 / n as f64)
 }
 
 /// A masked client frame.
@@ -779,6 +824,13 @@ fn steady_state_allocations() {
     println!("policyd's own path: {own:?} allocations over 1000 requests (3 runs)");
     let tract = cpu_engine_per_run(50);
     println!("CPU engine (tract, ALOHA demo): {tract:.1} allocations per run");
+    #[cfg(feature = "ort")]
+    for config in ["aloha", "flow", "diffusion"] {
+        if let Some(per_run) = ort_engine_per_run(config, 200) {
+            println!("ort engine (configs/{config}.toml): {per_run:.2} allocations per run");
+            assert_eq!(per_run, 0.0, "a run on ort allocated (configs/{config}.toml)");
+        }
+    }
     let whole = rt.block_on(server_per_request(1000));
     println!("whole server over a socket (synthetic engine): {whole:.2} allocations per request");
     assert_eq!(

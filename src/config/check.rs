@@ -652,16 +652,62 @@ fn engine(
     let backend = match e.backend.as_str() {
         "cpu" => Backend::Cpu,
         "tensorrt" => Backend::Tensorrt,
+        "ort" => Backend::Ort,
         other => {
             return Err(cx.invalid(
                 "engine.backend",
-                format!("unknown backend \"{other}\": choose cpu or tensorrt"),
+                format!("unknown backend \"{other}\": choose cpu, ort or tensorrt"),
             ));
+        }
+    };
+    if backend != Backend::Ort {
+        for (key, set) in [
+            ("engine.ort_library", e.ort_library.is_some()),
+            ("engine.providers", e.providers.is_some()),
+        ] {
+            if set {
+                return Err(cx.invalid(
+                    key,
+                    format!(
+                        "applies to the ort backend only; engine.backend is \"{}\"",
+                        e.backend
+                    ),
+                ));
+            }
+        }
+    }
+    let providers = match &e.providers {
+        None => vec![Provider::Cpu],
+        Some(list) => providers(cx, list)?,
+    };
+    if backend == Backend::Ort
+        && e.device.is_some()
+        && !providers.iter().any(|p| *p != Provider::Cpu)
+    {
+        return Err(cx.invalid(
+            "engine.device",
+            "applies to the ort backend with a GPU provider only; add \"cuda\" or \"tensorrt\" to engine.providers",
+        ));
+    }
+    let ort_library = match &e.ort_library {
+        None => None,
+        Some(p) => {
+            let p = path(base, p);
+            if !p.exists() {
+                return Err(cx.invalid(
+                    "engine.ort_library",
+                    format!(
+                        "{} does not exist; give the path of libonnxruntime.so or of the folder holding it (`pip install onnxruntime` puts it in site-packages/onnxruntime/capi/)",
+                        p.display()
+                    ),
+                ));
+            }
+            Some(p)
         }
     };
     if backend != Backend::Tensorrt {
         for (key, set) in [
-            ("engine.device", e.device.is_some()),
+            ("engine.device", e.device.is_some() && backend != Backend::Ort),
             ("engine.dla_core", e.dla_core.is_some()),
             ("engine.cuda_graph", e.cuda_graph.is_some()),
             ("engine.zero_copy", e.zero_copy.is_some()),
@@ -748,9 +794,41 @@ fn engine(
             warmup_runs: e.warmup_runs,
             timeout_ms: e.timeout_ms,
             threads: e.threads,
+            ort_library,
+            providers,
         },
         ModelSource::File(path(base, model)),
     ))
+}
+
+/// `engine.providers`: known names, no repeats, at least one.
+fn providers(cx: &Keys, list: &[String]) -> Result<Vec<Provider>, ConfigError> {
+    if list.is_empty() {
+        return Err(cx.invalid(
+            "engine.providers",
+            "is empty; leave it out for the CPU, or list providers such as [\"cuda\", \"cpu\"]",
+        ));
+    }
+    let mut out = Vec::with_capacity(list.len());
+    for name in list {
+        let p = Provider::ALL
+            .into_iter()
+            .find(|p| p.name() == name)
+            .ok_or_else(|| {
+                cx.invalid(
+                    "engine.providers",
+                    format!("unknown provider \"{name}\": choose from cpu, cuda, tensorrt"),
+                )
+            })?;
+        if out.contains(&p) {
+            return Err(cx.invalid(
+                "engine.providers",
+                format!("\"{name}\" is listed twice"),
+            ));
+        }
+        out.push(p);
+    }
+    Ok(out)
 }
 
 fn is_text(b: &RawInput) -> bool {

@@ -351,7 +351,7 @@ impl Default for PacingConfig {
 #[derive(Clone, Debug, PartialEq)]
 pub struct EngineConfig {
     pub backend: Backend,
-    /// `tensorrt`: the CUDA device ordinal.
+    /// `tensorrt`, or `ort` with a GPU provider: the CUDA device ordinal.
     pub device: u32,
     /// `tensorrt`: run on this DLA core instead of the GPU.
     pub dla_core: Option<u32>,
@@ -367,8 +367,41 @@ pub struct EngineConfig {
     pub warmup_runs: usize,
     /// A run taking longer than this counts as a stalled engine (0 = never).
     pub timeout_ms: u64,
-    /// `cpu`: threads one run may use; 1 runs on the engine's own thread only.
+    /// `cpu` and `ort`: threads one run may use; 1 runs on the engine's own thread only.
     pub threads: usize,
+    /// `ort`: the onnxruntime library named by the config (resolved against its folder);
+    /// `None`: `ORT_DYLIB_PATH`, then the system's library path.
+    pub ort_library: Option<PathBuf>,
+    /// `ort`: execution providers in order of preference; CPU is always the last resort.
+    pub providers: Vec<Provider>,
+}
+
+/// `engine.providers`: an onnxruntime execution provider policyd knows how to enable.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Provider {
+    Cpu,
+    Cuda,
+    Tensorrt,
+}
+
+impl Provider {
+    pub const ALL: [Provider; 3] = [Provider::Cpu, Provider::Cuda, Provider::Tensorrt];
+    /// The config's name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Provider::Cpu => "cpu",
+            Provider::Cuda => "cuda",
+            Provider::Tensorrt => "tensorrt",
+        }
+    }
+    /// onnxruntime's own name (what `GetAvailableProviders` lists).
+    pub fn ort_name(self) -> &'static str {
+        match self {
+            Provider::Cpu => "CPUExecutionProvider",
+            Provider::Cuda => "CUDAExecutionProvider",
+            Provider::Tensorrt => "TensorrtExecutionProvider",
+        }
+    }
 }
 
 /// `engine.backend`: the backends this build can have.
@@ -378,6 +411,8 @@ pub enum Backend {
     Cpu,
     /// TensorRT through policyd's C ABI (the `tensorrt` feature).
     Tensorrt,
+    /// onnxruntime through the `ort` crate, its library loaded at run time (the `ort` feature).
+    Ort,
 }
 
 impl Backend {
@@ -385,6 +420,7 @@ impl Backend {
         match self {
             Backend::Cpu => "cpu",
             Backend::Tensorrt => "tensorrt",
+            Backend::Ort => "ort",
         }
     }
 }

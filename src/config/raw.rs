@@ -344,15 +344,22 @@ impl Default for RawServer {
 #[derive(Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(super) struct RawEngine {
-    /// `cpu` (tract-onnx) or `tensorrt` (builds with the `tensorrt` feature).
+    /// `cpu` (tract-onnx), `ort` (onnxruntime, loaded at run time) or `tensorrt` (builds with
+    /// the `tensorrt` feature).
     #[serde(default = "default_backend")]
     pub(super) backend: String,
     /// Model file, relative to the config file's folder: ONNX for `cpu`, a TensorRT plan
     /// (built on the device with `trtexec`) for `tensorrt`.
     pub(super) model: Option<PathBuf>,
-    /// `tensorrt`: the CUDA device ordinal.
+    /// `tensorrt`, or `ort` with a GPU provider: the CUDA device ordinal.
     #[serde(default)]
     pub(super) device: Option<u32>,
+    /// `ort`: the onnxruntime library (`libonnxruntime.so*`, or the folder holding it).
+    #[serde(default)]
+    pub(super) ort_library: Option<PathBuf>,
+    /// `ort`: execution providers in order of preference (`cpu`, `cuda`, `tensorrt`).
+    #[serde(default)]
+    pub(super) providers: Option<Vec<String>>,
     /// `tensorrt`: run on this DLA core (Jetson AGX/NX) instead of the GPU.
     #[serde(default)]
     pub(super) dla_core: Option<u32>,
@@ -376,7 +383,7 @@ pub(super) struct RawEngine {
     /// get a timeout error, new ones are refused, health answers 503 until it finishes.
     #[serde(default = "default_engine_timeout")]
     pub(super) timeout_ms: u64,
-    /// `cpu`: threads one run may use (intra-op parallelism).
+    /// `cpu` and `ort`: threads one run may use (intra-op parallelism).
     #[serde(default = "default_threads")]
     pub(super) threads: usize,
 }
@@ -391,6 +398,8 @@ impl Default for RawEngine {
             cuda_graph: None,
             zero_copy: None,
             tensorrt_library: None,
+            ort_library: None,
+            providers: None,
             slots: default_slots(),
             warmup_runs: default_warmup(),
             timeout_ms: default_engine_timeout(),

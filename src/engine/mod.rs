@@ -7,6 +7,8 @@
 
 #[cfg(feature = "cpu")]
 pub mod cpu;
+#[cfg(feature = "ort")]
+pub mod ort;
 pub mod pipeline;
 pub mod tensorrt;
 #[cfg(feature = "cpu")]

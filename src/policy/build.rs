@@ -40,11 +40,19 @@ pub struct Loaded {
 }
 
 /// The backends compiled into this build, for messages.
-pub const BACKENDS: &str = match (cfg!(feature = "cpu"), cfg!(feature = "tensorrt")) {
-    (true, true) => "cpu, tensorrt",
-    (true, false) => "cpu",
-    (false, true) => "tensorrt",
-    (false, false) => "none",
+pub const BACKENDS: &str = match (
+    cfg!(feature = "cpu"),
+    cfg!(feature = "ort"),
+    cfg!(feature = "tensorrt"),
+) {
+    (true, true, true) => "cpu, ort, tensorrt",
+    (true, true, false) => "cpu, ort",
+    (true, false, true) => "cpu, tensorrt",
+    (true, false, false) => "cpu",
+    (false, true, true) => "ort, tensorrt",
+    (false, true, false) => "ort",
+    (false, false, true) => "tensorrt",
+    (false, false, false) => "none",
 };
 
 /// `e`, said of the policy `name` when the config names its policies.
@@ -59,7 +67,10 @@ fn in_policy(cfg: &Config, name: &str, e: PolicyError) -> PolicyError {
 }
 
 /// Fixed shapes (`engine_shape`) for the inputs whose dims the model leaves symbolic.
-#[cfg_attr(not(any(feature = "cpu", feature = "tensorrt")), allow(dead_code))]
+#[cfg_attr(
+    not(any(feature = "cpu", feature = "ort", feature = "tensorrt")),
+    allow(dead_code)
+)]
 fn shape_hints(spec: &PolicySpec) -> Vec<(String, Vec<usize>)> {
     spec.inputs
         .iter()
@@ -125,13 +136,14 @@ fn trt_options(spec: &PolicySpec, model: &ModelSource) -> crate::engine::tensorr
 
 /// Opens one model file on the policy's backend.
 #[cfg_attr(
-    not(any(feature = "cpu", feature = "tensorrt")),
+    not(any(feature = "cpu", feature = "ort", feature = "tensorrt")),
     allow(unused_variables)
 )]
 fn open_model(spec: &PolicySpec, model: &ModelSource) -> Result<Box<dyn Engine>, PolicyError> {
     let backend_missing = |b: Backend| -> PolicyError {
         let how = match b {
             Backend::Cpu => "build policyd with its default features",
+            Backend::Ort => "build policyd with its default features (or `--features ort`)",
             Backend::Tensorrt => "build policyd with `--features tensorrt` (see docs/tensorrt.md)",
         };
         crate::config::invalid(
@@ -150,6 +162,19 @@ fn open_model(spec: &PolicySpec, model: &ModelSource) -> Result<Box<dyn Engine>,
             crate::engine::cpu::CpuEngine::load(model, &shape_hints(spec))?
                 .with_threads(spec.engine.threads),
         )),
+        #[cfg(feature = "ort")]
+        Backend::Ort => {
+            let e = &spec.engine;
+            let hints = shape_hints(spec);
+            let opts = crate::engine::ort::Options {
+                library: e.ort_library.as_deref(),
+                threads: e.threads,
+                providers: &e.providers,
+                device: e.device,
+                shapes: &hints,
+            };
+            Ok(Box::new(crate::engine::ort::OrtEngine::load(model, &opts)?))
+        }
         #[cfg(feature = "tensorrt")]
         Backend::Tensorrt => {
             let e = &spec.engine;

@@ -156,3 +156,21 @@ pub fn command(bin: &str) -> Vec<std::ffi::OsString> {
         .map(Into::into)
         .collect()
 }
+
+/// The onnxruntime library the `ort` tests load (`POLICYD_TEST_ORT_LIBRARY`, which
+/// scripts/test sets from its venv's PyPI wheel). Unset, the test is skipped with a note, unless
+/// `POLICYD_REQUIRE_ORT` is set (as in scripts/test), where that is a failure.
+pub fn ort_library() -> Option<std::path::PathBuf> {
+    match std::env::var_os("POLICYD_TEST_ORT_LIBRARY") {
+        Some(p) if !p.is_empty() => Some(p.into()),
+        _ if std::env::var_os("POLICYD_REQUIRE_ORT").is_some() => {
+            panic!("POLICYD_REQUIRE_ORT is set but POLICYD_TEST_ORT_LIBRARY is not")
+        }
+        _ => {
+            eprintln!(
+                "skipped: set POLICYD_TEST_ORT_LIBRARY to a libonnxruntime.so (pip install onnxruntime)"
+            );
+            None
+        }
+    }
+}
