@@ -1,4 +1,4 @@
-"""Exported LeRobot policies: LeRobot's own torch inference vs policyd's CPU engine, per chunk.
+"""Exported LeRobot policies: LeRobot's own torch inference vs policyd's engines, per chunk.
 
 For each family, in one run on this machine: a seeded random-weight checkpoint of a realistic
 shape is made with LeRobot's classes, exported with `policyd-export` (timed), then
@@ -7,7 +7,9 @@ shape is made with LeRobot's classes, exported with `policyd-export` (timed), th
 - policyd: the bundle served by the given binary, driven by openpi-client on loopback, one
   request at a time; the reply's `policy_timing.infer_ms` (the engine) and the client's round
   trip (decode, engine, encode, transport); then the engine again with `engine.threads = 2`;
-p50 and p99 over `--n` chunks after 3 warm-up chunks.
+- policyd on the `ort` backend (onnxruntime from this venv's PyPI wheel), 1 and 2 threads;
+p50 and p99 over `--n` chunks after 3 warm-up chunks. Every cell of a row is measured in the
+same run, one after another, so the ratios compare like with like on a noisy machine.
 
     .venv-export/bin/python benches/lerobot_families.py --policyd target/release/policyd
 
@@ -25,6 +27,7 @@ import tomllib
 from pathlib import Path
 
 import numpy as np
+import onnxruntime
 import tomli_w
 import torch
 from openpi_client import websocket_client_policy
@@ -73,15 +76,29 @@ def torch_times(ckpt: Path, obs: list[dict], n: int, threads: int) -> list[float
     return times
 
 
+#: The onnxruntime library the `ort` rows load: this venv's wheel.
+ORT_LIBRARY = Path(onnxruntime.__file__).parent / "capi"
+
+
 def policyd_times(
-    binary: str, bundle: Path, obs: list[dict], n: int, threads: int = 1
+    binary: str,
+    bundle: Path,
+    obs: list[dict],
+    n: int,
+    threads: int = 1,
+    backend: str = "cpu",
 ) -> tuple[list, list]:
-    """The bundle served as exported, with `engine.threads` set."""
+    """The bundle served as exported, with `engine.threads` (and the backend) set."""
     engine, trip = [], []
     config = tomllib.loads((bundle / "policyd.toml").read_text())
     config["engine"]["threads"] = threads
+    # A DDPM-100 chunk on one thread can take longer than the 10 s stall alarm.
+    config["engine"]["timeout_ms"] = 0
+    if backend == "ort":
+        config["engine"]["backend"] = "ort"
+        config["engine"]["ort_library"] = str(ORT_LIBRARY)
     config.pop("lerobot", None)
-    path = bundle / f"policyd-{threads}t.toml"
+    path = bundle / f"policyd-{backend}-{threads}t.toml"
     path.write_text(tomli_w.dumps(config))
     with serve(binary, path) as port:
         client = websocket_client_policy.WebsocketClientPolicy("127.0.0.1", port)
@@ -107,26 +124,36 @@ def measure(name: str, ckpt: Path, bundle: Path, n: int, binary: str) -> tuple |
     engine, trip = policyd_times(binary, bundle, obs, n)
     e, r = pct(engine), pct(trip)
     e2 = pct(policyd_times(binary, bundle, obs, n, threads=2)[0])
+    o1 = pct(policyd_times(binary, bundle, obs, n, threads=1, backend="ort")[0])
+    o2 = pct(policyd_times(binary, bundle, obs, n, threads=2, backend="ort")[0])
     print(
         f"{name}: export {export_s:.0f} s, torch 1t {t1}, 2t {t2}, policyd engine {e}, "
-        f"round trip {r}, engine on 2 threads {e2}",
+        f"round trip {r}, engine on 2 threads {e2}, ort 1t {o1}, ort 2t {o2}",
         file=sys.stderr,
         flush=True,
     )
-    return (name, export_s, t1, t2, e, r, e2)
+    return (name, export_s, t1, t2, e, r, e2, o1, o2)
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--policyd", default=str(ROOT / "target/release/policyd"))
     p.add_argument("--n", type=int, default=30, help="chunks measured per cell")
-    p.add_argument("--only", help="run the families whose name contains this")
+    p.add_argument(
+        "--only",
+        help="run the families whose name contains one of these (comma-separated)",
+    )
     args = p.parse_args()
     rows = []
+    wanted = args.only.split(",") if args.only else None
+
+    def skip(name: str) -> bool:
+        return wanted is not None and not any(w in name for w in wanted)
+
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         for name, (make, kw) in FAMILIES.items():
-            if args.only and args.only not in name:
+            if skip(name):
                 continue
             n = min(args.n, FEW.get(name, args.n))
             ckpt = make(tmp / f"{len(rows)}-ckpt", **kw)
@@ -134,7 +161,7 @@ def main() -> int:
                 measure(name, ckpt, tmp / f"{len(rows)}-bundle", n, args.policyd)
             )
         for name, pi05 in TINY_PI.items():
-            if args.only and args.only not in name:
+            if skip(name):
                 continue
             with checkpoints.tiny_pi0():
                 tok = checkpoints.gemma_tokenizer(tmp / f"{len(rows)}-tok")
@@ -144,7 +171,7 @@ def main() -> int:
                         name, ckpt, tmp / f"{len(rows)}-bundle", args.n, args.policyd
                     )
                 )
-        if not args.only or args.only in "SmolVLA, tiny (test sizes)":
+        if not skip("SmolVLA, tiny (test sizes)"):
             vlm = checkpoints.tiny_smolvlm(tmp / "smolvlm")
             ckpt = checkpoints.smolvla(tmp / f"{len(rows)}-ckpt", vlm)
             name = "SmolVLA, tiny (test sizes)"
@@ -153,17 +180,17 @@ def main() -> int:
             )
     if None in rows:
         return 1
+    ms = lambda t: f"{t[0]:.1f} / {t[1]:.1f} ms"
     print(
-        "| policy | export | LeRobot torch, 1 thread p50 / p99 | torch, 2 threads | "
-        "policyd engine (tract, 1 thread) | policyd round trip | policyd engine / torch 1t | "
-        "policyd engine, 2 threads (`engine.threads = 2`) | policyd 2t / torch 2t |"
+        "| policy | export | torch 1t | torch 2t | cpu 1t | cpu 1t round trip | cpu 2t | "
+        "ort 1t | ort 2t | cpu/torch 1t | cpu/torch 2t | ort/torch 1t | ort/torch 2t |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
-    for name, export_s, t1, t2, e, r, e2 in rows:
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for name, export_s, t1, t2, e, r, e2, o1, o2 in rows:
         print(
-            f"| {name} | {export_s:.0f} s | {t1[0]:.1f} / {t1[1]:.1f} ms | {t2[0]:.1f} / "
-            f"{t2[1]:.1f} ms | {e[0]:.1f} / {e[1]:.1f} ms | {r[0]:.1f} / {r[1]:.1f} ms | "
-            f"{e[0] / t1[0]:.2f} | {e2[0]:.1f} / {e2[1]:.1f} ms | {e2[0] / t2[0]:.2f} |"
+            f"| {name} | {export_s:.0f} s | {ms(t1)} | {ms(t2)} | {ms(e)} | {ms(r)} | "
+            f"{ms(e2)} | {ms(o1)} | {ms(o2)} | {e[0] / t1[0]:.2f} | {e2[0] / t2[0]:.2f} | "
+            f"{o1[0] / t1[0]:.2f} | {o2[0] / t2[0]:.2f} |"
         )
     return 0
 

@@ -260,7 +260,10 @@ fn ort_engine_per_run(config: &str, n: u64) -> Option<f64> {
     let cfg = policyd::config::Config::parse(&text, "test", None).unwrap();
     let mut engine = policyd::policy::build::open_engine(cfg.default_policy()).unwrap();
     // Two slots' buffers, alternated as the worker does: rebinding is part of the path.
-    let mut slots = [engine.alloc_inputs().unwrap(), engine.alloc_inputs().unwrap()];
+    let mut slots = [
+        engine.alloc_inputs().unwrap(),
+        engine.alloc_inputs().unwrap(),
+    ];
     let mut outputs: Vec<Vec<u8>> = engine
         .io()
         .outputs
@@ -279,7 +282,12 @@ fn ort_engine_per_run(config: &str, n: u64) -> Option<f64> {
     let before = allocs();
     for i in 0..n {
         engine
-            .run_sampled(&mut slots[(i % 2) as usize], &mut outputs, false, sampling(i))
+            .run_sampled(
+                &mut slots[(i % 2) as usize],
+                &mut outputs,
+                false,
+                sampling(i),
+            )
             .unwrap();
     }
     Some((allocs() - before) as f64 / n as f64)
@@ -828,7 +836,10 @@ fn steady_state_allocations() {
     for config in ["aloha", "flow", "diffusion"] {
         if let Some(per_run) = ort_engine_per_run(config, 200) {
             println!("ort engine (configs/{config}.toml): {per_run:.2} allocations per run");
-            assert_eq!(per_run, 0.0, "a run on ort allocated (configs/{config}.toml)");
+            assert_eq!(
+                per_run, 0.0,
+                "a run on ort allocated (configs/{config}.toml)"
+            );
         }
     }
     let whole = rt.block_on(server_per_request(1000));

@@ -20,7 +20,10 @@ fn ort_config(name: &str, lib: &Path, extra: &str) -> String {
     let text = text.replace("\"../", &format!("\"{}/", root().display()));
     text.replacen(
         "backend = \"cpu\"",
-        &format!("backend = \"ort\"\nort_library = \"{}\"{extra}", lib.display()),
+        &format!(
+            "backend = \"ort\"\nort_library = \"{}\"{extra}",
+            lib.display()
+        ),
         1,
     )
 }
@@ -156,7 +159,10 @@ fn library_and_provider_mistakes_are_start_up_errors_that_say_what_to_do() {
     // Needs no real onnxruntime: each is refused before a session exists.
     let nowhere = Path::new("/nonexistent/libonnxruntime.so");
     let e = stderr(&check_config(&ort_config("tiny", nowhere, "")));
-    assert!(e.contains("engine.ort_library") && e.contains("pip install onnxruntime"), "{e}");
+    assert!(
+        e.contains("engine.ort_library") && e.contains("pip install onnxruntime"),
+        "{e}"
+    );
 
     let old = old_library();
     let e = stderr(&check_config(&ort_config("tiny", &old, "")));
@@ -165,13 +171,20 @@ fn library_and_provider_mistakes_are_start_up_errors_that_say_what_to_do() {
         "{e}"
     );
     // The folder stands for the newest libonnxruntime.so.<version> in it.
-    let e = stderr(&check_config(&ort_config("tiny", old.parent().unwrap(), "")));
+    let e = stderr(&check_config(&ort_config(
+        "tiny",
+        old.parent().unwrap(),
+        "",
+    )));
     assert!(e.contains("1.9.0") && e.contains("too old"), "{e}");
 
-    let libm = ["/lib/x86_64-linux-gnu/libm.so.6", "/lib/aarch64-linux-gnu/libm.so.6"]
-        .into_iter()
-        .map(Path::new)
-        .find(|p| p.exists());
+    let libm = [
+        "/lib/x86_64-linux-gnu/libm.so.6",
+        "/lib/aarch64-linux-gnu/libm.so.6",
+    ]
+    .into_iter()
+    .map(Path::new)
+    .find(|p| p.exists());
     if let Some(libm) = libm {
         let e = stderr(&check_config(&ort_config("tiny", libm, "")));
         assert!(e.contains("is not onnxruntime"), "{e}");
@@ -193,7 +206,11 @@ fn library_and_provider_mistakes_are_start_up_errors_that_say_what_to_do() {
     let cpu = std::fs::read_to_string(root().join("configs/tiny.toml"))
         .unwrap()
         .replace("\"../", &format!("\"{}/", root().display()))
-        .replacen("backend = \"cpu\"", "backend = \"cpu\"\nproviders = [\"cuda\"]", 1);
+        .replacen(
+            "backend = \"cpu\"",
+            "backend = \"cpu\"\nproviders = [\"cuda\"]",
+            1,
+        );
     let e = stderr(&check_config(&cpu));
     assert!(e.contains("applies to the ort backend only"), "{e}");
 }
@@ -203,7 +220,11 @@ fn a_provider_the_library_lacks_is_named_with_what_it_has() {
     let Some(lib) = common::ort_library() else {
         return;
     };
-    let e = stderr(&check_config(&ort_config("tiny", &lib, "\nproviders = [\"cuda\", \"cpu\"]")));
+    let e = stderr(&check_config(&ort_config(
+        "tiny",
+        &lib,
+        "\nproviders = [\"cuda\", \"cpu\"]",
+    )));
     assert!(
         e.contains("engine.providers names \"cuda\"") && e.contains("CPUExecutionProvider"),
         "{e}"
@@ -214,8 +235,7 @@ fn a_provider_the_library_lacks_is_named_with_what_it_has() {
 #[test]
 fn no_library_anywhere_says_where_it_looked() {
     // No engine.ort_library and no ORT_DYLIB_PATH: the system's path, where CI has none.
-    let text = ort_config("tiny", Path::new("/x"), "")
-        .replace("ort_library = \"/x\"\n", "");
+    let text = ort_config("tiny", Path::new("/x"), "").replace("ort_library = \"/x\"\n", "");
     let out = check_config(&text);
     let e = String::from_utf8_lossy(&out.stderr);
     if out.status.success() {
@@ -277,16 +297,24 @@ fn onnxruntimes_own_allocations_per_run_are_measured() {
             let cfg = Config::parse(&ort_config(config, &lib, ""), "test", None).unwrap();
             let mut engine = policyd::policy::build::open_engine(cfg.default_policy()).unwrap();
             let mut inputs = engine.alloc_inputs().unwrap();
-            let mut outputs: Vec<Vec<u8>> =
-                engine.io().outputs.iter().map(|s| vec![0u8; s.bytes()]).collect();
+            let mut outputs: Vec<Vec<u8>> = engine
+                .io()
+                .outputs
+                .iter()
+                .map(|s| vec![0u8; s.bytes()])
+                .collect();
             let sampling = policyd::engine::Sampling { seed: 1, steps: 10 };
             for _ in 0..5 {
-                engine.run_sampled(&mut inputs, &mut outputs, false, sampling).unwrap();
+                engine
+                    .run_sampled(&mut inputs, &mut outputs, false, sampling)
+                    .unwrap();
             }
             let before = c_mallocs().expect("the counting malloc is preloaded");
             let n = 100;
             for _ in 0..n {
-                engine.run_sampled(&mut inputs, &mut outputs, false, sampling).unwrap();
+                engine
+                    .run_sampled(&mut inputs, &mut outputs, false, sampling)
+                    .unwrap();
             }
             let per_run = (c_mallocs().unwrap() - before) as f64 / n as f64;
             println!("C-ALLOCS {config} {per_run:.1}");
@@ -316,7 +344,11 @@ fn onnxruntimes_own_allocations_per_run_are_measured() {
         .output()
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{text}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let lines: Vec<&str> = text
         .lines()
         .filter_map(|l| l.split_once("C-ALLOCS ").map(|(_, m)| m))

@@ -121,3 +121,30 @@ def test_the_tensorrt_config_is_the_cpu_config_on_plans(
         trt[section].pop("model")
     assert trt["engine"].pop("backend") == "tensorrt" and cpu["engine"].pop("backend") == "cpu"
     assert trt == cpu
+
+
+@pytest.mark.parametrize("name", ["act_bundle", "ddim_bundle"])
+def test_served_on_onnxruntime_actions_equal_lerobot(
+    name: str, request: pytest.FixtureRequest, policyd: str, tmp_path: Path
+) -> None:
+    """The same bundle on `engine.backend = "ort"` (this venv's onnxruntime wheel): LeRobot's
+    actions, as on `cpu`."""
+    import shutil
+
+    import onnxruntime
+
+    b = request.getfixturevalue(name)
+    bundle = tmp_path / "bundle"
+    shutil.copytree(b.bundle, bundle)
+    config = tomllib.loads((bundle / "policyd.toml").read_text())
+    config["engine"]["backend"] = "ort"
+    config["engine"]["ort_library"] = str(Path(onnxruntime.__file__).parent / "capi")
+    (bundle / "policyd.toml").write_text(tomli_w.dumps(config))
+    checked = subprocess.run(
+        [policyd, "check-config", str(bundle / "policyd.toml")], capture_output=True, text=True
+    )
+    assert checked.returncode == 0 and "OK (ort backend" in checked.stdout, checked.stderr
+    r = run_cli("verify", str(bundle), str(b.checkpoint), "--policyd", policyd)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = [line for line in r.stdout.splitlines() if line.startswith("observation ")]
+    assert len(rows) == 4 and all(line.endswith("pass") for line in rows), r.stdout

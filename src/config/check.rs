@@ -707,7 +707,10 @@ fn engine(
     };
     if backend != Backend::Tensorrt {
         for (key, set) in [
-            ("engine.device", e.device.is_some() && backend != Backend::Ort),
+            (
+                "engine.device",
+                e.device.is_some() && backend != Backend::Ort,
+            ),
             ("engine.dla_core", e.dla_core.is_some()),
             ("engine.cuda_graph", e.cuda_graph.is_some()),
             ("engine.zero_copy", e.zero_copy.is_some()),
@@ -821,10 +824,7 @@ fn providers(cx: &Keys, list: &[String]) -> Result<Vec<Provider>, ConfigError> {
                 )
             })?;
         if out.contains(&p) {
-            return Err(cx.invalid(
-                "engine.providers",
-                format!("\"{name}\" is listed twice"),
-            ));
+            return Err(cx.invalid("engine.providers", format!("\"{name}\" is listed twice")));
         }
         out.push(p);
     }

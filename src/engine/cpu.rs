@@ -215,6 +215,21 @@ impl CpuEngine {
     }
 }
 
+/// `vzeroupper` where the CPU has AVX (what compilers emit at the end of AVX code); nothing
+/// elsewhere.
+#[inline]
+fn clear_upper_vector_state() {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx") {
+        #[target_feature(enable = "avx")]
+        unsafe fn clear() {
+            std::arch::x86_64::_mm256_zeroupper();
+        }
+        // SAFETY: the CPU has AVX (checked above; the check is a cached load).
+        unsafe { clear() }
+    }
+}
+
 /// A firmware image's graph with its external data built in beside it: tract reads external
 /// data only from files in the model's directory, so each tensor's bytes are copied from the
 /// baked data into the graph before tract sees it (a firmware image has no files).
@@ -305,11 +320,18 @@ impl Engine for CpuEngine {
             values.push(TValue::from_const(t.0.clone()));
         }
         let (state, executor) = (&mut self.state, &self.executor);
+        // Each node starts with clean upper vector state: tract-linalg's AVX matrix kernels
+        // return without `vzeroupper`, and the SSE code of the next element-wise op (libm's
+        // sin, pow; tract's own scalar loops) then runs 3-20x slower (docs/tract-report.md).
+        let run = move || {
+            state.run_plan_with_eval(values, |ctx, op_state, node, input| {
+                clear_upper_vector_state();
+                tract_onnx::tract_core::plan::eval(ctx, op_state, node, input)
+            })
+        };
         let result = match executor {
-            Some(pool) => tract_linalg::multithread::multithread_tract_scope(pool.clone(), || {
-                state.run(values)
-            }),
-            None => state.run(values),
+            Some(pool) => tract_linalg::multithread::multithread_tract_scope(pool.clone(), run),
+            None => run(),
         };
         let result = result.map_err(|e| match &self.hint {
             Some(h) => EngineError::Run(format!("{e:#}\n{h}")),

@@ -8,8 +8,8 @@
 //! three C calls and a copy of the (small) outputs, and allocates nothing on the Rust side;
 //! what onnxruntime allocates inside `RunWithBinding` is its own (see docs/onnxruntime.md).
 
-use std::any::Any;
 use std::alloc::Layout;
+use std::any::Any;
 use std::ffi::{CStr, CString, c_char};
 use std::path::{Path, PathBuf};
 use std::ptr::{self, NonNull};
@@ -99,7 +99,10 @@ fn in_folder(p: &Path) -> PathBuf {
         .filter_map(|e| {
             let name = e.file_name().into_string().ok()?;
             let v = name.strip_prefix("libonnxruntime.so.")?;
-            let v: Vec<u32> = v.split('.').map(|x| x.parse().ok()).collect::<Option<_>>()?;
+            let v: Vec<u32> = v
+                .split('.')
+                .map(|x| x.parse().ok())
+                .collect::<Option<_>>()?;
             Some((v, e.path()))
         })
         .collect();
@@ -128,10 +131,9 @@ fn runtime(configured: Option<&Path>) -> Result<&'static Runtime, EngineError> {
     for (path, source) in candidates(configured) {
         match ::ort::init_from(&path) {
             Ok(builder) => {
-                let env = builder
-                    .with_name("policyd")
-                    .build()
-                    .map_err(|e| unavailable(format!("onnxruntime from {}: {e}", path.display())))?;
+                let env = builder.with_name("policyd").build().map_err(|e| {
+                    unavailable(format!("onnxruntime from {}: {e}", path.display()))
+                })?;
                 let version = version_of(&path).unwrap_or_else(|| "(unknown version)".into());
                 let rt = Runtime {
                     env,
@@ -376,7 +378,9 @@ fn ort_type(t: ElemType) -> TensorElementType {
 }
 
 fn elem_type(t: TensorElementType) -> Option<ElemType> {
-    crate::dtype::ALL_ELEM_TYPES.into_iter().find(|&e| ort_type(e) == t)
+    crate::dtype::ALL_ELEM_TYPES
+        .into_iter()
+        .find(|&e| ort_type(e) == t)
 }
 
 fn load_err(model: &ModelSource, e: impl std::fmt::Display) -> EngineError {
@@ -413,8 +417,10 @@ impl OrtEngine {
                     rt.path.display(),
                     rt.providers.join(", "),
                     match p {
-                        Provider::Cuda => "install onnxruntime-gpu (with CUDA 12 and cuDNN 9) and point engine.ort_library at its library",
-                        Provider::Tensorrt => "use an onnxruntime built with TensorRT (onnxruntime-gpu with TensorRT's libraries, or JetPack's)",
+                        Provider::Cuda =>
+                            "install onnxruntime-gpu (with CUDA 12 and cuDNN 9) and point engine.ort_library at its library",
+                        Provider::Tensorrt =>
+                            "use an onnxruntime built with TensorRT (onnxruntime-gpu with TensorRT's libraries, or JetPack's)",
                         Provider::Cpu => "",
                     }
                 )));
@@ -470,7 +476,12 @@ impl OrtEngine {
         // the C heap it takes (weights, prepacked kernels, the arena) is measured for the
         // memory budget.
         let mut probe = engine.alloc_inputs()?;
-        let mut out: Vec<Vec<u8>> = engine.io.outputs.iter().map(|s| vec![0; s.bytes()]).collect();
+        let mut out: Vec<Vec<u8>> = engine
+            .io
+            .outputs
+            .iter()
+            .map(|s| vec![0; s.bytes()])
+            .collect();
         engine
             .run(&mut probe, &mut out, true)
             .map_err(|e| load_err(model, e))?;
@@ -623,7 +634,9 @@ impl Engine for OrtEngine {
         self.io
             .inputs
             .iter()
-            .map(|s| Ok(Box::new(OrtInput(View::new(s, self.memory.ptr())?)) as Box<dyn InputBuffer>))
+            .map(|s| {
+                Ok(Box::new(OrtInput(View::new(s, self.memory.ptr())?)) as Box<dyn InputBuffer>)
+            })
             .collect()
     }
 
@@ -664,7 +677,13 @@ impl Engine for OrtEngine {
         })
         .map_err(EngineError::Run)?;
         let compute = start.elapsed();
-        for ((spec, out), view) in self.io.outputs.iter().zip(outputs.iter_mut()).zip(&self.outputs) {
+        for ((spec, out), view) in self
+            .io
+            .outputs
+            .iter()
+            .zip(outputs.iter_mut())
+            .zip(&self.outputs)
+        {
             let bytes = view.buf.bytes();
             if bytes.len() != out.len() {
                 return Err(EngineError::OutputSize {
