@@ -202,6 +202,8 @@ fn library_and_provider_mistakes_are_start_up_errors_that_say_what_to_do() {
         let e = stderr(&check_config(&ort_config("tiny", &old, extra)));
         assert!(e.contains(want), "{extra}: {e}");
     }
+    let e = stderr(&check_config(&ort_config("tiny", Path::new(""), "")));
+    assert!(e.contains("engine.ort_library") && e.contains("is empty"), "{e}");
     // providers on another backend.
     let cpu = std::fs::read_to_string(root().join("configs/tiny.toml"))
         .unwrap()

@@ -691,6 +691,12 @@ fn engine(
     }
     let ort_library = match &e.ort_library {
         None => None,
+        Some(p) if p.as_os_str().is_empty() => {
+            return Err(cx.invalid(
+                "engine.ort_library",
+                "is empty; give the path of libonnxruntime.so or of the folder holding it, or leave the key out",
+            ));
+        }
         Some(p) => {
             let p = path(base, p);
             if !p.exists() {
