@@ -144,7 +144,12 @@ fn old_library() -> PathBuf {
     )
     .unwrap();
     let lib = dir.join("libonnxruntime.so.1.9.0");
-    let ok = Command::new("cc")
+    // The target's C compiler: the cross one when the tests run under emulation.
+    let cc = std::env::var("CC_aarch64_unknown_linux_gnu")
+        .ok()
+        .filter(|_| cfg!(target_arch = "aarch64"))
+        .unwrap_or_else(|| "cc".into());
+    let ok = Command::new(cc)
         .args(["-shared", "-fPIC", "-o"])
         .arg(&lib)
         .arg(&src)
@@ -178,13 +183,16 @@ fn library_and_provider_mistakes_are_start_up_errors_that_say_what_to_do() {
     )));
     assert!(e.contains("1.9.0") && e.contains("too old"), "{e}");
 
-    let libm = [
-        "/lib/x86_64-linux-gnu/libm.so.6",
-        "/lib/aarch64-linux-gnu/libm.so.6",
-    ]
-    .into_iter()
-    .map(Path::new)
-    .find(|p| p.exists());
+    // A real shared library of this target's architecture that is not onnxruntime.
+    let libm: &[&str] = if cfg!(target_arch = "aarch64") {
+        &[
+            "/lib/aarch64-linux-gnu/libm.so.6",
+            "/usr/aarch64-linux-gnu/lib/libm.so.6",
+        ]
+    } else {
+        &["/lib/x86_64-linux-gnu/libm.so.6"]
+    };
+    let libm = libm.iter().map(Path::new).find(|p| p.exists());
     if let Some(libm) = libm {
         let e = stderr(&check_config(&ort_config("tiny", libm, "")));
         assert!(e.contains("is not onnxruntime"), "{e}");
@@ -203,7 +211,10 @@ fn library_and_provider_mistakes_are_start_up_errors_that_say_what_to_do() {
         assert!(e.contains(want), "{extra}: {e}");
     }
     let e = stderr(&check_config(&ort_config("tiny", Path::new(""), "")));
-    assert!(e.contains("engine.ort_library") && e.contains("is empty"), "{e}");
+    assert!(
+        e.contains("engine.ort_library") && e.contains("is empty"),
+        "{e}"
+    );
     // providers on another backend.
     let cpu = std::fs::read_to_string(root().join("configs/tiny.toml"))
         .unwrap()
