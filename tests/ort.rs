@@ -376,3 +376,61 @@ fn onnxruntimes_own_allocations_per_run_are_measured() {
         println!("onnxruntime's own heap allocations per run (config, count): {l}");
     }
 }
+
+/// A graph with its weights as ONNX external data (as policyd-export writes graphs past 2 GB):
+/// from files beside each other, and built into the binary as a firmware image holds it (both
+/// in memory), each gives the outputs of the graph with its weights inline. (The graph is
+/// rewritten with tract-onnx's protobuf types, so this needs the `cpu` feature too.)
+#[cfg(feature = "cpu")]
+#[test]
+fn external_data_from_files_and_from_memory_runs_as_inline_weights_do() {
+    use prost::Message;
+    use tract_onnx::pb::tensor_proto::DataLocation;
+    use tract_onnx::pb::{ModelProto, StringStringEntryProto};
+    let Some(lib) = common::ort_library() else {
+        return;
+    };
+    let inline = Config::parse(&ort_config("aloha", &lib, ""), "test", None).unwrap();
+    let spec = inline.default_policy().clone();
+    let want = run(&spec);
+    let bytes = std::fs::read(root().join("models/aloha.onnx")).unwrap();
+    let mut model = ModelProto::decode(bytes.as_slice()).unwrap();
+    let mut data = Vec::new();
+    let graph = model.graph.as_mut().unwrap();
+    for t in &mut graph.initializer {
+        if t.raw_data.len() < 1024 {
+            continue;
+        }
+        let entry = |key: &str, value: String| StringStringEntryProto {
+            key: key.into(),
+            value,
+        };
+        t.external_data = vec![
+            entry("location", "aloha.onnx.data".into()),
+            entry("offset", data.len().to_string()),
+            entry("length", t.raw_data.len().to_string()),
+        ];
+        data.append(&mut t.raw_data);
+        t.data_location = Some(DataLocation::External as i32);
+    }
+    assert!(
+        data.len() > 100_000,
+        "weights moved out: {} bytes",
+        data.len()
+    );
+    let graph_bytes = model.encode_to_vec();
+    let dir = std::env::temp_dir().join(format!("policyd-ort-ext-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("aloha.onnx"), &graph_bytes).unwrap();
+    std::fs::write(dir.join("aloha.onnx.data"), &data).unwrap();
+    let mut from_files = spec.clone();
+    from_files.model = ModelSource::File(dir.join("aloha.onnx"));
+    assert_eq!(run(&from_files), want);
+    let mut built_in = spec.clone();
+    built_in.model = ModelSource::Embedded {
+        name: "aloha.onnx",
+        bytes: Vec::leak(graph_bytes),
+        data: Vec::leak(data),
+    };
+    assert_eq!(run(&built_in), want);
+}

@@ -338,7 +338,8 @@ impl InputBuffer for OrtInput {
 /// The backend.
 pub struct OrtEngine {
     io: IoSpec,
-    /// Declared after `binding` and the outputs so it is released last.
+    /// Released first (in `Drop`), then the fields in order: the output values, then the
+    /// session they belong to.
     binding: NonNull<OrtIoBinding>,
     /// The inputs bound now (a slot's, by [`View`] id); rebound only when another slot runs.
     bound: Vec<u64>,
