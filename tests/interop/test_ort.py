@@ -81,7 +81,9 @@ def test_ort_gives_the_cpu_backends_actions(tmp_path, config, profile, change):
         procs.append(cpu)
         ort, ort_port = serve(tmp_path, "ort", as_ort(text))
         procs.append(ort)
-        clients = [wcp.WebsocketClientPolicy("127.0.0.1", p) for p in (cpu_port, ort_port)]
+        clients = [
+            wcp.WebsocketClientPolicy("127.0.0.1", p) for p in (cpu_port, ort_port)
+        ]
         meta = clients[1].get_server_metadata()
         rng = np.random.default_rng(7)
         worst = 0.0
@@ -95,8 +97,12 @@ def test_ort_gives_the_cpu_backends_actions(tmp_path, config, profile, change):
             assert np.isfinite(b).all()
             err = np.abs(a - b) - 1e-4 * np.abs(a)
             worst = max(worst, float(np.abs(a - b).max()))
-            assert err.max() <= 1e-4, f"request {i}: max |ort - cpu| {np.abs(a - b).max()}"
-        print(f"{config} {change}: max |ort - cpu| = {worst:.2e}; metadata {sorted(meta)}")
+            assert err.max() <= 1e-4, (
+                f"request {i}: max |ort - cpu| {np.abs(a - b).max()}"
+            )
+        print(
+            f"{config} {change}: max |ort - cpu| = {worst:.2e}; metadata {sorted(meta)}"
+        )
     finally:
         for p in procs:
             p.terminate()
@@ -108,7 +114,9 @@ def check(tmp_path, text):
 
     path = tmp_path / "c.toml"
     path.write_text(text)
-    return subprocess.run([BIN, "check-config", str(path)], capture_output=True, text=True)
+    return subprocess.run(
+        [BIN, "check-config", str(path)], capture_output=True, text=True
+    )
 
 
 def test_check_config_on_ort_reports_the_library_and_measured_memory(tmp_path):
@@ -131,3 +139,51 @@ def test_unknown_and_missing_provider_and_library_errors_name_the_key(tmp_path):
     r = check(tmp_path, text)
     assert r.returncode != 0
     assert "engine.ort_library" in r.stderr and "pip install onnxruntime" in r.stderr
+
+
+def metrics(port):
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        return r.read().decode()
+
+
+def wait_for(port, needle):
+    import time
+
+    for _ in range(200):
+        text = metrics(port)
+        if needle in text:
+            return text
+        time.sleep(0.05)
+    raise AssertionError(f"{needle!r} never appeared in /metrics:\n{text}")
+
+
+def test_a_reload_moves_a_running_policy_from_cpu_to_ort(tmp_path):
+    import signal
+
+    text = (ROOT / "configs/libero.toml").read_text()
+    path = tmp_path / "live.toml"
+    path.write_text(as_cpu(text))
+    port = free_port()
+    proc = start_policyd(path, port)
+    try:
+        client = wcp.WebsocketClientPolicy("127.0.0.1", port)
+        obs = observation("libero", np.random.default_rng(3))
+        on_cpu = np.asarray(client.infer(obs)["actions"], np.float64)
+        # A library that is not there: the reload is refused, naming the key; cpu keeps serving.
+        path.write_text(as_ort(text).replace(str(LIB_DIR), str(tmp_path / "missing")))
+        proc.send_signal(signal.SIGHUP)
+        wait_for(port, 'policyd_config_reloads_total{result="refused"} 1')
+        assert "engine.ort_library" in metrics(port)
+        np.testing.assert_array_equal(client.infer(obs)["actions"], on_cpu)
+        path.write_text(as_ort(text))
+        proc.send_signal(signal.SIGHUP)
+        wait_for(port, 'policyd_config_reloads_total{result="ok"} 1')
+        on_ort = np.asarray(client.infer(obs)["actions"], np.float64)
+        assert np.abs(on_ort - on_cpu).max() <= 1e-4
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=15)
+    # onnxruntime was loaded by the reload, in the running process.
+    assert f"onnxruntime {onnxruntime.__version__} from" in err.decode()
