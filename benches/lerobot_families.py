@@ -19,11 +19,13 @@ Prints a Markdown table (docs/benchmarks.md, "Exported LeRobot policies").
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import sys
 import tempfile
 import time
 import tomllib
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -55,8 +57,46 @@ FAMILIES = {
 #: real 3.3B-parameter models take seconds per chunk on a CPU: a Jetson job), and SmolVLA over
 #: the tests' tiny SmolVLM.
 TINY_PI = {"pi0, tiny (test sizes)": False, "pi0.5, tiny (test sizes)": True}
+#: pi0 at its real geometry (PaliGemma's Gemma-2B and the 300M action expert at their real
+#: widths, heads and MLP sizes; SigLIP so400m on a 224×224 camera: 256 image tokens; a chunk of
+#: 50) but 2 of its 18 layers (and 2 of SigLIP's 27), so that it fits this machine: what a layer
+#: costs at the real shapes, each engine against torch.
+REAL_PI_LAYERS = 2
+REAL_PI = {f"pi0, real widths, {REAL_PI_LAYERS} of 18 layers, chunk 50": False}
+
+
+@contextlib.contextmanager
+def real_width_pi0(layers: int) -> Iterator[None]:
+    """LeRobot's pi0 size tables at the real widths with `layers` layers."""
+    import lerobot.policies.pi0.modeling_pi0 as m
+    import pytest
+
+    original = m.PaliGemmaForConditionalGenerationWithPiGemma
+    real_gemma = m.get_gemma_config
+
+    class FewLayers(original):
+        def __init__(self, config: object) -> None:
+            config.vision_config.num_hidden_layers = layers
+            # The prompt's ids come from the tests' small tokenizer: a small embedding table
+            # (a lookup, whatever its size; the real 257k rows would take 2 GB).
+            config.text_config.vocab_size = checkpoints.PI_VOCAB
+            super().__init__(config)
+
+    def gemma(variant: str) -> object:
+        c = real_gemma(variant)
+        c.depth = layers
+        return c
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(m, "get_gemma_config", gemma)
+        mp.setattr(m, "PaliGemmaForConditionalGenerationWithPiGemma", FewLayers)
+        yield
+
+
 #: Chunks measured per cell where one chunk takes seconds.
 FEW = {"Diffusion, DDPM-100": 5, "ACT, 1 camera 480×640": 15}
+#: Chunks measured for the real-width pi0 (seconds each).
+FEW_REAL = 8
 
 
 def pct(xs: list[float]) -> tuple[float, float]:
@@ -169,6 +209,17 @@ def main() -> int:
                 rows.append(
                     measure(
                         name, ckpt, tmp / f"{len(rows)}-bundle", args.n, args.policyd
+                    )
+                )
+        for name in REAL_PI:
+            if skip(name):
+                continue
+            with real_width_pi0(REAL_PI_LAYERS):
+                tok = checkpoints.gemma_tokenizer(tmp / f"{len(rows)}-tok")
+                ckpt = checkpoints.pi0(tmp / f"{len(rows)}-ckpt", tok, chunk=50)
+                rows.append(
+                    measure(
+                        name, ckpt, tmp / f"{len(rows)}-bundle", FEW_REAL, args.policyd
                     )
                 )
         if not skip("SmolVLA, tiny (test sizes)"):

@@ -223,10 +223,17 @@ def gemma_tokenizer(out: Path) -> Path:
     return out
 
 
-def pi0(out: Path, tokenizer: Path, seed: int = 0, cameras: int = 1, pi05: bool = False) -> Path:
-    """pi0 (or pi0.5) at tiny sizes (under `tiny_pi0`), 224×224 cameras, chunk 10, prompts of
-    16 tokens (pi0.5: 48, the state is in them), its preprocessor's tokenizer the local
-    `tokenizer` directory."""
+def pi0(
+    out: Path,
+    tokenizer: Path,
+    seed: int = 0,
+    cameras: int = 1,
+    pi05: bool = False,
+    chunk: int = 10,
+) -> Path:
+    """pi0 (or pi0.5) at tiny sizes (under `tiny_pi0`), 224×224 cameras, a chunk of `chunk`
+    actions, prompts of 16 tokens (pi0.5: 48, the state is in them), its preprocessor's
+    tokenizer the local `tokenizer` directory."""
     if pi05:
         import lerobot.policies.pi05.processor_pi05 as pp
         from lerobot.policies.pi05.configuration_pi05 import PI05Config as Config
@@ -250,8 +257,8 @@ def pi0(out: Path, tokenizer: Path, seed: int = 0, cameras: int = 1, pi05: bool 
         device="cpu",
         dtype="float32",
         tokenizer_max_length=48 if pi05 else 16,
-        chunk_size=10,
-        n_action_steps=10,
+        chunk_size=chunk,
+        n_action_steps=chunk,
     )
     policy = Policy(cfg)
     features = {**cfg.input_features, **cfg.output_features}
