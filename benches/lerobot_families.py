@@ -62,15 +62,20 @@ TINY_PI = {"pi0, tiny (test sizes)": False, "pi0.5, tiny (test sizes)": True}
 #: 50) but 2 of its 18 layers (and 2 of SigLIP's 27), so that it fits this machine: what a layer
 #: costs at the real shapes, each engine against torch.
 REAL_PI_LAYERS = 2
-REAL_PI = {f"pi0, real widths, {REAL_PI_LAYERS} of 18 layers, chunk 50": False}
+REAL_PI = {
+    f"pi0, real widths, {REAL_PI_LAYERS} of 18 layers, chunk 50": False,
+    f"pi0.5, real widths, {REAL_PI_LAYERS} of 18 layers, chunk 50": True,
+}
 
 
 @contextlib.contextmanager
-def real_width_pi0(layers: int) -> Iterator[None]:
-    """LeRobot's pi0 size tables at the real widths with `layers` layers."""
-    import lerobot.policies.pi0.modeling_pi0 as m
+def real_width_pi0(layers: int, pi05: bool) -> Iterator[None]:
+    """LeRobot's pi0 (or pi0.5) size tables at the real widths with `layers` layers."""
+    import lerobot.policies.pi0.modeling_pi0 as pi0_module
+    import lerobot.policies.pi05.modeling_pi05 as pi05_module
     import pytest
 
+    m = pi05_module if pi05 else pi0_module
     original = m.PaliGemmaForConditionalGenerationWithPiGemma
     real_gemma = m.get_gemma_config
 
@@ -211,12 +216,14 @@ def main() -> int:
                         name, ckpt, tmp / f"{len(rows)}-bundle", args.n, args.policyd
                     )
                 )
-        for name in REAL_PI:
+        for name, pi05 in REAL_PI.items():
             if skip(name):
                 continue
-            with real_width_pi0(REAL_PI_LAYERS):
+            with real_width_pi0(REAL_PI_LAYERS, pi05):
                 tok = checkpoints.gemma_tokenizer(tmp / f"{len(rows)}-tok")
-                ckpt = checkpoints.pi0(tmp / f"{len(rows)}-ckpt", tok, chunk=50)
+                ckpt = checkpoints.pi0(
+                    tmp / f"{len(rows)}-ckpt", tok, pi05=pi05, chunk=50
+                )
                 rows.append(
                     measure(
                         name, ckpt, tmp / f"{len(rows)}-bundle", FEW_REAL, args.policyd
