@@ -86,7 +86,7 @@ fn main() -> TractResult<()> {
         let mut times: Vec<(String, Duration)> = Vec::new();
         state.run_plan_with_eval(inputs.clone(), |ctx, op_state, node, input| {
             if zero_upper {
-                vzeroupper();
+                policyd::engine::cpu::clear_upper_vector_state();
             }
             let t = Instant::now();
             let out = eval(ctx, op_state, node, input);
@@ -115,17 +115,4 @@ fn main() -> TractResult<()> {
         );
     }
     Ok(())
-}
-
-/// `vzeroupper`, where the CPU has AVX.
-fn vzeroupper() {
-    #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx") {
-        #[target_feature(enable = "avx")]
-        unsafe fn clear() {
-            std::arch::x86_64::_mm256_zeroupper();
-        }
-        // SAFETY: the CPU has AVX (checked above).
-        unsafe { clear() }
-    }
 }

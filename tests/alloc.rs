@@ -226,12 +226,7 @@ fn cpu_engine_per_run(n: u64) -> f64 {
     let cfg = demo::config().unwrap();
     let mut engine = policyd::policy::build::open_engine(cfg.default_policy()).unwrap();
     let mut inputs = engine.alloc_inputs().unwrap();
-    let mut outputs: Vec<Vec<u8>> = engine
-        .io()
-        .outputs
-        .iter()
-        .map(|s| vec![0u8; s.bytes()])
-        .collect();
+    let mut outputs = common::output_buffers(engine.as_ref());
     for _ in 0..3 {
         engine.run(&mut inputs, &mut outputs, false).unwrap();
     }
@@ -248,15 +243,7 @@ fn cpu_engine_per_run(n: u64) -> f64 {
 #[cfg(feature = "ort")]
 fn ort_engine_per_run(config: &str, n: u64) -> Option<f64> {
     let lib = common::ort_library()?;
-    let root = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-    let text = std::fs::read_to_string(root.join(format!("configs/{config}.toml")))
-        .unwrap()
-        .replace("\"../", &format!("\"{}/", root.display()))
-        .replacen(
-            "backend = \"cpu\"",
-            &format!("backend = \"ort\"\nort_library = \"{}\"", lib.display()),
-            1,
-        );
+    let text = common::ort_config(config, &lib, "");
     let cfg = policyd::config::Config::parse(&text, "test", None).unwrap();
     let mut engine = policyd::policy::build::open_engine(cfg.default_policy()).unwrap();
     // Two slots' buffers, alternated as the worker does: rebinding is part of the path.
@@ -264,12 +251,7 @@ fn ort_engine_per_run(config: &str, n: u64) -> Option<f64> {
         engine.alloc_inputs().unwrap(),
         engine.alloc_inputs().unwrap(),
     ];
-    let mut outputs: Vec<Vec<u8>> = engine
-        .io()
-        .outputs
-        .iter()
-        .map(|s| vec![0u8; s.bytes()])
-        .collect();
+    let mut outputs = common::output_buffers(engine.as_ref());
     let sampling = |i: u64| policyd::engine::Sampling {
         seed: i,
         steps: 1 + (i % 10) as u32,

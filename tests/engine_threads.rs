@@ -4,30 +4,13 @@
 use policyd::config::Config;
 use policyd::demo;
 
+mod common;
+
 fn run(threads: usize) -> Vec<Vec<u8>> {
     let cfg = demo::config().unwrap();
     let mut spec = cfg.default_policy().clone();
     spec.engine.threads = threads;
-    let mut engine = policyd::policy::build::open_engine(&spec).unwrap();
-    let mut inputs = engine.alloc_inputs().unwrap();
-    for (i, b) in inputs.iter_mut().enumerate() {
-        for (j, byte) in b.bytes_mut().iter_mut().enumerate() {
-            // Small float32 values whatever the element type: a pattern, not noise.
-            *byte = if j % 4 == 3 {
-                0x3e
-            } else {
-                ((i * 31 + j * 7) % 251) as u8
-            };
-        }
-    }
-    let mut outputs: Vec<Vec<u8>> = engine
-        .io()
-        .outputs
-        .iter()
-        .map(|s| vec![0u8; s.bytes()])
-        .collect();
-    engine.run(&mut inputs, &mut outputs, false).unwrap();
-    outputs
+    common::patterned_run(&spec).1
 }
 
 #[test]

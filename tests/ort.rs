@@ -14,41 +14,12 @@ fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }
 
-/// configs/`name`.toml on the ort backend with `lib`, its paths made absolute.
-fn ort_config(name: &str, lib: &Path, extra: &str) -> String {
-    let text = std::fs::read_to_string(root().join(format!("configs/{name}.toml"))).unwrap();
-    let text = text.replace("\"../", &format!("\"{}/", root().display()));
-    text.replacen(
-        "backend = \"cpu\"",
-        &format!(
-            "backend = \"ort\"\nort_library = \"{}\"{extra}",
-            lib.display()
-        ),
-        1,
-    )
-}
+use common::ort_config;
 
-/// One run of `spec`'s engine on patterned inputs; the outputs' bytes.
+/// One run of `spec`'s engine (on ort) on patterned inputs; the outputs' bytes.
 fn run(spec: &policyd::config::PolicySpec) -> Vec<Vec<u8>> {
-    let mut engine = policyd::policy::build::open_engine(spec).unwrap();
-    assert_eq!(engine.backend(), "ort");
-    let mut inputs = engine.alloc_inputs().unwrap();
-    for (i, b) in inputs.iter_mut().enumerate() {
-        for (j, byte) in b.bytes_mut().iter_mut().enumerate() {
-            *byte = if j % 4 == 3 {
-                0x3e
-            } else {
-                ((i * 31 + j * 7) % 251) as u8
-            };
-        }
-    }
-    let mut outputs: Vec<Vec<u8>> = engine
-        .io()
-        .outputs
-        .iter()
-        .map(|s| vec![0u8; s.bytes()])
-        .collect();
-    engine.run(&mut inputs, &mut outputs, false).unwrap();
+    let (backend, outputs) = common::patterned_run(spec);
+    assert_eq!(backend, "ort");
     assert!(outputs.iter().any(|o| o.iter().any(|&b| b != 0)), "ran");
     outputs
 }
@@ -95,12 +66,7 @@ fn a_pipeline_runs_on_ort() {
     let cfg = Config::parse(&ort_config("flow", &lib, ""), "test", None).unwrap();
     let mut engine = policyd::policy::build::open_engine(cfg.default_policy()).unwrap();
     let mut inputs = engine.alloc_inputs().unwrap();
-    let mut outputs: Vec<Vec<u8>> = engine
-        .io()
-        .outputs
-        .iter()
-        .map(|s| vec![0u8; s.bytes()])
-        .collect();
+    let mut outputs = common::output_buffers(engine.as_ref());
     let sampling = policyd::engine::Sampling { seed: 3, steps: 10 };
     let stats = engine
         .run_sampled(&mut inputs, &mut outputs, false, sampling)
@@ -216,14 +182,11 @@ fn library_and_provider_mistakes_are_start_up_errors_that_say_what_to_do() {
         "{e}"
     );
     // providers on another backend.
-    let cpu = std::fs::read_to_string(root().join("configs/tiny.toml"))
-        .unwrap()
-        .replace("\"../", &format!("\"{}/", root().display()))
-        .replacen(
-            "backend = \"cpu\"",
-            "backend = \"cpu\"\nproviders = [\"cuda\"]",
-            1,
-        );
+    let cpu = common::demo_config_text("tiny").replacen(
+        "backend = \"cpu\"",
+        "backend = \"cpu\"\nproviders = [\"cuda\"]",
+        1,
+    );
     let e = stderr(&check_config(&cpu));
     assert!(e.contains("applies to the ort backend only"), "{e}");
 }
@@ -315,12 +278,7 @@ fn onnxruntimes_own_allocations_per_run_are_measured() {
             let cfg = Config::parse(&ort_config(config, &lib, ""), "test", None).unwrap();
             let mut engine = policyd::policy::build::open_engine(cfg.default_policy()).unwrap();
             let mut inputs = engine.alloc_inputs().unwrap();
-            let mut outputs: Vec<Vec<u8>> = engine
-                .io()
-                .outputs
-                .iter()
-                .map(|s| vec![0u8; s.bytes()])
-                .collect();
+            let mut outputs = common::output_buffers(engine.as_ref());
             let sampling = policyd::engine::Sampling { seed: 1, steps: 10 };
             for _ in 0..5 {
                 engine

@@ -64,13 +64,6 @@ fn elem_type(dt: DatumType) -> Option<ElemType> {
     })
 }
 
-fn load_err(model: &ModelSource, e: impl std::fmt::Display) -> EngineError {
-    EngineError::Load {
-        model: model.describe(),
-        reason: format!("{e:#}"),
-    }
-}
-
 impl CpuEngine {
     /// Loads and optimises a model. `shape_hints` fixes the shapes of inputs whose dims the
     /// model leaves symbolic (from the bindings' `engine_shape`).
@@ -119,16 +112,16 @@ impl CpuEngine {
                 tract_onnx::onnx().model_for_read(&mut reader)
             }
         }
-        .map_err(|e| load_err(model, e))?;
+        .map_err(|e| super::load_error(model, e))?;
         let input_names: Vec<String> = inf
             .input_outlets()
-            .map_err(|e| load_err(model, e))?
+            .map_err(|e| super::load_error(model, e))?
             .iter()
             .map(|o| inf.node(o.node).name.clone())
             .collect();
         let output_names: Vec<String> = inf
             .output_outlets()
-            .map_err(|e| load_err(model, e))?
+            .map_err(|e| super::load_error(model, e))?
             .iter()
             .map(|o| {
                 inf.outlet_label(*o)
@@ -138,17 +131,22 @@ impl CpuEngine {
             .collect();
         for (i, name) in input_names.iter().enumerate() {
             if let Some((_, shape)) = shape_hints.iter().find(|(n, _)| n == name) {
-                let fact = inf.input_fact(i).map_err(|e| load_err(model, e))?.clone();
+                let fact = inf
+                    .input_fact(i)
+                    .map_err(|e| super::load_error(model, e))?
+                    .clone();
                 let dt = fact.datum_type.concretize().unwrap_or(DatumType::F32);
                 inf.set_input_fact(i, InferenceFact::dt_shape(dt, shape.clone()))
-                    .map_err(|e| load_err(model, e))?;
+                    .map_err(|e| super::load_error(model, e))?;
             }
         }
-        let typed = inf.into_typed().map_err(|e| load_err(model, e))?;
+        let typed = inf.into_typed().map_err(|e| super::load_error(model, e))?;
         let mut io = IoSpec::default();
         let mut datum = Vec::new();
         for (i, name) in input_names.iter().enumerate() {
-            let fact = typed.input_fact(i).map_err(|e| load_err(model, e))?;
+            let fact = typed
+                .input_fact(i)
+                .map_err(|e| super::load_error(model, e))?;
             let shape = fact
                 .shape
                 .as_concrete()
@@ -170,7 +168,9 @@ impl CpuEngine {
             });
         }
         for (i, name) in output_names.iter().enumerate() {
-            let fact = typed.output_fact(i).map_err(|e| load_err(model, e))?;
+            let fact = typed
+                .output_fact(i)
+                .map_err(|e| super::load_error(model, e))?;
             let shape = fact
                 .shape
                 .as_concrete()
@@ -193,8 +193,8 @@ impl CpuEngine {
         let plan = typed
             .into_optimized()
             .and_then(|m| m.into_runnable())
-            .map_err(|e| load_err(model, e))?;
-        let state = plan.spawn().map_err(|e| load_err(model, e))?;
+            .map_err(|e| super::load_error(model, e))?;
+        let state = plan.spawn().map_err(|e| super::load_error(model, e))?;
         Ok(CpuEngine {
             plan,
             state,
@@ -216,9 +216,9 @@ impl CpuEngine {
 }
 
 /// `vzeroupper` where the CPU has AVX (what compilers emit at the end of AVX code); nothing
-/// elsewhere.
+/// elsewhere. Public for `benches/tract_profile.rs --vzeroupper`.
 #[inline]
-fn clear_upper_vector_state() {
+pub fn clear_upper_vector_state() {
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx") {
         #[target_feature(enable = "avx")]
@@ -345,15 +345,7 @@ impl Engine for CpuEngine {
             .zip(outputs.iter_mut())
             .zip(result.iter())
         {
-            let bytes = value.as_bytes();
-            if bytes.len() != out.len() {
-                return Err(EngineError::OutputSize {
-                    name: spec.name.clone(),
-                    got: bytes.len(),
-                    expected: out.len(),
-                });
-            }
-            out.copy_from_slice(bytes);
+            super::copy_output(value.as_bytes(), out, || spec.name.clone())?;
         }
         Ok(RunStats {
             compute,

@@ -172,6 +172,33 @@ pub enum EngineError {
     },
 }
 
+/// A model that failed to load, said of the model (`{e:#}`: with the causes of a chained error).
+#[cfg(any(feature = "cpu", feature = "ort"))]
+pub(crate) fn load_error(model: &ModelSource, e: impl std::fmt::Display) -> EngineError {
+    EngineError::Load {
+        model: model.describe(),
+        reason: format!("{e:#}"),
+    }
+}
+
+/// Copies one output the backend produced into the slot's buffer, which the plan sized from
+/// the model: a size mismatch is an error naming the output (`name` is built only then).
+pub(crate) fn copy_output(
+    bytes: &[u8],
+    out: &mut [u8],
+    name: impl FnOnce() -> String,
+) -> Result<(), EngineError> {
+    if bytes.len() != out.len() {
+        return Err(EngineError::OutputSize {
+            name: name(),
+            got: bytes.len(),
+            expected: out.len(),
+        });
+    }
+    out.copy_from_slice(bytes);
+    Ok(())
+}
+
 /// A loaded, runnable model.
 pub trait Engine: Send {
     /// The backend's config name (`cpu`).

@@ -116,7 +116,7 @@ fn runtime(configured: Option<&Path>) -> Result<&'static Runtime, EngineError> {
     let _guard = LOADING.lock().unwrap_or_else(|e| e.into_inner());
     if let Some(rt) = RUNTIME.get() {
         if let Some(want) = configured.map(in_folder)
-            && !same_file(&want, &rt.path)
+            && resolved(&want) != rt.path
         {
             return Err(unavailable(format!(
                 "engine.ort_library is {}, but this process already runs onnxruntime from {} (one \
@@ -194,10 +194,6 @@ fn version_of(path: &Path) -> Option<String> {
         libc::dlclose(h);
         version
     }
-}
-
-fn same_file(a: &Path, b: &Path) -> bool {
-    resolved(a) == resolved(b)
 }
 
 /// The library's real path (a bare soname is left as dlopen found it).
@@ -384,13 +380,6 @@ fn elem_type(t: TensorElementType) -> Option<ElemType> {
         .find(|&e| ort_type(e) == t)
 }
 
-fn load_err(model: &ModelSource, e: impl std::fmt::Display) -> EngineError {
-    EngineError::Load {
-        model: model.describe(),
-        reason: e.to_string(),
-    }
-}
-
 /// Bytes the C heap holds now (glibc): what onnxruntime allocated for a session is the
 /// difference around its creation and first run.
 fn c_heap() -> Option<u64> {
@@ -430,16 +419,16 @@ impl OrtEngine {
         let heap_before = c_heap();
         let mut session = builder(rt, opts)
             .and_then(|b| commit(b, model))
-            .map_err(|e| load_err(model, e))?;
+            .map_err(|e| super::load_error(model, e))?;
         let io = io_spec(&session, model, opts.shapes)?;
-        io.check_sizes().map_err(|e| load_err(model, e))?;
+        io.check_sizes().map_err(|e| super::load_error(model, e))?;
         let memory = ::ort::memory::MemoryInfo::new(
             ::ort::memory::AllocationDevice::CPU,
             0,
             ::ort::memory::AllocatorType::Device,
             ::ort::memory::MemoryType::Default,
         )
-        .map_err(|e| load_err(model, e))?;
+        .map_err(|e| super::load_error(model, e))?;
         let outputs = io
             .outputs
             .iter()
@@ -448,10 +437,12 @@ impl OrtEngine {
         let mut binding: *mut OrtIoBinding = ptr::null_mut();
         // SAFETY: a live session; the binding is released in Drop.
         check(unsafe { (::ort::api().CreateIoBinding)(session.ptr_mut(), &mut binding) })
-            .map_err(|e| load_err(model, e))?;
-        let binding = NonNull::new(binding).ok_or_else(|| load_err(model, "null I/O binding"))?;
+            .map_err(|e| super::load_error(model, e))?;
+        let binding =
+            NonNull::new(binding).ok_or_else(|| super::load_error(model, "null I/O binding"))?;
         let cstr = |s: &TensorSpec| {
-            CString::new(s.name.as_str()).map_err(|_| load_err(model, "a tensor name holds NUL"))
+            CString::new(s.name.as_str())
+                .map_err(|_| super::load_error(model, "a tensor name holds NUL"))
         };
         let input_names = io.inputs.iter().map(cstr).collect::<Result<Vec<_>, _>>()?;
         let output_names = io.outputs.iter().map(cstr).collect::<Result<Vec<_>, _>>()?;
@@ -461,7 +452,7 @@ impl OrtEngine {
             check(unsafe {
                 (::ort::api().BindOutput)(binding.as_ptr(), name.as_ptr(), out.value.as_ptr())
             })
-            .map_err(|e| load_err(model, e))?;
+            .map_err(|e| super::load_error(model, e))?;
         }
         let mut engine = OrtEngine {
             bound: vec![0; io.inputs.len()],
@@ -485,7 +476,7 @@ impl OrtEngine {
             .collect();
         engine
             .run(&mut probe, &mut out, true)
-            .map_err(|e| load_err(model, e))?;
+            .map_err(|e| super::load_error(model, e))?;
         drop(probe);
         if let (Some(before), Some(after)) = (heap_before, c_heap()) {
             engine.working.push((
@@ -603,7 +594,7 @@ fn io_spec(
                     }
                 }
             } else {
-                return Err(load_err(
+                return Err(super::load_error(
                     model,
                     format!(
                         "output '{name}' has a dynamic shape {dims:?}; export the graph with fixed \
@@ -685,15 +676,7 @@ impl Engine for OrtEngine {
             .zip(outputs.iter_mut())
             .zip(&self.outputs)
         {
-            let bytes = view.buf.bytes();
-            if bytes.len() != out.len() {
-                return Err(EngineError::OutputSize {
-                    name: spec.name.clone(),
-                    got: bytes.len(),
-                    expected: out.len(),
-                });
-            }
-            out.copy_from_slice(bytes);
+            super::copy_output(view.buf.bytes(), out, || spec.name.clone())?;
         }
         Ok(RunStats {
             compute,

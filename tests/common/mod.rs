@@ -174,3 +174,54 @@ pub fn ort_library() -> Option<std::path::PathBuf> {
         }
     }
 }
+
+/// configs/`name`.toml as text, its `../` paths made absolute (so it parses from anywhere).
+pub fn demo_config_text(name: &str) -> String {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    std::fs::read_to_string(root.join(format!("configs/{name}.toml")))
+        .expect("a demo config")
+        .replace("\"../", &format!("\"{}/", root.display()))
+}
+
+/// configs/`name`.toml on the ort backend with the library `lib` and `extra` `[engine]` lines.
+pub fn ort_config(name: &str, lib: &std::path::Path, extra: &str) -> String {
+    demo_config_text(name).replacen(
+        "backend = \"cpu\"",
+        &format!(
+            "backend = \"ort\"\nort_library = \"{}\"{extra}",
+            lib.display()
+        ),
+        1,
+    )
+}
+
+/// One zeroed buffer per engine output, sized as the model declares.
+pub fn output_buffers(engine: &dyn policyd::engine::Engine) -> Vec<Vec<u8>> {
+    engine
+        .io()
+        .outputs
+        .iter()
+        .map(|s| vec![0u8; s.bytes()])
+        .collect()
+}
+
+/// One run of `spec`'s engine on patterned inputs (small float32 values whatever the element
+/// type: a pattern, not noise): its backend and the outputs' bytes.
+pub fn patterned_run(spec: &policyd::config::PolicySpec) -> (&'static str, Vec<Vec<u8>>) {
+    let mut engine = policyd::policy::build::open_engine(spec).expect("the engine opens");
+    let mut inputs = engine.alloc_inputs().expect("inputs");
+    for (i, b) in inputs.iter_mut().enumerate() {
+        for (j, byte) in b.bytes_mut().iter_mut().enumerate() {
+            *byte = if j % 4 == 3 {
+                0x3e
+            } else {
+                ((i * 31 + j * 7) % 251) as u8
+            };
+        }
+    }
+    let mut outputs = output_buffers(engine.as_ref());
+    engine
+        .run(&mut inputs, &mut outputs, false)
+        .expect("the run");
+    (engine.backend(), outputs)
+}

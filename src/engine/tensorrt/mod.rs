@@ -690,15 +690,9 @@ impl Engine for TensorRtEngine {
             .map_err(|e| run_err("event", e))?;
         let compute = self.device.finish().map_err(|e| run_err("sync", e))?;
         for (o, out) in self.outputs.iter().zip(outputs.iter_mut()) {
-            let bytes = o.staging.bytes();
-            if bytes.len() != out.len() {
-                return Err(EngineError::OutputSize {
-                    name: o.t.name.to_string_lossy().into_owned(),
-                    got: bytes.len(),
-                    expected: out.len(),
-                });
-            }
-            out.copy_from_slice(bytes);
+            super::copy_output(o.staging.bytes(), out, || {
+                o.t.name.to_string_lossy().into_owned()
+            })?;
         }
         Ok(RunStats {
             compute,
