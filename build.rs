@@ -16,7 +16,9 @@ fn main() {
 }
 
 /// LeRobot's `AsyncInference` service (proto/services.proto) as tonic server code, compiled by
-/// protox (pure Rust: no `protoc` on the build machine or in the cross build).
+/// protox (pure Rust: no `protoc` on the build machine or in the cross build), and its client,
+/// which the tests drive the service with (tests/lerobot_grpc.rs; unused code is not linked
+/// into the serving binary).
 mod grpc {
     pub fn generate() {
         const PROTO: &str = "proto/services.proto";
@@ -26,7 +28,7 @@ mod grpc {
             std::process::exit(1);
         });
         tonic_prost_build::configure()
-            .build_client(false)
+            .build_client(true)
             .compile_fds(fds)
             .unwrap_or_else(|e| {
                 eprintln!("{PROTO}: {e}");

@@ -79,6 +79,24 @@ pub enum AppError {
     Addr(std::io::Error),
 }
 
+/// Raises the open-file limit to what the connection caps need (see
+/// [`crate::policy::budget::FdBudget`]), or says why it cannot.
+fn open_files(cfg: &Config) {
+    let need = crate::policy::budget::FdBudget::compute(cfg).total;
+    match crate::service::raise_open_files(need) {
+        Ok((soft, _)) if soft >= need => {
+            log::debug!("open files: the caps need {need}, the limit is {soft}");
+        }
+        Ok((soft, hard)) => log::warn!(
+            "open files: the connection caps need {need} file descriptors but the hard limit \
+             is {hard} (soft {soft}); a connection flood may stop accept on every port: set \
+             LimitNOFILE={need} in the unit or lower server.max_connections / \
+             lerobot.max_connections"
+        ),
+        Err(e) => log::warn!("open files: cannot raise RLIMIT_NOFILE to {need}: {e}"),
+    }
+}
+
 /// The listener: the first socket systemd passed (`policyd.socket`), else the configured
 /// address.
 pub async fn listen(cfg: &Config) -> Result<TcpListener, ServeError> {
@@ -128,6 +146,7 @@ where
     // Key files and the TLS certificate are read before the socket is taken, so that a
     // missing file fails the start with its key's name.
     let access = crate::net::Access::load(&cfg).map_err(ServeError::from)?;
+    open_files(&cfg);
     let listener = listen(&cfg).await?;
     let addr = listener.local_addr().map_err(AppError::Addr)?;
     notify(&[NotifyState::Status("loading the engine")]);

@@ -4,7 +4,8 @@
 //! above it, and no two modules use each other (`scripts/check-layers` checks it in CI):
 //!
 //! ```text
-//! limits, dtype, service   caps and element types; systemd (notify, watchdog, sockets)
+//! limits, dtype, service,  caps and element types; systemd (notify, watchdog, sockets);
+//!   log_limit              log lines a peer can provoke, at most one a second each
 //! transform, protocol,     element conversion; the wire format and its two dialects;
 //!   tokenizer, sampler     prompts to token ids (openpi's formats); flow/DDPM/DDIM steps
 //! config                   the file's raw form, its checks, the resolved Config
@@ -31,6 +32,7 @@ pub mod demo;
 pub mod dtype;
 pub mod engine;
 pub mod limits;
+pub mod log_limit;
 pub mod metrics;
 pub mod net;
 pub mod planner;

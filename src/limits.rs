@@ -34,6 +34,16 @@ pub const MAX_SESSIONS: usize = 64;
 pub const PREDICTED_MEMORY: usize = 64;
 /// Most handshakes in progress at once, whatever `server.max_connections` is.
 pub const MAX_HANDSHAKES: usize = 8192;
+
+/// WebSocket handshakes in progress at once for `max_connections`: room for 16 times the
+/// connection limit, so that a burst of clients gets its 503, bounded by [`MAX_HANDSHAKES`].
+pub fn handshakes(max_connections: usize) -> usize {
+    (max_connections.saturating_mul(16) + 64).min(MAX_HANDSHAKES)
+}
+
+/// File descriptors kept for what is not a client's connection: the listeners, epoll and its
+/// wakers, timers, the log, the planner's connection, libraries and model files being read.
+pub const RESERVED_FDS: usize = 64;
 /// Largest HTTP request head accepted.
 pub const MAX_HEAD: usize = 8192;
 /// The most elements one binding's shape (or `engine_shape`, or a model's declared tensor)

@@ -54,14 +54,17 @@ pub const LEROBOT_RPCS: [&str; 4] = [
 /// Why the LeRobot service refused something, for `reason` labels: a peer off the allow-list,
 /// a payload over the cap, too many observations arriving at once, a broken chunk stream, a pickle the strict reader refused, a
 /// payload that read but does not fit the policy, a policy setup it cannot serve.
-pub const LEROBOT_REFUSALS: [&str; 7] = [
+pub const LEROBOT_REFUSALS: [&str; 10] = [
     "peer",
+    "connections",
     "oversize",
     "busy",
+    "slow",
     "chunking",
     "pickle",
     "observation",
     "setup",
+    "owner",
 ];
 
 type HistogramFamily<L> = Family<L, Histogram, fn() -> Histogram>;

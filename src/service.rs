@@ -49,3 +49,30 @@ pub fn inherited_listener() -> Option<TcpListener> {
         }
     }
 }
+
+/// Raises this process's open-file limit (`RLIMIT_NOFILE`) to `need`, as far as the hard limit
+/// allows: systemd's default is 1024 soft (which the unit keeps) and 524288 hard, and the
+/// connection caps may need more than 1024. Returns the limits now in force, `(soft, hard)`.
+// `rlim_t` is a u64 on 64-bit Linux, not on every target: the casts are kept.
+#[allow(clippy::unnecessary_cast)]
+pub fn raise_open_files(need: u64) -> std::io::Result<(u64, u64)> {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes the struct it is given; nothing else is touched.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    let (soft, hard) = (lim.rlim_cur as u64, lim.rlim_max as u64);
+    if soft >= need {
+        return Ok((soft, hard));
+    }
+    let want = need.min(hard);
+    lim.rlim_cur = want as libc::rlim_t;
+    // SAFETY: setrlimit reads the struct it is given; the soft limit stays within the hard.
+    if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok((want, hard))
+}

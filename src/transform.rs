@@ -683,23 +683,48 @@ pub struct Resize {
 }
 
 impl Resize {
-    /// From `(height, width)` to `(height, width)`, `channels` interleaved.
-    pub fn new(from: (usize, usize), to: (usize, usize), channels: usize) -> Resize {
+    /// From `(height, width)` to `(height, width)`, `channels` interleaved. `from` may come
+    /// from a client (the camera size it declares): every size is checked arithmetic and the
+    /// buffer a fallible allocation, so a lying size is an error, never an abort.
+    pub fn new(
+        from: (usize, usize),
+        to: (usize, usize),
+        channels: usize,
+    ) -> Result<Resize, String> {
+        let bytes = |(h, w): (usize, usize)| {
+            h.checked_mul(w)
+                .and_then(|n| n.checked_mul(channels))
+                .ok_or_else(|| format!("a {h}x{w}x{channels} frame's size overflows"))
+        };
+        if from.0 == 0 || from.1 == 0 || to.0 == 0 || to.1 == 0 || channels == 0 {
+            return Err(format!(
+                "cannot resize {}x{} to {}x{} ({channels} channels): no size may be 0",
+                from.1, from.0, to.1, to.0
+            ));
+        }
+        bytes(from)?;
+        bytes(to)?;
         let horizontal = (from.1 != to.1).then(|| ResizeAxis::new(from.1, to.1));
         let vertical = (from.0 != to.0).then(|| ResizeAxis::new(from.0, to.0));
-        let tmp = if horizontal.is_some() && vertical.is_some() {
-            vec![0; from.0 * to.1 * channels]
-        } else {
-            Vec::new()
-        };
-        Resize {
+        let mut tmp = Vec::new();
+        if horizontal.is_some() && vertical.is_some() {
+            let n = bytes((from.0, to.1))?;
+            tmp.try_reserve_exact(n).map_err(|_| {
+                format!(
+                    "cannot allocate {n} bytes to resize a {}x{} frame",
+                    from.1, from.0
+                )
+            })?;
+            tmp.resize(n, 0);
+        }
+        Ok(Resize {
             from,
             to,
             channels,
             horizontal,
             vertical,
             tmp,
-        }
+        })
     }
 
     /// The input size it takes.
@@ -711,6 +736,7 @@ impl Resize {
     pub fn run(&mut self, src: &[u8], dst: &mut [u8]) -> bool {
         let c = self.channels;
         let ((sh, sw), (dh, dw)) = (self.from, self.to);
+        // Sizes were checked in `new`: these products fit a usize.
         if src.len() != sh * sw * c || dst.len() != dh * dw * c {
             return false;
         }

@@ -722,6 +722,7 @@ tensor = "action"
     let setup = lerobot::policy_setup(&reader.read(&config).unwrap()).unwrap();
     let mut adapter = policyd::bind::lerobot::Adapter::new(
         policyd::config::LerobotResize::Bilinear,
+        32 << 20,
         &plan,
         "default",
         &setup,

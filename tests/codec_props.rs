@@ -307,10 +307,11 @@ fn fuzz_corpus_and_regressions_replay_cleanly() {
     );
     let root = concat!(env!("CARGO_MANIFEST_DIR"), "/fuzz");
     type Target = fn(&[u8]);
-    let targets: [(&str, Target); 3] = [
+    let targets: [(&str, Target); 4] = [
         ("decode", policyd::testing::fuzz::decode),
         ("config", policyd::testing::fuzz::config),
         ("pickle", policyd::testing::fuzz::pickle),
+        ("setup", |d| policyd::testing::fuzz::setup(d, None)),
     ];
     let mut replayed = 0;
     for (target, run) in targets {

@@ -295,7 +295,7 @@ fn camera_frames_resize_to_the_same_pixels_as_torch() {
     for case in &cases {
         let (from, to) = (dims(&case["from"]), dims(&case["to"]));
         let (src, want) = (bytes(&case["src"]), bytes(&case["dst"]));
-        let mut r = policyd::transform::Resize::new(from, to, 3);
+        let mut r = policyd::transform::Resize::new(from, to, 3).unwrap();
         let mut got = vec![0u8; want.len()];
         assert!(r.run(&src, &mut got));
         assert_eq!(got, want, "{from:?} -> {to:?}");

@@ -450,7 +450,8 @@ def test_hostile_payloads_are_refused_and_the_server_keeps_serving(
         unknown = services_pb2.Observation(data=good)
         e = status_of(lambda: stub.stub.SendObservations(iter([unknown])))
         assert "TRANSFER_UNKNOWN" in e.details()
-        # Observations held open mid-stream: two are received at once, a third is refused.
+        # Observations held open mid-stream: one per address is received at once (the other
+        # held one is refused as busy), and so is a third.
         release = threading.Event()
 
         def held() -> Iterator[services_pb2.Observation]:
@@ -490,19 +491,23 @@ def test_hostile_payloads_are_refused_and_the_server_keeps_serving(
         )
         e = status_of(lambda: stub.setup(wrong_type))
         assert 'policy_type "pi0"' in e.details()
-        # A second client's Ready mid-stream resets the session; the first goes on.
+        # A second client's Ready and setup mid-stream are refused (the session is the first
+        # client's while it is connected and active); the first goes on.
         stub.setup(config)
         stub.observe(observation(robot, 1))
         assert len(stub.actions()) == 10
         other = Stub(s.address)
-        other.stub.Ready(services_pb2.Empty())
+        e = status_of(lambda: other.stub.Ready(services_pb2.Empty()))
+        assert e.code() == grpc.StatusCode.PERMISSION_DENIED, e
+        e = status_of(lambda: other.setup(config))
+        assert e.code() == grpc.StatusCode.PERMISSION_DENIED, e
         stub.observe(observation(robot, 2))
         assert [a.get_timestep() for a in stub.actions()][0] == 2
         other.close()
         stub.close()
         assert s.healthy()
         m = s.metrics()
-        for reason in ("pickle", "oversize", "busy", "chunking", "observation", "setup"):
+        for reason in ("pickle", "oversize", "busy", "chunking", "observation", "setup", "owner"):
             line = next(
                 x
                 for x in m.splitlines()

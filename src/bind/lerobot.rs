@@ -13,7 +13,7 @@ use crate::protocol::lerobot::{
     self, Codec, IMAGE_PREFIX, ObsValue, PolicySetup, STATE_KEY, TASK_KEY,
 };
 use crate::protocol::pickle::PickleReader;
-use crate::protocol::{ArrayView, Endpoint, RequestMeta, Shape, Value, WireError};
+use crate::protocol::{ArrayView, Endpoint, RequestMeta, Shape, Value, WireError, clip};
 
 /// What a LeRobot `robot_client` can fill of a plan's bindings (see [`Plan::lerobot_fit`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -130,9 +130,12 @@ pub struct Adapter {
 
 impl Adapter {
     /// Checks a client's setup against a policy's plan (`name` for messages): its features
-    /// against the bindings, its chunk length; the buffers are allocated here.
+    /// against the bindings, its chunk length; the buffers are allocated here. A camera's
+    /// declared frame must fit in `max_frame_bytes` (`lerobot.max_payload_bytes`: a frame
+    /// larger than any observation can carry is a lie, and would size the resize buffer).
     pub fn new(
         on_resize: LerobotResize,
+        max_frame_bytes: usize,
         plan: &Plan,
         name: &str,
         setup: &PolicySetup,
@@ -160,7 +163,7 @@ impl Adapter {
                         state.len
                     ));
                 }
-                Some(f) if f.names.is_empty() || f.names.len() != state.len => {
+                Some(f) if f.names.len() != state.len => {
                     return Err(format!(
                         "lerobot_features[\"{STATE_KEY}\"] names {} motors; policy \"{name}\" \
                          takes a state of shape [{}]",
@@ -190,7 +193,11 @@ impl Adapter {
                     if have.is_empty() {
                         "none".into()
                     } else {
-                        have.join(", ")
+                        have.iter()
+                            .take(16)
+                            .map(|k| clip(k).to_string())
+                            .collect::<Vec<_>>()
+                            .join(", ")
                     }
                 ));
             };
@@ -202,6 +209,27 @@ impl Adapter {
                     f.shape
                 ));
             }
+            let declared = f.shape[0]
+                .checked_mul(f.shape[1])
+                .and_then(|n| n.checked_mul(c))
+                .filter(|&n| n <= max_frame_bytes);
+            match declared {
+                Some(0) => {
+                    return Err(format!(
+                        "lerobot_features[\"{binding}\"] declares {}x{} frames; a camera frame \
+                         needs a height and a width",
+                        f.shape[1], f.shape[0]
+                    ));
+                }
+                None => {
+                    return Err(format!(
+                        "lerobot_features[\"{binding}\"] declares {}x{}x{c} frames, more than an \
+                         observation may carry (lerobot.max_payload_bytes = {max_frame_bytes})",
+                        f.shape[1], f.shape[0]
+                    ));
+                }
+                Some(_) => {}
+            }
             let resize = f.shape[..2] != [h, w];
             if resize && on_resize == LerobotResize::Refuse {
                 return Err(format!(
@@ -210,12 +238,19 @@ impl Adapter {
                     cam.name, f.shape[1], f.shape[0]
                 ));
             }
+            let resizer = if resize {
+                Some(
+                    crate::transform::Resize::new((f.shape[0], f.shape[1]), (h, w), c)
+                        .map_err(|e| format!("lerobot_features[\"{binding}\"]: {e}"))?,
+                )
+            } else {
+                None
+            };
             cameras.push(Camera {
                 raw: cam.name.clone(),
                 binding,
                 size: (h, w, c),
-                resize: resize
-                    .then(|| crate::transform::Resize::new((f.shape[0], f.shape[1]), (h, w), c)),
+                resize: resizer,
                 resized: if resize {
                     vec![0; h * w * c]
                 } else {
@@ -309,7 +344,7 @@ impl Adapter {
         if let Some(j) = self.filled.iter().position(|f| !f) {
             return Err(WireError::Payload(format!(
                 "the observation has no '{}' (a motor of the client's {STATE_KEY} feature)",
-                self.motors[j]
+                clip(&self.motors[j])
             )));
         }
         let mut values: heapless::Vec<(&str, Value<'_>), 18> = heapless::Vec::new();

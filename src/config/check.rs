@@ -195,6 +195,56 @@ fn lerobot(
             ));
         }
     };
+    let cx = Keys::top();
+    let max_connections = l.max_connections.unwrap_or(16);
+    cx.between("lerobot.max_connections", max_connections, 1, 1024)?;
+    let seconds = |key: &str, v: Option<f64>, default: f64, max: f64| {
+        let v = v.unwrap_or(default);
+        if v.is_finite() && v > 0.0 && v <= max {
+            Ok(std::time::Duration::from_secs_f64(v))
+        } else {
+            Err(cx.invalid(
+                key,
+                format!("must be a number of seconds above 0 and at most {max}, got {v}"),
+            ))
+        }
+    };
+    let handshake_timeout = seconds(
+        "lerobot.handshake_timeout_s",
+        l.handshake_timeout_s,
+        10.0,
+        3600.0,
+    )?;
+    let idle_timeout = seconds("lerobot.idle_timeout_s", l.idle_timeout_s, 120.0, 86400.0)?;
+    let chunk_timeout = seconds("lerobot.chunk_timeout_s", l.chunk_timeout_s, 5.0, 3600.0)?;
+    let observation_timeout = seconds(
+        "lerobot.observation_timeout_s",
+        l.observation_timeout_s,
+        10.0,
+        3600.0,
+    )?;
+    let takeover_after = seconds(
+        "lerobot.takeover_after_s",
+        l.takeover_after_s,
+        10.0,
+        86400.0,
+    )?;
+    let long_poll = std::time::Duration::from_millis(long_poll_ms);
+    if idle_timeout <= long_poll {
+        return Err(cx.invalid(
+            "lerobot.idle_timeout_s",
+            format!(
+                "must be longer than lerobot.long_poll_ms ({long_poll_ms} ms), or a client \
+                 waiting for actions is cut off"
+            ),
+        ));
+    }
+    if observation_timeout < chunk_timeout {
+        return Err(cx.invalid(
+            "lerobot.observation_timeout_s",
+            "must be at least lerobot.chunk_timeout_s (one chunk is part of an observation)",
+        ));
+    }
     let mut serve = Vec::new();
     for (i, s) in l.serve.iter().enumerate() {
         let key = format!("lerobot.serve[{i}]");
@@ -227,9 +277,15 @@ fn lerobot(
     Ok(LerobotConfig {
         listen,
         allow,
-        long_poll: std::time::Duration::from_millis(long_poll_ms),
+        long_poll,
         max_payload_bytes,
         resize,
+        max_connections,
+        handshake_timeout,
+        idle_timeout,
+        chunk_timeout,
+        observation_timeout,
+        takeover_after,
         serve,
     })
 }

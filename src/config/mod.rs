@@ -178,6 +178,19 @@ pub struct LerobotConfig {
     pub max_payload_bytes: usize,
     /// `resize`: what a camera frame of another size than the policy's input gets.
     pub resize: LerobotResize,
+    /// `max_connections`: gRPC connections open at once; more are closed as they arrive.
+    pub max_connections: usize,
+    /// `handshake_timeout_s`: time from accept to the HTTP/2 connection preface.
+    pub handshake_timeout: std::time::Duration,
+    /// `idle_timeout_s`: a connection with no call in progress for this long is closed.
+    pub idle_timeout: std::time::Duration,
+    /// `chunk_timeout_s`: the longest wait for an observation's next chunk (the first included).
+    pub chunk_timeout: std::time::Duration,
+    /// `observation_timeout_s`: the longest one observation may take to arrive whole.
+    pub observation_timeout: std::time::Duration,
+    /// `takeover_after_s`: how long the session's owner must be silent before another
+    /// connection may take the session over.
+    pub takeover_after: std::time::Duration,
     /// `[[lerobot.serve]]`: the names a client may ask for, and the policy each means.
     pub serve: Vec<LerobotServe>,
 }
@@ -785,6 +798,9 @@ tensor = "actions"
         assert_eq!(c.allow.len(), 2);
         assert_eq!(c.long_poll, std::time::Duration::from_millis(2000));
         assert_eq!(c.resize, LerobotResize::Bilinear);
+        assert_eq!(c.max_connections, 16);
+        assert_eq!(c.idle_timeout, std::time::Duration::from_secs(120));
+        assert_eq!(c.takeover_after, std::time::Duration::from_secs(10));
         assert_eq!(
             c.serve[0].policy, "default",
             "the default policy when none is named"
@@ -816,6 +832,30 @@ tensor = "actions"
             (
                 "[lerobot]\nlisten = \"0.0.0.0:1\"\n[[lerobot.serve]]\npretrained = \" \"",
                 "lerobot.serve[0].pretrained",
+            ),
+            (
+                "[lerobot]\nlisten = \"0.0.0.0:1\"\nmax_connections = 0",
+                "lerobot.max_connections",
+            ),
+            (
+                "[lerobot]\nlisten = \"0.0.0.0:1\"\nhandshake_timeout_s = 0",
+                "lerobot.handshake_timeout_s",
+            ),
+            (
+                "[lerobot]\nlisten = \"0.0.0.0:1\"\nidle_timeout_s = 1",
+                "lerobot.idle_timeout_s",
+            ),
+            (
+                "[lerobot]\nlisten = \"0.0.0.0:1\"\nchunk_timeout_s = nan",
+                "lerobot.chunk_timeout_s",
+            ),
+            (
+                "[lerobot]\nlisten = \"0.0.0.0:1\"\nchunk_timeout_s = 20",
+                "lerobot.observation_timeout_s",
+            ),
+            (
+                "[lerobot]\nlisten = \"0.0.0.0:1\"\ntakeover_after_s = -1",
+                "lerobot.takeover_after_s",
             ),
         ] {
             let e = err(extra);

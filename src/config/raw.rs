@@ -161,6 +161,12 @@ pub(super) struct RawLerobot {
     pub(super) long_poll_ms: Option<u64>,
     pub(super) max_payload_bytes: Option<usize>,
     pub(super) resize: Option<String>,
+    pub(super) max_connections: Option<usize>,
+    pub(super) handshake_timeout_s: Option<f64>,
+    pub(super) idle_timeout_s: Option<f64>,
+    pub(super) chunk_timeout_s: Option<f64>,
+    pub(super) observation_timeout_s: Option<f64>,
+    pub(super) takeover_after_s: Option<f64>,
     pub(super) serve: Vec<RawLerobotServe>,
 }
 

@@ -374,7 +374,11 @@ pub(crate) async fn handle(
         let verdict = auth.keys.check_all(&head.authorizations);
         if verdict != crate::net::auth::Verdict::Accepted {
             shared.stats.metrics.auth_failures.inc();
-            log::warn!("{peer}: refused {}: {}", head.path, verdict.describe());
+            crate::warn_limited!(
+                "{peer}: refused {}: {}",
+                crate::protocol::clip(&head.path),
+                verdict.describe()
+            );
             respond(
                 &mut stream,
                 "401 Unauthorized",
@@ -426,7 +430,11 @@ pub(crate) async fn handle(
     let key = match upgrade_request(&head) {
         Ok(key) => key.to_string(),
         Err(why) => {
-            log::info!("{peer}: refused the WebSocket handshake: {why}");
+            crate::log_limited!(
+                log::Level::Info,
+                "{peer}: refused the WebSocket handshake: {}",
+                crate::protocol::clip(&why)
+            );
             bad_request(&mut stream, &why).await;
             return;
         }
@@ -470,7 +478,11 @@ pub(crate) async fn handle(
             Some(name) => match set.get(name) {
                 Some(p) => (dialect, p.clone()),
                 None => {
-                    log::info!("{peer}: refused: no policy named \"{name}\"");
+                    crate::log_limited!(
+                        log::Level::Info,
+                        "{peer}: refused: no policy named \"{}\"",
+                        crate::protocol::clip(name)
+                    );
                     respond(
                         &mut stream,
                         "404 Not Found",
@@ -488,7 +500,7 @@ pub(crate) async fn handle(
         }
     };
     let Ok(permit) = shared.connections.clone().try_acquire_owned() else {
-        log::warn!(
+        crate::warn_limited!(
             "{peer}: refused: at the connection limit (server.max_connections = {})",
             shared.cfg.server.max_connections
         );

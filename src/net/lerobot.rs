@@ -6,17 +6,24 @@
 //! ([`crate::protocol::lerobot`]). The client never names a model policyd would load: its
 //! `pretrained_name_or_path` must be a served policy's name or a `[[lerobot.serve]]` entry.
 //!
-//! Like LeRobot's server there is one session: `Ready` resets it, `SendPolicyInstructions`
-//! binds it to a policy, and a second client's calls act on the same session. A session task
-//! owns the [`Core`]; the RPC handlers talk to it over a bounded channel:
+//! Like LeRobot's server there is one session: `Ready` resets it and `SendPolicyInstructions`
+//! binds it to a policy. Unlike LeRobot's, the session belongs to the connection that set it
+//! up: another connection's `Ready`, setup, observations and polls are refused while the owner
+//! is connected and has made a call within `lerobot.takeover_after_s`, so no other peer can
+//! permute the robot's motors, shrink its chunks or take its actions. A reconnect from the
+//! owner's address carries the session on; after the owner has gone or fallen silent, a new
+//! `Ready` or setup takes it over (see [`claim`]). A session task owns the [`Core`]; the RPC
+//! handlers talk to it over a bounded channel:
 //! - `SendObservations` reassembles the chunks, the session task decodes the pickle straight
 //!   into a slot's engine buffers (state vector in the client's motor order, camera frames
-//!   resized to the policy's inputs if `lerobot.resize` allows) and answers at once;
+//!   resized to the policy's inputs if `lerobot.resize` allows) and answers at once; a stream
+//!   takes one of two reassembly permits only once its first chunk has arrived, a peer holds
+//!   at most one, and each chunk and each whole observation has a deadline;
 //! - `GetActions` waits up to `lerobot.long_poll_ms` for the next chunk released by the pacing
 //!   scheduler; "none" is the zero-length reply, never a pickled empty list (the client
 //!   divides by the list's length).
 
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -27,12 +34,13 @@ use tonic::{Request, Response, Status, Streaming};
 use crate::bind::lerobot::Adapter;
 use crate::config::LerobotConfig;
 use crate::net::core::{Core, Finished, Started, sleep_until_opt};
+use crate::net::grpc_conn::{ConnInfo, GrpcConn};
 use crate::net::http::Shared;
 use crate::policy::Policy;
-use crate::protocol::Route;
 use crate::protocol::dialect::{Precision, ResetScope};
 use crate::protocol::lerobot::{self, Codec, PolicySetup};
 use crate::protocol::pickle::{PickleLimits, PickleReader};
+use crate::protocol::{Route, cap_message, clip};
 use crate::runtime::worker::Lease;
 
 /// The service's messages and server, generated from proto/services.proto by build.rs.
@@ -51,9 +59,16 @@ const CLIENT_MAX_MESSAGE: usize = 4 << 20;
 
 /// Observations reassembled at once (one client sends one at a time; more is abuse).
 const REASSEMBLIES: usize = 2;
+/// A reassembly buffer larger than this (three 640x480 cameras are 2.8 MB) is freed after use
+/// rather than kept, so one hostile observation does not hold its size for the process's life.
+const KEEP_BUFFER: usize = 8 << 20;
 /// Streams one connection may have open (LeRobot's client has two at most: an observation and
 /// a long poll).
 const STREAMS_PER_CONNECTION: u32 = 8;
+
+/// The longest message a refusal carries (gRPC status and log line); client strings in it are
+/// clipped already, this is the backstop.
+const MAX_STATUS_MESSAGE: usize = 1024;
 
 /// Serves the service on `listener` until the server shuts down.
 pub async fn serve(shared: Arc<Shared>, listener: TcpListener) {
@@ -67,15 +82,17 @@ pub async fn serve(shared: Arc<Shared>, listener: TcpListener) {
         cfg: cfg.clone(),
         tx,
         buffers: Mutex::new(Vec::new()),
-        reassembling: tokio::sync::Semaphore::new(REASSEMBLIES),
+        reassembling: Mutex::new(heapless::Vec::new()),
     };
     let server = AsyncInferenceServer::new(service)
         .max_decoding_message_size(CHUNK_BYTES + 1024)
         .max_encoding_message_size(CLIENT_MAX_MESSAGE);
-    // Peers are checked as they connect; a refused one is logged, counted and closed.
-    let (conns, incoming) = mpsc::channel::<std::io::Result<tokio::net::TcpStream>>(16);
+    // Peers are checked as they connect: off the allow-list, or over lerobot.max_connections,
+    // a connection is closed at once, counted, and logged at most once a second.
+    let (conns, incoming) = mpsc::channel::<std::io::Result<GrpcConn>>(16);
     let mut stop = shared.shutdown.clone();
     let accept_shared = shared.clone();
+    let open = Arc::new(tokio::sync::Semaphore::new(cfg.max_connections));
     let accept = tokio::spawn(async move {
         loop {
             tokio::select! {
@@ -86,18 +103,37 @@ pub async fn serve(shared: Arc<Shared>, listener: TcpListener) {
                 }
                 accepted = listener.accept() => match accepted {
                     Ok((stream, peer)) => {
+                        let metrics = &accept_shared.stats.metrics;
                         if !allowed(&cfg, peer) {
-                            log::warn!("lerobot: {peer} is not in lerobot.allow; connection refused");
-                            accept_shared.stats.metrics.lerobot_refused("peer");
+                            crate::warn_limited!(
+                                "lerobot: {peer} is not in lerobot.allow; connection refused"
+                            );
+                            metrics.lerobot_refused("peer");
                             continue;
                         }
+                        let Ok(permit) = open.clone().try_acquire_owned() else {
+                            crate::warn_limited!(
+                                "lerobot: {peer} refused: {} connections are open \
+                                 (lerobot.max_connections)",
+                                cfg.max_connections
+                            );
+                            metrics.lerobot_refused("connections");
+                            continue;
+                        };
                         let _ = stream.set_nodelay(true);
-                        if conns.send(Ok(stream)).await.is_err() {
+                        let conn = GrpcConn::new(
+                            stream,
+                            peer,
+                            permit,
+                            cfg.handshake_timeout,
+                            cfg.idle_timeout,
+                        );
+                        if conns.send(Ok(conn)).await.is_err() {
                             break;
                         }
                     }
                     Err(e) => {
-                        log::warn!("lerobot: accept failed: {e}");
+                        crate::warn_limited!("lerobot: accept failed: {e}");
                         tokio::time::sleep(Duration::from_millis(50)).await;
                     }
                 },
@@ -140,24 +176,33 @@ fn allowed(cfg: &LerobotConfig, peer: SocketAddr) -> bool {
     cfg.allow.is_empty() || cfg.allow.iter().any(|n| n.contains(&ip))
 }
 
-/// What the RPC handlers ask of the session task.
+/// What the RPC handlers ask of the session task; each names the connection it came by.
 enum Command {
     /// `Ready`: forget the session's state.
-    Ready,
+    Ready {
+        from: ConnInfo,
+        reply: oneshot::Sender<Result<(), Status>>,
+    },
     /// `SendPolicyInstructions`, checked: serve `policy` with this adapter.
     Setup {
+        from: ConnInfo,
         policy: Arc<Policy>,
         adapter: Box<Adapter>,
         setup: Box<PolicySetup>,
+        reply: oneshot::Sender<Result<(), Status>>,
     },
     /// `SendObservations`, reassembled; the reply carries the buffer back for reuse.
     Observe {
+        from: ConnInfo,
         payload: Vec<u8>,
         received: Instant,
         reply: oneshot::Sender<(Result<(), Status>, Vec<u8>)>,
     },
     /// `GetActions`: the next chunk's pickle.
-    Poll(oneshot::Sender<Vec<u8>>),
+    Poll {
+        from: ConnInfo,
+        reply: oneshot::Sender<Result<Vec<u8>, Status>>,
+    },
 }
 
 struct Service {
@@ -166,31 +211,109 @@ struct Service {
     tx: mpsc::Sender<Command>,
     /// Reassembly buffers handed back by the session task: one or two, reused.
     buffers: Mutex<Vec<Vec<u8>>>,
-    /// Observations being reassembled at once: at most [`REASSEMBLIES`] buffers of
-    /// `max_payload_bytes`, however many streams clients open.
-    reassembling: tokio::sync::Semaphore,
+    /// The peers whose observations are being reassembled: at most [`REASSEMBLIES`] buffers of
+    /// `max_payload_bytes`, one per peer, however many streams clients open.
+    reassembling: Mutex<heapless::Vec<IpAddr, REASSEMBLIES>>,
+}
+
+/// One peer's place among the observations being reassembled, given back on drop.
+struct Reassembly<'s> {
+    service: &'s Service,
+    ip: IpAddr,
+}
+
+impl Drop for Reassembly<'_> {
+    fn drop(&mut self) {
+        if let Ok(mut held) = self.service.reassembling.lock()
+            && let Some(i) = held.iter().position(|p| *p == self.ip)
+        {
+            held.swap_remove(i);
+        }
+    }
 }
 
 impl Service {
     fn refuse(&self, reason: &'static str, status: Status) -> Status {
         self.shared.stats.metrics.lerobot_refused(reason);
-        log::info!("lerobot: refused ({reason}): {}", status.message());
-        status
+        let message = cap_message(status.message().to_string(), MAX_STATUS_MESSAGE);
+        crate::log_limited!(log::Level::Info, "lerobot: refused ({reason}): {message}");
+        Status::new(status.code(), message)
     }
 
     fn gone() -> Status {
         Status::unavailable("policyd is shutting down")
     }
+
+    /// A place to reassemble `ip`'s observation: refused while that peer has one already, or
+    /// [`REASSEMBLIES`] peers have.
+    fn reassembly(&self, ip: IpAddr) -> Result<Reassembly<'_>, Status> {
+        let mut held = self.reassembling.lock().map_err(|_| Self::gone())?;
+        if held.contains(&ip) {
+            return Err(self.refuse(
+                "busy",
+                Status::resource_exhausted(
+                    "an observation from this address is being received already; send one at \
+                     a time",
+                ),
+            ));
+        }
+        if held.push(ip).is_err() {
+            return Err(self.refuse(
+                "busy",
+                Status::resource_exhausted(format!(
+                    "{REASSEMBLIES} observations are being received already; send one at a time"
+                )),
+            ));
+        }
+        Ok(Reassembly { service: self, ip })
+    }
+
+    /// The next chunk of an observation stream, within `lerobot.chunk_timeout_s` and the
+    /// whole observation's deadline.
+    async fn chunk(
+        &self,
+        stream: &mut Streaming<Observation>,
+        whole: Instant,
+    ) -> Result<Option<Observation>, Status> {
+        let by = (Instant::now() + self.cfg.chunk_timeout).min(whole);
+        match tokio::time::timeout_at(by.into(), stream.message()).await {
+            Ok(r) => r,
+            Err(_) => Err(self.refuse(
+                "slow",
+                Status::deadline_exceeded(format!(
+                    "the observation's chunks stopped arriving (lerobot.chunk_timeout_s = {} s, \
+                     lerobot.observation_timeout_s = {} s)",
+                    self.cfg.chunk_timeout.as_secs_f64(),
+                    self.cfg.observation_timeout.as_secs_f64()
+                )),
+            )),
+        }
+    }
+}
+
+/// The connection a call came by (tonic hands the [`GrpcConn`]'s info to each call).
+fn caller<T>(request: &Request<T>) -> Result<ConnInfo, Status> {
+    request
+        .extensions()
+        .get::<ConnInfo>()
+        .cloned()
+        .ok_or_else(|| Status::internal("the call's connection is unknown"))
 }
 
 #[tonic::async_trait]
 impl AsyncInference for Service {
-    async fn ready(&self, _: Request<Empty>) -> Result<Response<Empty>, Status> {
+    async fn ready(&self, request: Request<Empty>) -> Result<Response<Empty>, Status> {
         self.shared.stats.metrics.lerobot_rpc("Ready");
+        let from = caller(&request)?;
+        let _call = from.activity.call();
+        let (reply, back) = oneshot::channel();
         self.tx
-            .send(Command::Ready)
+            .send(Command::Ready { from, reply })
             .await
             .map_err(|_| Self::gone())?;
+        back.await
+            .map_err(|_| Self::gone())?
+            .map_err(|s| self.refuse("owner", s))?;
         Ok(Response::new(Empty {}))
     }
 
@@ -202,6 +325,8 @@ impl AsyncInference for Service {
             .stats
             .metrics
             .lerobot_rpc("SendPolicyInstructions");
+        let from = caller(&request)?;
+        let _call = from.activity.call();
         let data = request.into_inner().data;
         let (setup, codec) = read_setup(&data)
             .map_err(|e| self.refuse("pickle", Status::invalid_argument(e.to_string())))?;
@@ -210,22 +335,29 @@ impl AsyncInference for Service {
             .map_err(|e| self.refuse("setup", Status::failed_precondition(e)))?;
         adapter.set_codec(codec);
         log::info!(
-            "lerobot: client asks for {} \"{}\" ({} actions per chunk, {} payloads): serving \
+            "lerobot: {} asks for {} \"{}\" ({} actions per chunk, {} payloads): serving \
              policy \"{}\"",
-            setup.policy_type,
-            setup.pretrained_name_or_path,
+            from.peer,
+            clip(&setup.policy_type),
+            clip(&setup.pretrained_name_or_path),
             setup.actions_per_chunk,
             codec.name(),
             policy.name
         );
+        let (reply, back) = oneshot::channel();
         self.tx
             .send(Command::Setup {
+                from,
                 policy,
                 adapter: Box::new(adapter),
                 setup: Box::new(setup),
+                reply,
             })
             .await
             .map_err(|_| Self::gone())?;
+        back.await
+            .map_err(|_| Self::gone())?
+            .map_err(|s| self.refuse("owner", s))?;
         Ok(Response::new(Empty {}))
     }
 
@@ -234,16 +366,23 @@ impl AsyncInference for Service {
         request: Request<Streaming<Observation>>,
     ) -> Result<Response<Empty>, Status> {
         self.shared.stats.metrics.lerobot_rpc("SendObservations");
+        let from = caller(&request)?;
+        let _call = from.activity.call();
         let received = Instant::now();
-        let Ok(_reassembling) = self.reassembling.try_acquire() else {
-            return Err(self.refuse(
-                "busy",
-                Status::resource_exhausted(format!(
-                    "{REASSEMBLIES} observations are being received already; send one at a time"
-                )),
-            ));
-        };
+        let whole = received + self.cfg.observation_timeout;
         let mut stream = request.into_inner();
+        // A stream holds nothing until its first chunk is here: streams that only open (HTTP/2
+        // HEADERS) cannot keep robots from sending.
+        let mut next = self.chunk(&mut stream, whole).await?;
+        let _reassembly = match next {
+            Some(_) => self.reassembly(from.peer.ip())?,
+            None => {
+                return Err(self.refuse(
+                    "chunking",
+                    Status::invalid_argument("the observation stream ended without TRANSFER_END"),
+                ));
+            }
+        };
         let mut buf = self
             .buffers
             .lock()
@@ -255,7 +394,7 @@ impl AsyncInference for Service {
         let mut ended = false;
         // LeRobot's receiver: BEGIN starts over, MIDDLE appends, END appends and completes
         // (anything after it is not read); UNKNOWN is an error.
-        while let Some(msg) = stream.message().await? {
+        while let Some(msg) = next {
             let state = TransferState::try_from(msg.transfer_state).unwrap_or_default();
             match state {
                 TransferState::TransferUnknown => {
@@ -277,11 +416,18 @@ impl AsyncInference for Service {
                     )),
                 ));
             }
+            if buf.try_reserve(msg.data.len()).is_err() {
+                return Err(self.refuse(
+                    "oversize",
+                    Status::resource_exhausted("no memory to reassemble the observation"),
+                ));
+            }
             buf.extend_from_slice(&msg.data);
             if state == TransferState::TransferEnd {
                 ended = true;
                 break;
             }
+            next = self.chunk(&mut stream, whole).await?;
         }
         if !ended {
             return Err(self.refuse(
@@ -292,13 +438,18 @@ impl AsyncInference for Service {
         let (reply, back) = oneshot::channel();
         self.tx
             .send(Command::Observe {
+                from,
                 payload: buf,
                 received,
                 reply,
             })
             .await
             .map_err(|_| Self::gone())?;
-        let (result, buf) = back.await.map_err(|_| Self::gone())?;
+        let (result, mut buf) = back.await.map_err(|_| Self::gone())?;
+        // A buffer grown past the usual observation by a hostile one is not kept.
+        if buf.capacity() > KEEP_BUFFER {
+            buf = Vec::new();
+        }
         if buf.capacity() > 0
             && let Ok(mut pool) = self.buffers.lock()
             && pool.len() < 2
@@ -310,6 +461,8 @@ impl AsyncInference for Service {
             Err(status) => Err(self.refuse(
                 if status.code() == tonic::Code::FailedPrecondition {
                     "setup"
+                } else if status.code() == tonic::Code::PermissionDenied {
+                    "owner"
                 } else if status.message().starts_with("pickle: ") {
                     "pickle"
                 } else {
@@ -320,15 +473,18 @@ impl AsyncInference for Service {
         }
     }
 
-    async fn get_actions(&self, _: Request<Empty>) -> Result<Response<Actions>, Status> {
+    async fn get_actions(&self, request: Request<Empty>) -> Result<Response<Actions>, Status> {
         self.shared.stats.metrics.lerobot_rpc("GetActions");
-        let (tx, rx) = oneshot::channel();
+        let from = caller(&request)?;
+        let _call = from.activity.call();
+        let (reply, rx) = oneshot::channel();
         self.tx
-            .send(Command::Poll(tx))
+            .send(Command::Poll { from, reply })
             .await
             .map_err(|_| Self::gone())?;
         match tokio::time::timeout(self.cfg.long_poll, rx).await {
-            Ok(Ok(data)) => Ok(Response::new(Actions { data })),
+            Ok(Ok(Ok(data))) => Ok(Response::new(Actions { data })),
+            Ok(Ok(Err(status))) => Err(self.refuse("owner", status)),
             _ => {
                 self.shared.stats.metrics.lerobot_long_poll_timeouts.inc();
                 Ok(Response::new(Actions { data: Vec::new() }))
@@ -367,6 +523,7 @@ fn for_setup(
     let Some(policy) = set.get(name) else {
         let mut offered: Vec<&str> = cfg.serve.iter().map(|s| s.pretrained.as_str()).collect();
         offered.extend(set.policies.iter().map(|p| p.name.as_str()));
+        let asked = clip(asked);
         return Err(format!(
             "pretrained_name_or_path \"{asked}\" is not served here (policyd never loads what \
              a client names); ask for one of: {}, or map it onto a served policy with a \
@@ -380,10 +537,17 @@ fn for_setup(
         return Err(format!(
             "policy_type \"{}\" does not match the served policy \"{}\", which is a \"{want}\" \
              ([[lerobot.serve]] policy_type)",
-            setup.policy_type, policy.name
+            clip(&setup.policy_type),
+            policy.name
         ));
     }
-    let adapter = Adapter::new(cfg.resize, &policy.plan, &policy.name, setup)?;
+    let adapter = Adapter::new(
+        cfg.resize,
+        cfg.max_payload_bytes,
+        &policy.plan,
+        &policy.name,
+        setup,
+    )?;
     Ok((policy.clone(), adapter))
 }
 
@@ -417,9 +581,16 @@ async fn session(shared: Arc<Shared>, mut rx: mpsc::Receiver<Command>) {
     let shared = &*shared;
     let mut reader = PickleReader::new(PickleLimits::default());
     let mut active: Option<Active<'_>> = None;
-    // A released chunk no poll has taken yet (the newest wins), and the poll waiting for one.
-    let mut ready: Option<Vec<u8>> = None;
-    let mut waiter: Option<oneshot::Sender<Vec<u8>>> = None;
+    let mut desk = Desk {
+        ready: None,
+        waiter: None,
+        owner: None,
+        takeover_after: shared
+            .cfg
+            .lerobot
+            .as_ref()
+            .map_or(Duration::from_secs(10), |l| l.takeover_after),
+    };
     let mut generation = shared.generation.subscribe();
     let mut replaced = false;
     loop {
@@ -434,15 +605,11 @@ async fn session(shared: Arc<Shared>, mut rx: mpsc::Receiver<Command>) {
                 continue;
             }
             let next = set.get(&a.core.policy().name).cloned().and_then(|p| {
-                Adapter::new(
-                    shared.cfg.lerobot.as_ref()?.resize,
-                    &p.plan,
-                    &p.name,
-                    &a.setup,
-                )
-                .map_err(|e| log::warn!("lerobot: after the reload: {e}"))
-                .ok()
-                .map(|ad| (p, ad))
+                let l = shared.cfg.lerobot.as_ref()?;
+                Adapter::new(l.resize, l.max_payload_bytes, &p.plan, &p.name, &a.setup)
+                    .map_err(|e| log::warn!("lerobot: after the reload: {e}"))
+                    .ok()
+                    .map(|ad| (p, ad))
             });
             if let Some(old) = active.take() {
                 let setup = old.setup;
@@ -465,7 +632,7 @@ async fn session(shared: Arc<Shared>, mut rx: mpsc::Receiver<Command>) {
                 cmd = rx.recv() => match cmd {
                     None => return,
                     Some(cmd) => {
-                        if let Some(next) = command(shared, &mut reader, None, cmd, &mut ready, &mut waiter) {
+                        if let Some(next) = command(shared, &mut reader, None, cmd, &mut desk) {
                             active = Some(next);
                         }
                     }
@@ -480,7 +647,7 @@ async fn session(shared: Arc<Shared>, mut rx: mpsc::Receiver<Command>) {
             cmd = rx.recv() => match cmd {
                 None => return,
                 Some(cmd) => {
-                    if let Some(next) = command(shared, &mut reader, Some(a), cmd, &mut ready, &mut waiter) {
+                    if let Some(next) = command(shared, &mut reader, Some(a), cmd, &mut desk) {
                         if let Some(old) = active.take() {
                             old.core.close();
                         }
@@ -496,18 +663,18 @@ async fn session(shared: Arc<Shared>, mut rx: mpsc::Receiver<Command>) {
                             log::warn!("lerobot: {}", f.message());
                         }
                         Finished::Held => {}
-                        Finished::Now(lease) => deliver(a, lease, false, &mut ready, &mut waiter),
+                        Finished::Now(lease) => deliver(a, lease, false, &mut desk),
                     }
                 }
             }
             _ = wake.notified(), if a.core.holding() => {
                 while let Some(lease) = a.core.due() {
-                    deliver(a, lease, true, &mut ready, &mut waiter);
+                    deliver(a, lease, true, &mut desk);
                 }
             }
             _ = sleep_until_opt(backstop), if backstop.is_some() => {
                 while let Some(lease) = a.core.due() {
-                    deliver(a, lease, true, &mut ready, &mut waiter);
+                    deliver(a, lease, true, &mut desk);
                 }
             }
             changed = a.stalled.changed(), if a.core.outstanding() > 0 => {
@@ -537,29 +704,131 @@ fn new_core(shared: &Shared, policy: Arc<Policy>) -> Core<'_> {
     )
 }
 
+/// What the session task keeps beside the core: the chunk no poll has taken yet (the newest
+/// wins), the poll waiting for one, and the connection that owns the session.
+struct Desk {
+    ready: Option<Vec<u8>>,
+    waiter: Option<oneshot::Sender<Result<Vec<u8>, Status>>>,
+    owner: Option<ConnInfo>,
+    takeover_after: Duration,
+}
+
+/// How a call stands to the session's owner.
+#[derive(Debug, PartialEq, Eq)]
+enum Claim {
+    /// The owner's own connection (or no session yet, for a call that sets none up).
+    Owner,
+    /// A new connection from the owner's address after the owner's went away or fell silent:
+    /// the client reconnected, and the session carries on.
+    Reconnect,
+    /// `Ready` or a setup after the owner went away or fell silent: a new owner, a new session.
+    Takeover,
+}
+
+/// Whether a call from `from` may act on the session, and how (see [`Claim`]). While the owner's
+/// connection is open and has made a call within `takeover_after`, no other connection may:
+/// the safety rule that keeps one peer from steering another's robot.
+fn claim(desk: &Desk, from: &ConnInfo, sets_up: bool) -> Result<Claim, Status> {
+    let Some(owner) = &desk.owner else {
+        return Ok(if sets_up {
+            Claim::Takeover
+        } else {
+            Claim::Owner
+        });
+    };
+    if Arc::ptr_eq(&owner.activity, &from.activity) {
+        return Ok(Claim::Owner);
+    }
+    let silent = owner
+        .activity
+        .idle_for()
+        .is_some_and(|d| d >= desk.takeover_after);
+    if !(owner.activity.closed() || silent) {
+        return Err(Status::permission_denied(format!(
+            "the session belongs to another client, which is connected and active; it can be \
+             taken over once that client has disconnected or been silent for \
+             lerobot.takeover_after_s = {} s",
+            desk.takeover_after.as_secs_f64()
+        )));
+    }
+    if sets_up {
+        Ok(Claim::Takeover)
+    } else if owner.peer.ip() == from.peer.ip() {
+        Ok(Claim::Reconnect)
+    } else {
+        Err(Status::permission_denied(
+            "the session belongs to another client; call Ready and SendPolicyInstructions to \
+             start a session of your own",
+        ))
+    }
+}
+
+/// Records `from` as the session's owner after a successful [`claim`].
+fn own(desk: &mut Desk, from: &ConnInfo, claim: &Claim) {
+    match claim {
+        Claim::Owner => {}
+        Claim::Reconnect => {
+            log::info!("lerobot: {} reconnected; its session carries on", from.peer);
+            desk.owner = Some(from.clone());
+        }
+        Claim::Takeover => {
+            if let Some(old) = &desk.owner {
+                crate::warn_limited!(
+                    "lerobot: {} takes the session over from {} ({})",
+                    from.peer,
+                    old.peer,
+                    if old.activity.closed() {
+                        "disconnected"
+                    } else {
+                        "silent"
+                    }
+                );
+            }
+            desk.owner = Some(from.clone());
+            // The previous owner's waiting poll ends with "none"; its chunk is not handed on.
+            desk.waiter = None;
+            desk.ready = None;
+        }
+    }
+}
+
 /// Handles one command; returns a new session when a setup replaces the current one.
 fn command<'s>(
     shared: &'s Shared,
     reader: &mut PickleReader,
     active: Option<&mut Active<'s>>,
     cmd: Command,
-    ready: &mut Option<Vec<u8>>,
-    waiter: &mut Option<oneshot::Sender<Vec<u8>>>,
+    desk: &mut Desk,
 ) -> Option<Active<'s>> {
     match cmd {
-        Command::Ready => {
-            *ready = None;
-            if let Some(a) = active {
+        Command::Ready { from, reply } => {
+            let claimed = claim(desk, &from, true);
+            let ok = claimed.is_ok();
+            if let Ok(c) = &claimed {
+                own(desk, &from, c);
+                desk.ready = None;
+            }
+            let _ = reply.send(claimed.map(|_| ()));
+            if ok && let Some(a) = active {
                 a.core.reset_all();
             }
             None
         }
         Command::Setup {
+            from,
             policy,
             adapter,
             setup,
+            reply,
         } => {
-            *ready = None;
+            let claimed = claim(desk, &from, true);
+            let Ok(c) = claimed else {
+                let _ = reply.send(claimed.map(|_| ()));
+                return None;
+            };
+            own(desk, &from, &c);
+            desk.ready = None;
+            let _ = reply.send(Ok(()));
             match active {
                 Some(a) if Arc::ptr_eq(a.core.policy(), &policy) => {
                     a.core.reset_all();
@@ -570,28 +839,41 @@ fn command<'s>(
                 _ => Some(Active::new(shared, policy, adapter, setup)),
             }
         }
-        Command::Poll(tx) => {
-            match ready.take() {
-                Some(data) => {
-                    if let Err(data) = tx.send(data) {
-                        *ready = Some(data);
+        Command::Poll { from, reply } => {
+            match claim(desk, &from, false) {
+                Err(status) => {
+                    let _ = reply.send(Err(status));
+                }
+                Ok(c) => {
+                    own(desk, &from, &c);
+                    match desk.ready.take() {
+                        Some(data) => {
+                            if let Err(Ok(data)) = reply.send(Ok(data)) {
+                                desk.ready = Some(data);
+                            }
+                        }
+                        // A newer poll replaces an older one (whose handler then answers "none").
+                        None => desk.waiter = Some(reply),
                     }
                 }
-                // A newer poll replaces an older one (whose handler then answers "none").
-                None => *waiter = Some(tx),
             }
             None
         }
         Command::Observe {
+            from,
             payload,
             received,
             reply,
         } => {
-            let result = match active {
-                None => Err(Status::failed_precondition(
+            let result = match (claim(desk, &from, false), active) {
+                (Err(status), _) => Err(status),
+                (Ok(_), None) => Err(Status::failed_precondition(
                     "no policy is set up: the client must call SendPolicyInstructions first",
                 )),
-                Some(a) => observe(a, reader, &payload, received),
+                (Ok(c), Some(a)) => {
+                    own(desk, &from, &c);
+                    observe(a, reader, &payload, received)
+                }
             };
             let _ = reply.send((result, payload));
             None
@@ -631,13 +913,7 @@ fn observe(
 
 /// Encodes a released chunk as the client's `list[TimedAction]` and hands it to the waiting
 /// poll, or keeps it for the next one.
-fn deliver(
-    a: &mut Active<'_>,
-    lease: Lease,
-    paced: bool,
-    ready: &mut Option<Vec<u8>>,
-    waiter: &mut Option<oneshot::Sender<Vec<u8>>>,
-) {
+fn deliver(a: &mut Active<'_>, lease: Lease, paced: bool, desk: &mut Desk) {
     let (output, apc, codec) = (
         a.adapter.action_output(),
         a.adapter.actions_per_chunk(),
@@ -674,12 +950,12 @@ fn deliver(
     }
     let data = lease.peek().reply().to_vec();
     drop(lease);
-    match waiter.take() {
+    match desk.waiter.take() {
         Some(tx) => {
-            if let Err(data) = tx.send(data) {
-                *ready = Some(data);
+            if let Err(Ok(data)) = tx.send(Ok(data)) {
+                desk.ready = Some(data);
             }
         }
-        None => *ready = Some(data),
+        None => desk.ready = Some(data),
     }
 }

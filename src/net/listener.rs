@@ -11,7 +11,6 @@ use tokio::sync::{Semaphore, watch};
 use tokio_tungstenite::tungstenite::protocol::WebSocketConfig;
 
 use crate::config::Config;
-use crate::limits::MAX_HANDSHAKES;
 use crate::metrics::Stats;
 use crate::net::frame_guard::MARKER_LEN;
 use crate::net::http::{Shared, handle};
@@ -188,8 +187,8 @@ pub async fn serve_set(
     };
     // Handshakes in progress are bounded too, so a flood of idle TCP connections cannot pile
     // up tasks and buffers (each holds at most an 8 KiB head buffer until its handshake
-    // timeout). Room for 16 times the connection limit, so a burst of clients gets its 503.
-    let handshakes = Arc::new(Semaphore::new((max * 16 + 64).min(MAX_HANDSHAKES)));
+    // timeout), nor file descriptors past what start-up reserved (`crate::limits::handshakes`).
+    let handshakes = Arc::new(Semaphore::new(crate::limits::handshakes(max)));
     tokio::pin!(shutdown);
     loop {
         tokio::select! {
@@ -198,13 +197,15 @@ pub async fn serve_set(
                 let (stream, peer) = match accepted {
                     Ok(x) => x,
                     Err(e) => {
-                        log::warn!("accept failed: {e}");
+                        crate::warn_limited!("accept failed: {e}");
                         tokio::time::sleep(Duration::from_millis(50)).await;
                         continue;
                     }
                 };
                 let Ok(permit) = handshakes.clone().try_acquire_owned() else {
-                    log::warn!("{peer}: too many handshakes in progress; dropping the connection");
+                    crate::warn_limited!(
+                        "{peer}: too many handshakes in progress; dropping the connection"
+                    );
                     continue;
                 };
                 let shared = shared.clone();

@@ -6,6 +6,7 @@ pub mod auth;
 pub mod connection;
 pub mod core;
 pub mod frame_guard;
+pub mod grpc_conn;
 pub mod http;
 pub mod lerobot;
 pub mod listener;

@@ -158,3 +158,105 @@ pub fn budget_of(cfg: &Config, items: &[(&str, &Budget)]) -> Result<u64, ConfigE
     }
     Ok(total)
 }
+
+/// The file descriptors a config's caps may hold open at once: WebSocket connections and the
+/// handshakes in progress beside them, LeRobot's gRPC connections, and a reserve for the rest
+/// of the process. Start-up raises `RLIMIT_NOFILE` to the total, and `check-config` prints it,
+/// so that a flood of connections is refused by policyd's caps, never by the kernel's limit
+/// (which would stop `accept` on every listener, `/healthz` included).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FdBudget {
+    pub lines: Vec<(String, u64)>,
+    pub total: u64,
+}
+
+impl FdBudget {
+    pub fn compute(cfg: &Config) -> FdBudget {
+        let ws = cfg.server.max_connections;
+        let hs = crate::limits::handshakes(ws);
+        let mut lines = vec![(
+            format!("WebSocket    server.max_connections {ws} + handshakes in progress {hs}"),
+            (ws + hs) as u64,
+        )];
+        if let Some(l) = &cfg.lerobot {
+            lines.push((
+                format!("gRPC         lerobot.max_connections {}", l.max_connections),
+                l.max_connections as u64,
+            ));
+        }
+        lines.push((
+            "process      listeners, epoll, timers, logs, libraries".to_string(),
+            crate::limits::RESERVED_FDS as u64,
+        ));
+        let total = lines.iter().map(|(_, v)| v).sum();
+        FdBudget { lines, total }
+    }
+
+    /// The lines `check-config` prints, with this process's limits (`soft`, `hard`) against
+    /// the total.
+    pub fn render(&self, soft: u64, hard: u64) -> String {
+        let mut s = String::from("file descriptors:\n");
+        for (what, v) in &self.lines {
+            s.push_str(&format!("  {what} = {v}\n"));
+        }
+        s.push_str(&format!(
+            "  total = {}; RLIMIT_NOFILE here {soft} soft, {hard} hard: {}\n",
+            self.total,
+            if soft >= self.total {
+                "enough".to_string()
+            } else if hard >= self.total {
+                "policyd raises the soft limit at start-up".to_string()
+            } else {
+                format!(
+                    "too low: set LimitNOFILE={} in the unit (sudo systemctl edit policyd) or lower \
+                     server.max_connections / lerobot.max_connections",
+                    self.total
+                )
+            }
+        ));
+        s
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(extra: &str) -> Config {
+        Config::parse(
+            &format!(
+                "[server]\nmax_connections = 8\n[engine]\nmodel = \"m.onnx\"\n\
+                 [[inputs]]\nkey = \"state\"\ntensor = \"state\"\ndtypes = [\"float32\"]\nshape = [8]\n\
+                 [[outputs]]\ntensor = \"actions\"\n{extra}"
+            ),
+            "test",
+            None,
+        )
+        .expect("a config")
+    }
+
+    #[test]
+    fn file_descriptors_are_counted_from_every_cap() {
+        // 8 connections + 16 × 8 + 64 handshakes + 64 reserved.
+        let ws = FdBudget::compute(&cfg(""));
+        assert_eq!(ws.total, 8 + 192 + 64);
+        let both = FdBudget::compute(&cfg(
+            "[lerobot]\nlisten = \"127.0.0.1:8080\"\nmax_connections = 100",
+        ));
+        assert_eq!(both.total, ws.total + 100);
+        assert!(both.render(1024, 4096).contains("enough"));
+        assert!(
+            both.render(100, 4096)
+                .contains("policyd raises the soft limit at start-up")
+        );
+        assert!(both.render(100, 200).contains("LimitNOFILE=364"));
+    }
+
+    #[test]
+    fn the_open_file_limit_is_raised_as_far_as_the_hard_limit() {
+        let (soft, hard) = crate::service::raise_open_files(0).expect("getrlimit");
+        assert!(soft <= hard);
+        let (raised, _) = crate::service::raise_open_files(soft + 1).expect("setrlimit");
+        assert_eq!(raised, (soft + 1).min(hard));
+    }
+}

@@ -546,6 +546,11 @@ pub fn check(cfg: &Config, origin: &str) -> Result<String, PolicyError> {
     }
     let items: Vec<(&str, &Budget)> = budgets.iter().map(|(n, b)| (n.as_str(), b)).collect();
     let total = super::budget::budget_of(cfg, &items)?;
+    let fds = super::budget::FdBudget::compute(cfg);
+    // What the limits would be at start-up: this process's, raised as serving raises them.
+    if let Ok((soft, hard)) = crate::service::raise_open_files(fds.total) {
+        out.push_str(&fds.render(soft, hard));
+    }
     if budgets.len() > 1 {
         let _ = writeln!(
             out,

@@ -13,6 +13,7 @@
 
 use thiserror::Error;
 
+use super::clip;
 use super::pickle::{Global, Node, NodeId, PickleError, Seq, Tree};
 use crate::dtype::{ByteOrder, ElemType, WireDType, parse_numpy_dtype};
 use crate::limits::MAX_RANK;
@@ -177,7 +178,8 @@ fn dtype(tree: &Tree<'_, '_>, id: NodeId) -> Result<(ElemType, ByteOrder), Strin
             _,
         )) => Ok((t, order)),
         _ => Err(format!(
-            "numpy dtype '{kind}' (accepted: u1, u2, i4, i8, f4, f8, b1)"
+            "numpy dtype '{}' (accepted: u1, u2, i4, i8, f4, f8, b1)",
+            clip(kind)
         )),
     }
 }
@@ -323,11 +325,13 @@ impl<'p> Observation<'_, '_, 'p> {
                     func: Global::Reconstruct | Global::FromBuffer,
                     ..
                 }) => ObsValue::Array(
-                    ndarray(tree, v).map_err(|e| invalid(format!("observation['{key}']: {e}")))?,
+                    ndarray(tree, v)
+                        .map_err(|e| invalid(format!("observation['{}']: {e}", clip(key))))?,
                 ),
                 _ => ObsValue::Number(number(tree, v).ok_or_else(|| {
                     invalid(format!(
-                        "observation['{key}'] is {}; expected a number, a str or a numpy array",
+                        "observation['{}'] is {}; expected a number, a str or a numpy array",
+                        clip(key),
                         tree.describe(v)
                     ))
                 })?),
@@ -359,24 +363,133 @@ pub struct PolicySetup {
     pub rename_map: Vec<(String, String)>,
 }
 
-/// Reads a `RemotePolicyConfig`.
+/// Most `lerobot_features` one setup may declare (LeRobot's robots have a state, an action and
+/// a few cameras).
+pub const MAX_FEATURES: usize = 64;
+/// Most `names` one feature may carry (one per motor of the state vector).
+pub const MAX_NAMES: usize = 1024;
+
+/// What lowering one setup may allocate, counted as it goes: strings and feature records
+/// against one budget proportional to the payload (see [`SetupBudget::for_payload`]). A
+/// pickle's memo lets a 1 MB payload name one string 65,536 times; each reference is a copy
+/// here, so each counts, and the budget stops the copying long before it matters.
+#[derive(Debug)]
+pub struct SetupBudget {
+    left: usize,
+}
+
+impl SetupBudget {
+    /// Bytes a setup's lowering may allocate per payload byte, and on top of any payload.
+    pub const PER_BYTE: usize = 4;
+    pub const BASE: usize = 64 << 10;
+
+    pub fn for_payload(len: usize) -> SetupBudget {
+        SetupBudget {
+            left: len
+                .saturating_mul(Self::PER_BYTE)
+                .saturating_add(Self::BASE),
+        }
+    }
+
+    fn take(&mut self, n: usize) -> Result<(), LerobotError> {
+        self.left = self.left.checked_sub(n).ok_or_else(|| {
+            invalid(
+                "the RemotePolicyConfig expands to far more than its size (repeated references \
+                 to the same strings); send each feature once, with names only for the state",
+            )
+        })?;
+        Ok(())
+    }
+
+    /// A copy of a client's string, counted.
+    pub fn string(&mut self, s: &str) -> Result<String, LerobotError> {
+        self.take(s.len() + std::mem::size_of::<String>())?;
+        Ok(s.to_string())
+    }
+
+    /// One more item of `size` bytes in a list, counted.
+    pub fn item(&mut self, size: usize) -> Result<(), LerobotError> {
+        self.take(size)
+    }
+}
+
+/// Checks what both formats' setups must hold before their features are copied: at most
+/// [`MAX_FEATURES`] of them.
+pub fn check_feature_count(n: usize) -> Result<(), LerobotError> {
+    if n > MAX_FEATURES {
+        return Err(invalid(format!(
+            "RemotePolicyConfig.lerobot_features has {n} entries; at most {MAX_FEATURES} are accepted"
+        )));
+    }
+    Ok(())
+}
+
+/// Checks one feature's `names` against its shape before they are copied: no more than its
+/// elements (a state of shape (6,) names 6 motors) and at most [`MAX_NAMES`].
+pub fn check_name_count(key: &str, shape: &[usize], n: usize) -> Result<(), LerobotError> {
+    let elements = shape
+        .iter()
+        .try_fold(1usize, |a, &d| a.checked_mul(d))
+        .unwrap_or(usize::MAX);
+    if n > elements.min(MAX_NAMES) {
+        return Err(invalid(format!(
+            "lerobot_features['{}'] has {n} names for shape {shape:?}; at most one per element \
+             (and {MAX_NAMES} in all)",
+            clip(key)
+        )));
+    }
+    Ok(())
+}
+
+/// Checks a lowered setup (either format): no feature twice, no name twice within a feature.
+pub fn check_setup(setup: &PolicySetup) -> Result<(), LerobotError> {
+    for (i, f) in setup.features.iter().enumerate() {
+        if setup.features[..i].iter().any(|g| g.key == f.key) {
+            return Err(invalid(format!(
+                "lerobot_features has '{}' twice",
+                clip(&f.key)
+            )));
+        }
+        for (j, n) in f.names.iter().enumerate() {
+            if f.names[..j].contains(n) {
+                return Err(invalid(format!(
+                    "lerobot_features['{}'] names '{}' twice; each motor must have its own name",
+                    clip(&f.key),
+                    clip(n)
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Reads a `RemotePolicyConfig`, within a [`SetupBudget`] for the pickle's size.
 pub fn policy_setup(tree: &Tree<'_, '_>) -> Result<PolicySetup, LerobotError> {
     const OF: &str = "RemotePolicyConfig";
+    let mut budget = SetupBudget::for_payload(tree.payload_len());
     let d = instance(tree, tree.root, Global::RemotePolicyConfig, OF)?;
-    let text = |name: &str| -> Result<String, LerobotError> {
+    let text = |name: &str, budget: &mut SetupBudget| -> Result<String, LerobotError> {
         let id = field(tree, d, name, OF)?;
-        tree.str(id)
-            .map(str::to_string)
-            .ok_or_else(|| invalid(format!("RemotePolicyConfig.{name} must be a str")))
+        let s = tree
+            .str(id)
+            .ok_or_else(|| invalid(format!("RemotePolicyConfig.{name} must be a str")))?;
+        budget.string(s)
     };
-    let policy_type = text("policy_type")?;
-    let pretrained_name_or_path = text("pretrained_name_or_path")?;
+    let policy_type = text("policy_type", &mut budget)?;
+    let pretrained_name_or_path = text("pretrained_name_or_path", &mut budget)?;
     let device = match tree.get(d, "device") {
-        Some(_) => text("device")?,
+        Some(_) => text("device", &mut budget)?,
         None => "cpu".into(),
     };
-    let actions_per_chunk = int(tree, field(tree, d, "actions_per_chunk", OF)?)
-        .ok_or_else(|| invalid("RemotePolicyConfig.actions_per_chunk must be an int"))?;
+    let actions_per_chunk = match tree.node(field(tree, d, "actions_per_chunk", OF)?) {
+        // `True` is an int to Python, but never a chunk length.
+        Some(Node::Int(v)) => v,
+        _ => {
+            return Err(invalid(
+                "RemotePolicyConfig.actions_per_chunk must be an int",
+            ));
+        }
+    };
     let mut rename_map = Vec::new();
     if let Some(id) = tree.get(d, "rename_map") {
         let Some(Node::Dict(m)) = tree.node(id) else {
@@ -384,7 +497,10 @@ pub fn policy_setup(tree: &Tree<'_, '_>) -> Result<PolicySetup, LerobotError> {
         };
         for (k, v) in tree.entries(m) {
             match (tree.str(k), tree.str(v)) {
-                (Some(k), Some(v)) => rename_map.push((k.to_string(), v.to_string())),
+                (Some(k), Some(v)) => {
+                    budget.item(std::mem::size_of::<(String, String)>())?;
+                    rename_map.push((budget.string(k)?, budget.string(v)?));
+                }
                 _ => return Err(invalid("RemotePolicyConfig.rename_map must map str to str")),
             }
         }
@@ -394,63 +510,68 @@ pub fn policy_setup(tree: &Tree<'_, '_>) -> Result<PolicySetup, LerobotError> {
             "RemotePolicyConfig.lerobot_features must be a dict",
         ));
     };
+    check_feature_count(fs.len())?;
     let mut features = Vec::new();
     for (k, v) in tree.entries(fs) {
         let key = tree
             .str(k)
             .ok_or_else(|| invalid("RemotePolicyConfig.lerobot_features has a non-str key"))?;
-        features.push(feature(tree, key, v)?);
+        budget.item(std::mem::size_of::<Feature>())?;
+        features.push(feature(tree, key, v, &mut budget)?);
     }
-    Ok(PolicySetup {
+    let setup = PolicySetup {
         policy_type,
         pretrained_name_or_path,
         features,
         actions_per_chunk,
         device,
         rename_map,
-    })
+    };
+    check_setup(&setup)?;
+    Ok(setup)
 }
 
-fn feature(tree: &Tree<'_, '_>, key: &str, id: NodeId) -> Result<Feature, LerobotError> {
-    let bad = |what: &str| invalid(format!("lerobot_features['{key}']: {what}"));
+fn feature(
+    tree: &Tree<'_, '_>,
+    key: &str,
+    id: NodeId,
+    budget: &mut SetupBudget,
+) -> Result<Feature, LerobotError> {
+    let bad = |what: &str| invalid(format!("lerobot_features['{}']: {what}", clip(key)));
     let shape_of = |id: NodeId| -> Result<Vec<usize>, LerobotError> {
         let items: Option<Vec<usize>> = match tree.node(id) {
-            Some(Node::Tuple(s) | Node::List(s)) => tree
+            Some(Node::Tuple(s) | Node::List(s)) if s.len() <= MAX_RANK => tree
                 .items(s)
                 .map(|d| int(tree, d).and_then(|d| usize::try_from(d).ok()))
                 .collect(),
             _ => None,
         };
-        items
-            .filter(|s| s.len() <= MAX_RANK)
-            .ok_or_else(|| bad("shape must be a tuple of at most 4 ints"))
+        items.ok_or_else(|| bad(&format!("shape must be a tuple of at most {MAX_RANK} ints")))
     };
     match tree.node(id) {
         Some(Node::Dict(d)) => {
             let dtype = tree
                 .get(d, "dtype")
                 .and_then(|i| tree.str(i))
-                .ok_or_else(|| bad("no str 'dtype'"))?
-                .to_string();
+                .ok_or_else(|| bad("no str 'dtype'"))?;
+            let dtype = budget.string(dtype)?;
             let shape = shape_of(tree.get(d, "shape").ok_or_else(|| bad("no 'shape'"))?)?;
             let mut names = Vec::new();
             if let Some(n) = tree.get(d, "names") {
                 match tree.node(n) {
                     Some(Node::None) => {}
                     Some(Node::List(s) | Node::Tuple(s)) => {
+                        check_name_count(key, &shape, s.len())?;
                         for i in tree.items(s) {
-                            names.push(
-                                tree.str(i)
-                                    .ok_or_else(|| bad("'names' must be strs"))?
-                                    .to_string(),
-                            );
+                            let name = tree.str(i).ok_or_else(|| bad("'names' must be strs"))?;
+                            names.push(budget.string(name)?);
                         }
                     }
                     _ => return Err(bad("'names' must be a list of str")),
                 }
             }
             Ok(Feature {
-                key: key.to_string(),
+                key: budget.string(key)?,
                 dtype,
                 shape,
                 names,
@@ -475,7 +596,7 @@ fn feature(tree: &Tree<'_, '_>, key: &str, id: NodeId) -> Result<Feature, Lerobo
             let shape = shape_of(tree.get(d, "shape").ok_or_else(|| bad("no 'shape'"))?)?;
             let dtype = if kind == "VISUAL" { "image" } else { "float32" };
             Ok(Feature {
-                key: key.to_string(),
+                key: budget.string(key)?,
                 dtype: dtype.into(),
                 shape,
                 names: Vec::new(),

@@ -7,6 +7,7 @@
 use safetensors::{Dtype, SafeTensors};
 use serde_json::Value as Json;
 
+use super::clip;
 use super::lerobot::{Feature, LerobotError, NdArray, ObsValue, PolicySetup};
 use crate::dtype::{ByteOrder, ElemType};
 use crate::limits::MAX_RANK;
@@ -39,7 +40,7 @@ fn typed<'j>(
         .ok_or_else(|| invalid("the payload's JSON is not an object"))?;
     match obj.get("type").and_then(Json::as_str) {
         Some(t) if t == want => Ok(obj),
-        Some(t) => Err(invalid(format!("expected a {want}, got a \"{t}\""))),
+        Some(t) => Err(invalid(format!("expected a {want}, got a \"{}\"", clip(t)))),
         None => Err(invalid(format!(
             "expected a {want}: the JSON has no \"type\""
         ))),
@@ -127,16 +128,17 @@ impl Observation<'_> {
                     Dtype::BOOL => ElemType::Bool,
                     other => {
                         return Err(invalid(format!(
-                            "tensor '{name}' has dtype {other:?} (accepted: U8, U16, I32, I64, \
-                             F32, F64, BOOL)"
+                            "tensor '{}' has dtype {other:?} (accepted: U8, U16, I32, I64, \
+                             F32, F64, BOOL)",
+                            clip(name)
                         )));
                     }
                 };
                 let mut shape = heapless::Vec::<usize, MAX_RANK>::new();
                 for &d in view.shape() {
-                    shape
-                        .push(d)
-                        .map_err(|_| invalid(format!("tensor '{name}' has rank over 4")))?;
+                    shape.push(d).map_err(|_| {
+                        invalid(format!("tensor '{}' has rank over {MAX_RANK}", clip(name)))
+                    })?;
                 }
                 Ok((
                     name,
@@ -168,8 +170,9 @@ pub fn policy_setup(payload: &[u8]) -> Result<PolicySetup, LerobotError> {
         .get("lerobot_features")
         .and_then(Json::as_object)
         .ok_or_else(|| invalid("RemotePolicyConfig.lerobot_features must be an object"))?;
+    super::lerobot::check_feature_count(fs.len())?;
     for (key, f) in fs {
-        let bad = |what: &str| invalid(format!("lerobot_features['{key}']: {what}"));
+        let bad = |what: &str| invalid(format!("lerobot_features['{}']: {what}", clip(key)));
         let f = f.as_object().ok_or_else(|| bad("must be an object"))?;
         let shape = f
             .get("shape")
@@ -180,7 +183,7 @@ pub fn policy_setup(payload: &[u8]) -> Result<PolicySetup, LerobotError> {
                     .collect::<Option<Vec<_>>>()
             })
             .filter(|s| s.len() <= MAX_RANK)
-            .ok_or_else(|| bad("shape must be a list of at most 4 ints"))?;
+            .ok_or_else(|| bad(&format!("shape must be a list of at most {MAX_RANK} ints")))?;
         let dtype = match (f.get("dtype"), f.get("type").and_then(Json::as_str)) {
             (Some(d), _) => d
                 .as_str()
@@ -191,11 +194,13 @@ pub fn policy_setup(payload: &[u8]) -> Result<PolicySetup, LerobotError> {
             (None, None) => return Err(bad("neither a dtype nor a FeatureType")),
         };
         let names = match f.get("names") {
-            Some(Json::Array(ns)) => ns
-                .iter()
-                .map(|n| n.as_str().map(str::to_string))
-                .collect::<Option<Vec<_>>>()
-                .ok_or_else(|| bad("names must be strs"))?,
+            Some(Json::Array(ns)) => {
+                super::lerobot::check_name_count(key, &shape, ns.len())?;
+                ns.iter()
+                    .map(|n| n.as_str().map(str::to_string))
+                    .collect::<Option<Vec<_>>>()
+                    .ok_or_else(|| bad("names must be strs"))?
+            }
             _ => Vec::new(),
         };
         features.push(Feature {
@@ -214,7 +219,7 @@ pub fn policy_setup(payload: &[u8]) -> Result<PolicySetup, LerobotError> {
             .ok_or_else(|| invalid("RemotePolicyConfig.rename_map must map str to str"))?,
         Some(_) => return Err(invalid("RemotePolicyConfig.rename_map must be an object")),
     };
-    Ok(PolicySetup {
+    let setup = PolicySetup {
         policy_type: text("policy_type")?,
         pretrained_name_or_path: text("pretrained_name_or_path")?,
         features,
@@ -228,7 +233,9 @@ pub fn policy_setup(payload: &[u8]) -> Result<PolicySetup, LerobotError> {
             .unwrap_or("cpu")
             .to_string(),
         rename_map,
-    })
+    };
+    super::lerobot::check_setup(&setup)?;
+    Ok(setup)
 }
 
 /// Writes the `TimedActions` reply: the JSON of each action's timestep and timestamp, then a

@@ -57,3 +57,60 @@ impl From<Dialect> for Route {
 pub fn timed_step(timestep: i64, timestamp: f64, dt: f64, i: usize) -> (i64, f64) {
     (timestep.saturating_add(i as i64), timestamp + i as f64 * dt)
 }
+
+/// The most characters of a client's string that an error message or a log line repeats.
+pub const ECHO_CHARS: usize = 80;
+
+/// A client's string as errors and logs repeat it: at most [`ECHO_CHARS`] characters, control
+/// characters as `?`, and the full length when it was cut. Every string a peer sends and a
+/// message names (keys, names, dtypes, paths) goes through it, so that a 30 MB key makes a
+/// short line, not a 30 MB log line and `grpc-message`.
+pub fn clip(s: &str) -> Clip<'_> {
+    Clip(s)
+}
+
+/// See [`clip`].
+pub struct Clip<'a>(&'a str);
+
+impl std::fmt::Display for Clip<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        use std::fmt::Write;
+        for (n, c) in self.0.chars().enumerate() {
+            if n == ECHO_CHARS {
+                return write!(f, "…({} bytes in all)", self.0.len());
+            }
+            f.write_char(if c.is_control() { '?' } else { c })?;
+        }
+        Ok(())
+    }
+}
+
+/// Cuts a message that may hold client text to at most `max` bytes (on a character boundary),
+/// saying so: the backstop for a message built from several clipped parts.
+pub fn cap_message(mut s: String, max: usize) -> String {
+    if s.len() > max {
+        let mut end = max;
+        while !s.is_char_boundary(end) {
+            end -= 1;
+        }
+        s.truncate(end);
+        s.push_str("… (cut)");
+    }
+    s
+}
+
+#[cfg(test)]
+mod clip_tests {
+    use super::*;
+
+    #[test]
+    fn a_long_client_string_is_cut_and_its_length_said() {
+        let long = "k".repeat(30 << 20);
+        let shown = clip(&long).to_string();
+        assert!(shown.len() < 120, "{}", shown.len());
+        assert!(shown.ends_with(&format!("({} bytes in all)", 30 << 20)));
+        assert_eq!(clip("cam\n0").to_string(), "cam?0");
+        assert_eq!(clip("front").to_string(), "front");
+        assert_eq!(cap_message("é".repeat(10), 5), "éé… (cut)");
+    }
+}

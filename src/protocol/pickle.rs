@@ -770,6 +770,11 @@ fn printable(b: &[u8]) -> String {
 }
 
 impl<'p> Tree<'_, 'p> {
+    /// The pickle's length in bytes (what a lowering's budget is proportional to).
+    pub fn payload_len(&self) -> usize {
+        self.payload.len()
+    }
+
     pub fn node(&self, id: NodeId) -> Option<Node> {
         self.reader.nodes.get(id as usize).copied()
     }

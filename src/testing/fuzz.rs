@@ -353,3 +353,39 @@ pub fn pickle(data: &[u8]) {
     }
     let _ = lerobot::policy_setup(&tree);
 }
+
+/// The setup lowering's total budget: a `RemotePolicyConfig` pickle the reader accepts is
+/// lowered with `allocated` counting the bytes allocated meanwhile (a counting allocator in the
+/// fuzz target; `None` replays without the oracle), and no input may make the lowering allocate
+/// more than [`SETUP_ALLOCATION_FACTOR`] times its length plus [`SETUP_ALLOCATION_BASE`]. A
+/// pickle's memo made 983 KB allocate 4.3·10⁹ strings before.
+pub fn setup(data: &[u8], allocated: Option<fn() -> usize>) {
+    use crate::protocol::pickle::{PickleLimits, PickleReader};
+    use crate::protocol::{lerobot, lerobot_json};
+    if data.first() != Some(&0x80) {
+        let _ = lerobot_json::policy_setup(data);
+        return;
+    }
+    let mut reader = PickleReader::new(PickleLimits::default());
+    let Ok(tree) = reader.read(data) else {
+        return;
+    };
+    let before = allocated.map(|f| f());
+    let setup = lerobot::policy_setup(&tree);
+    if let (Some(f), Some(before)) = (allocated, before) {
+        let used = f() - before;
+        let bound = data.len() * SETUP_ALLOCATION_FACTOR + SETUP_ALLOCATION_BASE;
+        assert!(
+            used <= bound,
+            "lowering a {}-byte setup allocated {used} bytes (bound {bound})",
+            data.len()
+        );
+    }
+    drop(setup);
+}
+
+/// See [`setup`]: the lowering's own budget ([`crate::protocol::lerobot::SetupBudget`]) counts
+/// strings and records; vectors grow by doubling, so their capacity may be up to twice what was
+/// counted, and the error path formats a message.
+pub const SETUP_ALLOCATION_FACTOR: usize = 2 * crate::protocol::lerobot::SetupBudget::PER_BYTE;
+pub const SETUP_ALLOCATION_BASE: usize = 2 * crate::protocol::lerobot::SetupBudget::BASE + 4096;
