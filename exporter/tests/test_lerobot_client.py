@@ -123,8 +123,13 @@ class Stub:
     """LeRobot's own stub, channel options and chunking, one call at a time (what RobotClient's
     threads do, without its loop)."""
 
-    def __init__(self, address: str) -> None:
-        self.channel = grpc.insecure_channel(address, grpc_channel_options())
+    def __init__(self, address: str, own_connection: bool = False) -> None:
+        options = list(grpc_channel_options())
+        if own_connection:
+            # gRPC shares one connection between channels of a process with the same target
+            # and options; another client is another connection.
+            options.append(("grpc.use_local_subchannel_pool", 1))
+        self.channel = grpc.insecure_channel(address, options)
         self.stub = services_pb2_grpc.AsyncInferenceStub(self.channel)
 
     def setup(self, config: RemotePolicyConfig | bytes) -> None:
@@ -496,7 +501,7 @@ def test_hostile_payloads_are_refused_and_the_server_keeps_serving(
         stub.setup(config)
         stub.observe(observation(robot, 1))
         assert len(stub.actions()) == 10
-        other = Stub(s.address)
+        other = Stub(s.address, own_connection=True)
         e = status_of(lambda: other.stub.Ready(services_pb2.Empty()))
         assert e.code() == grpc.StatusCode.PERMISSION_DENIED, e
         e = status_of(lambda: other.setup(config))
