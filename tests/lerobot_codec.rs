@@ -375,3 +375,34 @@ fn the_json_safetensors_reply_parses_back_and_observations_read() {
         .to_string();
     assert!(e.contains("runs past its end"), "{e}");
 }
+
+#[test]
+fn the_readers_pools_stay_bounded_after_hostile_input() {
+    // Five lists of 60,000 memo references each: every list within the per-container cap, the
+    // entry pool (kept between messages) past its total cap.
+    let mut p = vec![0x80, 4, b'N', 0x94, b']'];
+    for _ in 0..5 {
+        p.push(b']');
+        for _ in 0..60_000 {
+            p.extend_from_slice(&[b'h', 0, b'a']);
+        }
+        p.push(b'a');
+    }
+    p.push(b'.');
+    let mut reader = PickleReader::new(PickleLimits::default());
+    let e = reader.read(&p).err().expect("refused");
+    assert_eq!(
+        e,
+        PickleError::Limit {
+            what: "items in all containers",
+            limit: 262_144
+        }
+    );
+    // A PR #3048 payload whose JSON is declared at 2 MiB is refused before it is parsed.
+    let mut json = (2u32 << 20).to_be_bytes().to_vec();
+    json.extend(std::iter::repeat_n(b' ', 2 << 20));
+    let e = policyd::protocol::lerobot_json::observation(&json)
+        .err()
+        .expect("refused");
+    assert!(e.to_string().contains("at most 1048576"), "{e}");
+}

@@ -16,6 +16,11 @@ fn invalid(msg: impl Into<String>) -> LerobotError {
     LerobotError::Invalid(msg.into())
 }
 
+/// The most JSON one payload may carry: its scalars, task and feature list (the tensors are in
+/// the safetensors part). Parsed, JSON takes up to ~30 times its size; a 30 MB JSON
+/// observation took 528 MB before.
+pub const MAX_JSON_BYTES: usize = 1 << 20;
+
 /// The JSON and the safetensors bytes of a payload.
 fn split(payload: &[u8]) -> Result<(Json, &[u8]), LerobotError> {
     let head: [u8; 4] = payload
@@ -23,6 +28,12 @@ fn split(payload: &[u8]) -> Result<(Json, &[u8]), LerobotError> {
         .and_then(|h| h.try_into().ok())
         .ok_or_else(|| invalid("the payload is shorter than its 4-byte JSON length"))?;
     let n = u32::from_be_bytes(head) as usize;
+    if n > MAX_JSON_BYTES {
+        return Err(invalid(format!(
+            "the payload's JSON is {n} bytes; at most {MAX_JSON_BYTES} are read (tensors belong \
+             in its safetensors part)"
+        )));
+    }
     let json = payload
         .get(4..4 + n)
         .ok_or_else(|| invalid(format!("the payload's JSON length {n} runs past its end")))?;

@@ -23,6 +23,9 @@ pub struct PickleLimits {
     pub max_stack: usize,
     /// Items in one container.
     pub max_items: usize,
+    /// Items in all containers together: what the entry pool, which the reader keeps between
+    /// messages, may grow to (a 30 MB pickle of memo references grew it by 200 MB before).
+    pub max_entries: usize,
 }
 
 impl Default for PickleLimits {
@@ -32,6 +35,7 @@ impl Default for PickleLimits {
             max_memo: 65_536,
             max_stack: 4096,
             max_items: 65_536,
+            max_entries: 262_144,
         }
     }
 }
@@ -422,6 +426,12 @@ impl Machine<'_, '_> {
             return Err(PickleError::Limit {
                 what: "items in one container",
                 limit: self.r.limits.max_items,
+            });
+        }
+        if self.r.entries.len() >= self.r.limits.max_entries {
+            return Err(PickleError::Limit {
+                what: "items in all containers",
+                limit: self.r.limits.max_entries,
             });
         }
         let i = self.r.entries.len() as u32;
