@@ -189,11 +189,17 @@ async fn own_path(n: usize) -> u64 {
             let pacing = sessions.pacing(&t.session).unwrap();
             pacing.record_latency(t.received.elapsed().as_secs_f64());
             let d = pacing.delay_steps(30.0);
-            let (outputs, scratch, reply) = slot.reply_parts();
+            let policyd::runtime::worker::SlotParts {
+                outputs,
+                scratch,
+                reply,
+                raw,
+            } = slot.reply_parts(plan.relative_source);
             let mut parts = ReplyParts {
                 outputs,
                 scratch,
                 chunk: plan.chunk(&cfg.default_policy().pacing, d),
+                raw,
             };
             if *observe {
                 Dialect::Openpi.encode_observe(

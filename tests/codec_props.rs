@@ -266,7 +266,7 @@ proptest! {
 
         let mut buf = Vec::with_capacity(plan.reply_capacity);
         let timing = Timing { policy_infer_ms: 1.5, server_infer_ms: 2.5, prev_total_ms: Some(4.0), stages: None };
-        let mut parts = ReplyParts { outputs: &outputs, scratch: &mut scratch, chunk };
+        let mut parts = ReplyParts { outputs: &outputs, scratch: &mut scratch, chunk, raw: &[] };
         Dialect::Openpi.encode_infer(&mut plan.reply(&mut parts), &timing, Some(3), &mut buf);
         prop_assert!(buf.len() <= plan.reply_capacity, "{} > {}", buf.len(), plan.reply_capacity);
         let v = rmpv::decode::read_value(&mut &buf[..]).expect("msgpack");
@@ -278,7 +278,7 @@ proptest! {
         prop_assert_eq!(infer, Some(1.5));
         prop_assert_eq!(get(&v, "delay_steps").and_then(Value::as_i64), Some(3));
 
-        let mut parts = ReplyParts { outputs: &outputs, scratch: &mut scratch, chunk };
+        let mut parts = ReplyParts { outputs: &outputs, scratch: &mut scratch, chunk, raw: &[] };
         Dialect::Vllm.encode_infer(&mut plan.reply(&mut parts), &timing, None, &mut buf);
         prop_assert!(buf.len() <= plan.reply_capacity);
         let v = rmpv::decode::read_value(&mut &buf[..]).expect("msgpack");

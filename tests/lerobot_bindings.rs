@@ -309,3 +309,126 @@ fn a_history_taken_for_another_plan_starts_afresh() {
     // A reload compiles a new plan: its frames are not the old plan's.
     assert_eq!(run(&second, &mut history, 3.0), [3.0; 6]);
 }
+
+/// Relative actions (LeRobot's `use_relative_actions`, openpi's `DeltaActions`): the reply's
+/// masked columns are the un-normalised output plus the state as the request sent it.
+#[test]
+fn relative_actions_add_the_state_as_sent_to_the_masked_columns() {
+    use policyd::bind::{Chunk, ReplyParts};
+    let io = state_io();
+    let cfg = STATE_IO
+        .replace(
+            "NORM",
+            "mean = [1.0, 2.0, 3.0]\nstd = [2.0, 2.0, 2.0]\neps = 1e-8",
+        )
+        .replace(
+            "tensor = \"action\"",
+            "tensor = \"action\"\nmean = [10.0, 20.0, 30.0]\nstd = [0.5, 0.5, 0.5]\neps = 0.0\n\
+             relative_to = \"observation.state\"\nrelative_mask = [true, false, true]",
+        );
+    let plan = compile(&cfg, &io).unwrap();
+    let source = plan
+        .relative_source
+        .expect("a slot buffer for the state as sent");
+    let mut bufs = buffers(&io);
+    for &bytes in &plan.host_buffers {
+        bufs.push(Box::new(HostBuffer(vec![0; bytes])));
+    }
+    let mut seen = vec![false; 1];
+    let x = [1.5, -2.25, 7.125];
+    plan.decode(&frame(&[("observation.state", &x)]), &mut bufs, &mut seen)
+        .unwrap();
+    // The engine saw the normalised state; the slot kept the raw one.
+    assert_eq!(f32s(bufs[0].bytes_mut())[0], 0.25);
+    let engine: Vec<u8> = (0..12)
+        .flat_map(|k| (0.1 * k as f32).to_le_bytes())
+        .collect();
+    let outputs = vec![engine];
+    let mut scratch = vec![0u8; plan.scratch_bytes];
+    let raw = bufs[source].bytes_mut();
+    let mut parts = ReplyParts {
+        outputs: &outputs,
+        scratch: &mut scratch,
+        chunk: Chunk { start: 0, end: 4 },
+        raw,
+    };
+    let mut reply = plan.reply(&mut parts);
+    let (rows, row) = reply.rows_f32(0, 4).unwrap();
+    assert_eq!(row, 12);
+    let got = f32s(rows);
+    for r in 0..4 {
+        for j in 0..3 {
+            let k = r * 3 + j;
+            let mut want = (0.1 * k as f32) as f64 * 0.5 + [10.0, 20.0, 30.0][j];
+            let mut want32 = want as f32;
+            if j != 1 {
+                want32 += x[j] as f32;
+                want += x[j];
+            }
+            assert_eq!(got[k], want32, "row {r} column {j}");
+            assert!((f64::from(got[k]) - want).abs() < 1e-5);
+        }
+    }
+    // The openpi route's encoded reply carries the same values.
+    let mut out = Vec::new();
+    let mut scratch = vec![0u8; plan.scratch_bytes];
+    let mut parts = ReplyParts {
+        outputs: &outputs,
+        scratch: &mut scratch,
+        chunk: Chunk { start: 0, end: 4 },
+        raw: bufs[source].bytes_mut(),
+    };
+    policyd::protocol::Dialect::Openpi.encode_infer(
+        &mut plan.reply(&mut parts),
+        &policyd::protocol::Timing {
+            policy_infer_ms: 1.0,
+            server_infer_ms: 1.0,
+            prev_total_ms: None,
+            stages: None,
+        },
+        None,
+        &mut out,
+    );
+    let first = (0.0f32 as f64 * 0.5 + 10.0) as f32 + 1.5f32;
+    assert!(
+        out.windows(4).any(|w| w == first.to_le_bytes()),
+        "the first action {first} is in the reply"
+    );
+}
+
+#[test]
+fn relative_actions_are_checked_against_the_bindings() {
+    let io = state_io();
+    let with = |lines: &str| {
+        compile(
+            &STATE_IO.replace("NORM", "").replace(
+                "tensor = \"action\"",
+                &format!("tensor = \"action\"\n{lines}"),
+            ),
+            &io,
+        )
+        .map(|_| ())
+    };
+    assert!(
+        with("relative_to = \"observation.state\"").is_ok(),
+        "every column"
+    );
+    for (lines, says) in [
+        (
+            "relative_to = \"state\"",
+            "no [[inputs]] binding has key \"state\"",
+        ),
+        (
+            "relative_to = \"observation.state\"\nrelative_mask = [true, true, true, true]",
+            "outputs[0].relative_mask",
+        ),
+        ("relative_mask = [true]", "needs relative_to"),
+        (
+            "relative_to = \"observation.state\"\nrelative_mask = []",
+            "must not be empty",
+        ),
+    ] {
+        let e = with(lines).unwrap_err();
+        assert!(e.contains(says), "{lines}: {e}");
+    }
+}

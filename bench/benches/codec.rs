@@ -46,6 +46,7 @@ fn bench(c: &mut Criterion) {
             outputs: &outputs,
             scratch: &mut scratch,
             chunk,
+            raw: &[],
         };
         Dialect::Openpi.encode_infer(&mut plan.reply(&mut parts), &timing, Some(1), &mut out);
         g.throughput(Throughput::Bytes(out.len() as u64));

@@ -230,10 +230,14 @@ def pi0(
     cameras: int = 1,
     pi05: bool = False,
     chunk: int = 10,
+    image: tuple[int, int] = (224, 224),
+    relative: bool = False,
 ) -> Path:
-    """pi0 (or pi0.5) at tiny sizes (under `tiny_pi0`), 224×224 cameras, a chunk of `chunk`
-    actions, prompts of 16 tokens (pi0.5: 48, the state is in them), its preprocessor's
-    tokenizer the local `tokenizer` directory."""
+    """pi0 (or pi0.5) at tiny sizes (under `tiny_pi0`), cameras recorded at `image` (height,
+    width; the model takes 224×224 and resizes with padding), a chunk of `chunk` actions,
+    prompts of 16 tokens (pi0.5: 48, the state is in them), its preprocessor's tokenizer the
+    local `tokenizer` directory; `relative`: `use_relative_actions`, the gripper kept
+    absolute."""
     if pi05:
         import lerobot.policies.pi05.processor_pi05 as pp
         from lerobot.policies.pi05.configuration_pi05 import PI05Config as Config
@@ -250,7 +254,13 @@ def pi0(
     g = torch.Generator().manual_seed(seed)
     inputs = {"observation.state": PolicyFeature(FeatureType.STATE, (STATE,))}
     for i in range(cameras):
-        inputs[f"observation.images.cam{i}"] = PolicyFeature(FeatureType.VISUAL, (3, 224, 224))
+        inputs[f"observation.images.cam{i}"] = PolicyFeature(FeatureType.VISUAL, (3, *image))
+    extra = {}
+    if relative:
+        extra = {
+            "use_relative_actions": True,
+            "action_feature_names": [f"joint{j}" for j in range(ACTION - 1)] + ["gripper"],
+        }
     cfg = Config(
         input_features=inputs,
         output_features={"action": PolicyFeature(FeatureType.ACTION, (ACTION,))},
@@ -259,6 +269,7 @@ def pi0(
         tokenizer_max_length=48 if pi05 else 16,
         chunk_size=chunk,
         n_action_steps=chunk,
+        **extra,
     )
     policy = Policy(cfg)
     features = {**cfg.input_features, **cfg.output_features}

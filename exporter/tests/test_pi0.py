@@ -135,3 +135,57 @@ def test_tokens_equal_lerobots_preprocessor(prompt: str, bundle: Pi0, policyd: s
     got = json.loads(r.stdout.splitlines()[0])
     assert got["ids"] == want_ids
     assert [bool(m) for m in got["mask"]] == want_mask
+
+
+class Fine:
+    """A pi0/pi0.5 fine-tune as LeRobot users train them: cameras recorded at the dataset's
+    resolution (not the model's 224×224) and relative actions with the gripper absolute."""
+
+    def __init__(self, root: Path, pi05: bool, image: tuple[int, int]):
+        self.pi05 = pi05
+        self.image = image
+        tokenizer = gemma_tokenizer(root / "tokenizer")
+        self.checkpoint = pi0(
+            root / "checkpoint", tokenizer, pi05=pi05, image=image, relative=True, seed=3
+        )
+        self.bundle = root / "bundle"
+        assert main(["lerobot", str(self.checkpoint), "--out", str(self.bundle)]) == 0
+
+
+@pytest.fixture(scope="module", params=[("pi0", (480, 640)), ("pi05", (256, 256))])
+def fine(
+    request: pytest.FixtureRequest, patched: None, tmp_path_factory: pytest.TempPathFactory
+) -> Fine:
+    kind, image = request.param
+    return Fine(tmp_path_factory.mktemp(f"{kind}-fine"), kind == "pi05", image)
+
+
+def test_real_camera_sizes_and_relative_actions_export(fine: Fine) -> None:
+    config = tomllib.loads((fine.bundle / "policyd.toml").read_text())
+    h, w = fine.image
+    camera = config["inputs"][0]
+    # The camera arrives at its recorded size, only normalised: the graph resizes with padding.
+    assert camera["shape"] == [h, w, 3] and camera["scale"] == 1.0 / 255.0
+    assert "offset" not in camera
+    output = config["outputs"][0]
+    assert output["relative_to"] == "observation.state"
+    assert output["relative_mask"] == [True] * 5 + [False], "the gripper stays absolute"
+
+
+def test_real_camera_sizes_and_relative_actions_equal_lerobot(
+    fine: Fine, policyd: str, tmp_path: Path
+) -> None:
+    rows = verify(fine.bundle, fine.checkpoint, policyd=policyd)
+    assert all(r.ok for r in rows), table(rows)
+    # Without the offset the same bundle is off: the check above can fail.
+    import shutil
+
+    broken = tmp_path / "bundle"
+    shutil.copytree(fine.bundle, broken)
+    config = tomllib.loads((broken / "policyd.toml").read_text())
+    del config["outputs"][0]["relative_to"], config["outputs"][0]["relative_mask"]
+    import tomli_w
+
+    (broken / "policyd.toml").write_text(tomli_w.dumps(config))
+    rows = verify(broken, fine.checkpoint, policyd=policyd)
+    assert not all(r.ok for r in rows), table(rows)

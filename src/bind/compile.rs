@@ -243,6 +243,7 @@ impl Plan {
                 },
                 history: b.history,
                 frame_bytes: frame_elements * spec.dtype.size(),
+                raw: None,
             });
         }
         for spec in &io.inputs {
@@ -262,6 +263,8 @@ impl Plan {
         }
 
         let mut outputs = Vec::new();
+        // Relative actions: one input, kept as sent (float64) in a slot buffer of its own.
+        let mut relative_source: Option<(usize, usize)> = None;
         for (i, o) in policy.outputs.iter().enumerate() {
             let k = |f: &str| format!("outputs[{i}].{f}");
             let index = io
@@ -325,6 +328,79 @@ impl Plan {
                     ),
                 ));
             }
+            let relative = match &o.relative {
+                None => None,
+                Some(r) => {
+                    let Some(bi) = inputs.iter().position(|b| b.key == r.key) else {
+                        let keys: Vec<&str> = inputs.iter().map(|b| b.key.as_str()).collect();
+                        return Err(invalid(
+                            k("relative_to"),
+                            format!(
+                                "no [[inputs]] binding has key \"{}\"; the keys are: {}",
+                                r.key,
+                                keys.join(", ")
+                            ),
+                        ));
+                    };
+                    let b = &inputs[bi];
+                    if b.text || b.optional || b.shape.len() != 1 {
+                        return Err(invalid(
+                            k("relative_to"),
+                            format!(
+                                "input \"{}\" must be a required numeric vector (shape [n]), \
+                                 the state the actions are relative to",
+                                r.key
+                            ),
+                        ));
+                    }
+                    let n = b.shape[0];
+                    let mask = match &r.mask {
+                        Some(m) => m.clone(),
+                        None if n >= cols => vec![true; cols],
+                        None => {
+                            return Err(invalid(
+                                k("relative_to"),
+                                format!(
+                                    "input \"{}\" has {n} values for {cols} action columns: \
+                                     give relative_mask for the first {n} or fewer",
+                                    r.key
+                                ),
+                            ));
+                        }
+                    };
+                    if mask.len() > cols.min(n) {
+                        return Err(invalid(
+                            k("relative_mask"),
+                            format!(
+                                "has {} entries; at most one per action column ({cols}) and per \
+                                 value of input \"{}\" ({n})",
+                                mask.len(),
+                                r.key
+                            ),
+                        ));
+                    }
+                    match relative_source {
+                        Some((source, _)) if source != bi => {
+                            return Err(invalid(
+                                k("relative_to"),
+                                format!(
+                                    "\"{}\": every relative output must be relative to the same \
+                                     input (\"{}\")",
+                                    r.key, inputs[source].key
+                                ),
+                            ));
+                        }
+                        Some(_) => {}
+                        None => {
+                            let index = io.inputs.len() + host_buffers.len();
+                            host_buffers.push(n * 8);
+                            inputs[bi].raw = Some(index);
+                            relative_source = Some((bi, index));
+                        }
+                    }
+                    Some(super::Relative { mask })
+                }
+            };
             let affine = Affine::unnormalize(&o.mean, &o.std, o.eps);
             let src_shape = if src_shape.is_empty() {
                 vec![1]
@@ -345,6 +421,7 @@ impl Plan {
                 vllm: Transform::first_columns(spec.dtype, ElemType::F32, &src_shape, cols, affine),
                 shape,
                 offset,
+                relative,
             });
         }
         check_vllm_metadata(policy, &outputs)?;
@@ -414,6 +491,7 @@ impl Plan {
                 .as_ref()
                 .map(|p| (p.steps as u32, p.max_steps as u32)),
             history_bytes,
+            relative_source: relative_source.map(|(_, index)| index),
         })
     }
 }

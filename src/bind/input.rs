@@ -7,7 +7,7 @@ use crate::dtype::{ByteOrder, ElemType, WireDType};
 use crate::engine::InputBuffer;
 use crate::planner::Link;
 use crate::protocol::{self, Value, Visitor, WireError};
-use crate::transform::{Affine, all_finite, load_f64};
+use crate::transform::{Affine, all_finite, load_f64, load_f64_ordered};
 
 impl Plan {
     /// Decodes a request frame straight into one slot's input buffers. Inputs the request
@@ -327,6 +327,18 @@ impl Visitor for SlotWriter<'_> {
                     key: b.key.clone(),
                     engine: b.engine_type.name(),
                 });
+            }
+        }
+        // Relative actions' input: its values as sent, as float64.
+        if let Some(raw) = b.raw {
+            let size = a.storage.size();
+            let raw = self.bufs[raw].bytes_mut();
+            for (k, out) in raw.chunks_exact_mut(8).enumerate() {
+                let v = a
+                    .data
+                    .get(k * size..(k + 1) * size)
+                    .map_or(0.0, |d| load_f64_ordered(a.storage, d, a.order));
+                out.copy_from_slice(&v.to_le_bytes());
             }
         }
         Ok(())

@@ -14,7 +14,7 @@ mod output;
 mod tokens;
 
 pub use input::History;
-pub use output::{Chunk, Reply, ReplyParts};
+pub use output::{Chunk, Relative, Reply, ReplyParts};
 pub use tokens::{PromptCache, TokenBinding, Tokenized};
 
 use crate::dtype::ElemType;
@@ -54,6 +54,9 @@ pub struct InputBinding {
     pub history: usize,
     /// Engine bytes of one frame.
     pub frame_bytes: usize,
+    /// The slot buffer that keeps this input's values as sent, as float64, for relative
+    /// actions ([`Plan::relative_source`]).
+    pub raw: Option<usize>,
 }
 
 /// One engine output sent under one reply key.
@@ -69,6 +72,8 @@ pub struct OutputBinding {
     pub vllm: Transform,
     /// Bytes of the engine output before the first kept row (`rows`).
     pub offset: usize,
+    /// Relative actions: the masked columns get the input's values as sent.
+    pub relative: Option<Relative>,
 }
 
 /// The compiled plan.
@@ -101,6 +106,9 @@ pub struct Plan {
     pub sampling: Option<(u32, u32)>,
     /// Bytes a session keeps of its previous frames, over every binding with `history` > 1.
     pub history_bytes: usize,
+    /// The slot buffer holding the relative actions' input as sent (float64), if an output is
+    /// relative ([`Relative`]).
+    pub relative_source: Option<usize>,
 }
 
 /// The request path's side of the planner: which bindings it reads and fills. Indices
@@ -320,7 +328,7 @@ tensor = "actions"
         let mut out = vec![0u8; 32];
         for precision in [Configured, Float32] {
             let check = |out: &Vec<u8>, scratch: &mut Vec<u8>| {
-                p.non_finite_reply(std::slice::from_ref(out), scratch, precision)
+                p.non_finite_reply(std::slice::from_ref(out), scratch, &[], precision)
                     .map(str::to_string)
             };
             out.fill(0);
@@ -341,7 +349,7 @@ tensor = "actions"
         out.fill(0);
         out[12..16].copy_from_slice(&3e38f32.to_le_bytes());
         let mut sent = |precision| {
-            p.non_finite_reply(std::slice::from_ref(&out), &mut scratch, precision)
+            p.non_finite_reply(std::slice::from_ref(&out), &mut scratch, &[], precision)
                 .map(str::to_string)
         };
         assert_eq!(sent(Configured), None, "float64 holds 6e38");

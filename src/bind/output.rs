@@ -4,11 +4,54 @@
 
 use super::{OutputBinding, Plan};
 use crate::config::PacingConfig;
-use crate::dtype::ByteOrder;
+use crate::dtype::{ByteOrder, ElemType};
 use crate::limits::MAX_RANK;
 use crate::protocol::Encoder;
 use crate::protocol::dialect::{Outputs, Precision};
 use crate::transform::{Transform, all_finite};
+
+/// Relative actions (`[[outputs]] relative_to`): the model predicts the masked columns relative
+/// to an input, and the reply carries absolute values, `action[j] += input[j]` for each
+/// `mask[j]` in every row, after un-normalising, in the reply's dtype (float32 adds as
+/// LeRobot's `to_absolute_actions` does). The input's values are the request's, as sent: the
+/// decode keeps them as float64 in a slot buffer ([`Plan::relative_source`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Relative {
+    /// At most the output's columns and the input's length.
+    pub mask: Vec<bool>,
+}
+
+impl Relative {
+    /// Offsets the masked columns of every row of `dst` (rows of `cols` values of `t`,
+    /// little-endian) by `raw` (float64 values, little-endian). A `raw` too short (no input
+    /// captured) leaves `dst` as it is.
+    fn apply(&self, t: ElemType, dst: &mut [u8], cols: usize, raw: &[u8]) {
+        if raw.len() < self.mask.len() * 8 || cols == 0 {
+            return;
+        }
+        let size = t.size();
+        for row in dst.chunks_exact_mut(cols * size) {
+            for (j, _) in self.mask.iter().enumerate().filter(|(_, on)| **on) {
+                let mut v = [0u8; 8];
+                v.copy_from_slice(&raw[j * 8..j * 8 + 8]);
+                let v = f64::from_le_bytes(v);
+                let e = &mut row[j * size..(j + 1) * size];
+                match t {
+                    ElemType::F32 => {
+                        let x = f32::from_le_bytes([e[0], e[1], e[2], e[3]]);
+                        e.copy_from_slice(&(x + v as f32).to_le_bytes());
+                    }
+                    ElemType::F64 => {
+                        let mut b = [0u8; 8];
+                        b.copy_from_slice(e);
+                        e.copy_from_slice(&(f64::from_le_bytes(b) + v).to_le_bytes());
+                    }
+                    _ => {}
+                }
+            }
+        }
+    }
+}
 
 impl OutputBinding {
     /// The bytes of an engine output that `tr` reads: its kept rows (`rows`), or the whole
@@ -17,6 +60,16 @@ impl OutputBinding {
         let len = tr.src_len * tr.src_type.size();
         output.get(self.offset..self.offset + len).unwrap_or(output)
     }
+
+    /// `tr` from the engine output into `dst`, then the relative offset if the output has one.
+    fn convert(&self, output: &[u8], tr: &Transform, raw: &[u8], dst: &mut [u8]) -> bool {
+        let ok = tr.apply(self.source(output, tr), ByteOrder::Little, dst);
+        if ok && let Some(r) = &self.relative {
+            let cols = self.shape.last().copied().unwrap_or(1);
+            r.apply(tr.dst_type, dst, cols, raw);
+        }
+        ok
+    }
 }
 
 impl Plan {
@@ -24,10 +77,12 @@ impl Plan {
     /// The values are checked as sent in `precision` (after un-normalisation and the cast to
     /// the reply dtype, in `scratch`), so an overflow there (a large output times a large
     /// `std`, or a float64 value past float32's range on the vllm-omni route) is caught too.
+    /// `raw`: the relative actions' input as sent (see [`Relative`]; empty without).
     pub fn non_finite_reply(
         &self,
         outputs: &[Vec<u8>],
         scratch: &mut [u8],
+        raw: &[u8],
         precision: Precision,
     ) -> Option<&str> {
         self.outputs.iter().find_map(|o| {
@@ -36,7 +91,7 @@ impl Plan {
                 Precision::Float32 => &o.vllm,
             };
             let sent = scratch.get_mut(..tr.dst_bytes())?;
-            let finite = tr.apply(o.source(&outputs[o.index], tr), ByteOrder::Little, sent)
+            let finite = o.convert(&outputs[o.index], tr, raw, sent)
                 && all_finite(tr.dst_type, sent, ByteOrder::Little);
             (!finite).then_some(self.io.outputs[o.index].name.as_str())
         })
@@ -68,14 +123,14 @@ impl Plan {
         tr: &Transform,
         r: &mut ReplyParts<'_>,
     ) {
-        let src: &[u8] = o.source(&r.outputs[o.index], tr);
+        let output: &[u8] = &r.outputs[o.index];
         let bytes = tr.dst_bytes();
         let rows = o.shape.first().copied().unwrap_or(1);
         let Chunk { start, end } = r.chunk;
         let whole = o.shape.len() < 2 || (start == 0 && end >= rows);
         if whole || rows == 0 || bytes > r.scratch.len() {
             e.ndarray(tr.dst_type, &o.shape, bytes, |d| {
-                tr.apply(src, ByteOrder::Little, d);
+                o.convert(output, tr, r.raw, d);
             });
             return;
         }
@@ -83,7 +138,7 @@ impl Plan {
         let start = start.min(end);
         let row = bytes / rows;
         let scratch = &mut r.scratch[..bytes];
-        tr.apply(src, ByteOrder::Little, scratch);
+        o.convert(output, tr, r.raw, scratch);
         let mut shape: heapless::Vec<usize, { MAX_RANK }> = heapless::Vec::new();
         let _ = shape.extend_from_slice(&o.shape[..o.shape.len().min(MAX_RANK)]);
         shape[0] = end - start;
@@ -105,11 +160,13 @@ pub struct Chunk {
     pub end: usize,
 }
 
-/// What a reply is encoded from: a slot's outputs, its scratch buffer and the chunk to keep.
+/// What a reply is encoded from: a slot's outputs, its scratch buffer, the chunk to keep, and
+/// the relative actions' input as sent (empty without; see [`Relative`]).
 pub struct ReplyParts<'a> {
     pub outputs: &'a [Vec<u8>],
     pub scratch: &'a mut [u8],
     pub chunk: Chunk,
+    pub raw: &'a [u8],
 }
 
 /// A finished slot's outputs as its plan reads them: what a dialect frames.
@@ -130,9 +187,9 @@ impl Reply<'_, '_> {
         }
         let bytes = tr.dst_bytes();
         let rows = if o.shape.len() >= 2 { o.shape[0] } else { 1 };
-        let src = o.source(&self.parts.outputs[o.index], tr);
+        let output = &self.parts.outputs[o.index];
         let scratch = self.parts.scratch.get_mut(..bytes)?;
-        if !tr.apply(src, ByteOrder::Little, scratch) {
+        if !o.convert(output, tr, self.parts.raw, scratch) {
             return None;
         }
         let row = bytes / rows.max(1);

@@ -1304,6 +1304,30 @@ fn outputs(cx: &Keys, outputs: &[RawOutput]) -> Result<Vec<OutputConfig>, Config
                 ));
             }
         }
+        let relative = match (&o.relative_to, &o.relative_mask) {
+            (None, None) => None,
+            (None, Some(_)) => {
+                return Err(cx.invalid(
+                    k("relative_mask"),
+                    "needs relative_to: the input whose values the masked columns are relative to",
+                ));
+            }
+            (Some(key), _) if key.is_empty() => {
+                return Err(cx.invalid(k("relative_to"), "must name an input binding's key"));
+            }
+            (Some(key), mask) => {
+                if mask.as_ref().is_some_and(|m| m.is_empty()) {
+                    return Err(cx.invalid(
+                        k("relative_mask"),
+                        "must not be empty (leave it out to offset every column)",
+                    ));
+                }
+                Some(crate::config::RelativeConfig {
+                    key: key.clone(),
+                    mask: mask.clone(),
+                })
+            }
+        };
         out.push(OutputConfig {
             tensor: o.tensor.clone(),
             key: o.key.clone(),
@@ -1313,6 +1337,7 @@ fn outputs(cx: &Keys, outputs: &[RawOutput]) -> Result<Vec<OutputConfig>, Config
             std,
             eps,
             rows,
+            relative,
         });
     }
     Ok(out)

@@ -622,6 +622,20 @@ pub struct OutputConfig {
     pub eps: f64,
     /// Rows `[start, end)` of the first axis kept (the whole axis when `None`).
     pub rows: Option<(usize, usize)>,
+    /// Relative actions: absolute = un-normalised output + the input's values as sent.
+    pub relative: Option<RelativeConfig>,
+}
+
+/// `[[outputs]] relative_to`/`relative_mask`: the model predicts actions relative to the state,
+/// and the reply carries absolute ones. Column `j` of every kept row gets the input's value
+/// `j` as the request sent it, for each `j` with `mask[j]`; the mask is checked against both
+/// lengths once the bindings are compiled.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RelativeConfig {
+    /// The input binding's key (`observation.state`).
+    pub key: String,
+    /// `None`: every kept column.
+    pub mask: Option<Vec<bool>>,
 }
 
 /// How an input's axes are rearranged on the way to the engine.

@@ -555,6 +555,14 @@ pub(super) struct RawOutput {
     /// Keep rows `[start, end)` of the output's first axis (LeRobot Diffusion's action slice).
     #[serde(default)]
     pub(super) rows: Option<[usize; 2]>,
+    /// Relative actions: the input (a 1-D numeric binding) whose values, as the request sent
+    /// them, are added to the masked columns after un-normalising (LeRobot's
+    /// `AbsoluteActionsProcessorStep`, openpi's `AbsoluteActions`).
+    #[serde(default)]
+    pub(super) relative_to: Option<String>,
+    /// Which columns get the offset (the first `len` columns; all kept columns when absent).
+    #[serde(default)]
+    pub(super) relative_mask: Option<Vec<bool>>,
 }
 
 fn actions() -> String {

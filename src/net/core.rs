@@ -394,8 +394,8 @@ impl<'s> Core<'s> {
             None => Some(Failure::Inference("the engine returned no result".into())),
         };
         let failure = failure.or_else(|| {
-            let (outputs, scratch) = slot.outputs_and_scratch();
-            plan.non_finite_reply(outputs, scratch, self.precision)
+            let (outputs, scratch, raw) = slot.outputs_and_scratch(plan.relative_source);
+            plan.non_finite_reply(outputs, scratch, raw, self.precision)
                 .map(|name| {
                     Failure::Inference(format!(
                         "the engine's output '{name}' holds NaN or infinity as it would be \
@@ -472,11 +472,17 @@ impl<'s> Core<'s> {
         if let Some(s) = stages {
             metrics.sampler_steps.observe(f64::from(s.steps));
         }
-        let (outputs, scratch, buf) = slot.reply_parts();
+        let crate::runtime::worker::SlotParts {
+            outputs,
+            scratch,
+            reply: buf,
+            raw,
+        } = slot.reply_parts(plan.relative_source);
         let mut parts = ReplyParts {
             outputs,
             scratch,
             chunk: plan.chunk(pacing, delay_steps),
+            raw,
         };
         let mut reply = plan.reply(&mut parts);
         encode(Released {

@@ -99,20 +99,44 @@ impl Slot {
         self.result.as_ref()
     }
 
-    /// The engine's outputs and the scratch buffer a reply converts them in.
-    pub fn outputs_and_scratch(&mut self) -> (&[Vec<u8>], &mut [u8]) {
-        (&self.outputs, &mut self.scratch)
+    /// The engine's outputs, the scratch buffer a reply converts them in, and the request's
+    /// values as sent of the input at `raw` (`Plan::relative_source`; empty for `None`).
+    pub fn outputs_and_scratch(&mut self, raw: Option<usize>) -> (&[Vec<u8>], &mut [u8], &[u8]) {
+        let raw = match raw.and_then(|i| self.inputs.get_mut(i)) {
+            Some(b) => &*b.bytes_mut(),
+            None => &[],
+        };
+        (&self.outputs, &mut self.scratch, raw)
     }
 
-    /// What an encoder needs: the outputs, the scratch buffer and the reply buffer.
-    pub fn reply_parts(&mut self) -> (&[Vec<u8>], &mut [u8], &mut Vec<u8>) {
-        (&self.outputs, &mut self.scratch, &mut self.reply)
+    /// What an encoder needs (see [`SlotParts`]); `raw` as for
+    /// [`outputs_and_scratch`](Self::outputs_and_scratch).
+    pub fn reply_parts(&mut self, raw: Option<usize>) -> SlotParts<'_> {
+        let raw = match raw.and_then(|i| self.inputs.get_mut(i)) {
+            Some(b) => &*b.bytes_mut(),
+            None => &[],
+        };
+        SlotParts {
+            outputs: &self.outputs,
+            scratch: &mut self.scratch,
+            reply: &mut self.reply,
+            raw,
+        }
     }
 
     /// The encoded reply.
     pub fn reply(&self) -> &[u8] {
         &self.reply
     }
+}
+
+/// A finished slot as an encoder sees it: the engine's outputs, the scratch buffer a reply
+/// converts them in, the reply buffer, and the relative actions' input as sent (empty without).
+pub struct SlotParts<'a> {
+    pub outputs: &'a [Vec<u8>],
+    pub scratch: &'a mut [u8],
+    pub reply: &'a mut Vec<u8>,
+    pub raw: &'a [u8],
 }
 
 /// A fixed set of slots.

@@ -263,13 +263,14 @@ pub fn decode(data: &[u8]) {
         for precision in [Precision::Configured, Precision::Float32] {
             let _ = c
                 .plan
-                .non_finite_reply(&c.outputs, &mut c.scratch, precision);
+                .non_finite_reply(&c.outputs, &mut c.scratch, &[], precision);
         }
         let delay = u32::from(pick) % 12;
         let mut parts = ReplyParts {
             outputs: &c.outputs,
             scratch: &mut c.scratch,
             chunk: c.plan.chunk(&c.pacing, delay),
+            raw: &[],
         };
         let timing = Timing {
             policy_infer_ms: 1.0,

@@ -86,3 +86,30 @@ def output_binding(ckpt: Checkpoint, tensor: str, rows: tuple[int, int] | None =
         b["rows"] = list(rows)
     b.update(norm_keys(ckpt.output_norm[action.key], action, output=True))
     return b
+
+
+def relative_actions(ckpt: Checkpoint, output: dict, state_key: str, state_dim: int) -> None:
+    """With LeRobot's relative actions on (`use_relative_actions`), the `[[outputs]]` table gets
+    `relative_to` the state binding and the mask LeRobot's own step builds (its
+    `exclude_joints` matched against the action names; the gripper stays absolute by default),
+    so policyd adds the raw state to those columns after un-normalising, as
+    `AbsoluteActionsProcessorStep` does."""
+    if ckpt.relative is None:
+        return
+    from lerobot.processor.relative_action_processor import RelativeActionsProcessorStep
+
+    action_dim = ckpt.outputs[0].shape[0]
+    cfg = ckpt.relative
+    step = RelativeActionsProcessorStep(
+        enabled=True,
+        exclude_joints=list(cfg.get("exclude_joints") or []),
+        action_names=cfg.get("action_names"),
+    )
+    mask = [bool(m) for m in step._build_mask(action_dim)]
+    if len(mask) > state_dim:
+        raise ExportError(
+            f"relative actions: {len(mask)} action dimensions are relative to a state of "
+            f"{state_dim}; LeRobot's to_absolute_actions needs the state at least as long"
+        )
+    output["relative_to"] = state_key
+    output["relative_mask"] = mask

@@ -29,7 +29,7 @@ PREPROCESSOR = "policy_preprocessor.json"
 POSTPROCESSOR = "policy_postprocessor.json"
 #: Processor steps whose effect the bundle reproduces (batching and devices are no-ops there;
 #: pi0's newline and tokenizer steps are policyd's `lerobot` tokenizer format; relative
-#: actions only while disabled).
+#: actions are `[[outputs]] relative_to`, for the families that apply them).
 KNOWN_STEPS = {
     PREPROCESSOR: {
         "rename_observations_processor",
@@ -44,8 +44,7 @@ KNOWN_STEPS = {
     },
     POSTPROCESSOR: {"unnormalizer_processor", "device_processor", "absolute_actions_processor"},
 }
-#: Steps that are reproduced only with `enabled = false` (LeRobot's default).
-DISABLED_ONLY = {"relative_actions_processor", "absolute_actions_processor"}
+RELATIVE, ABSOLUTE = "relative_actions_processor", "absolute_actions_processor"
 
 
 @dataclass
@@ -81,6 +80,9 @@ class Checkpoint:
     wire_keys: dict[str, str] = field(default_factory=dict)
     #: The preprocessor's tokenizer step config (a language-conditioned policy), if any.
     tokenizer: dict | None = None
+    #: The preprocessor's `relative_actions_processor` config when relative actions are on
+    #: (`use_relative_actions`): the model predicts actions relative to the raw state.
+    relative: dict | None = None
 
     def features(self, kind: str) -> list[Feature]:
         return [f for f in self.inputs if f.type == kind]
@@ -119,11 +121,6 @@ def _normaliser(path: Path, pipeline_file: str, registry_name: str) -> tuple[dic
                 f"{path / pipeline_file}: processor step {name!r} is not "
                 f"reproduced by policyd; supported steps: "
                 f"{', '.join(sorted(KNOWN_STEPS[pipeline_file]))}"
-            )
-        if name in DISABLED_ONLY and s.get("config", {}).get("enabled"):
-            raise ExportError(
-                f"{path / pipeline_file}: processor step {name!r} is enabled (relative "
-                "actions); policyd serves absolute actions only"
             )
     steps = [s for s in pipeline.get("steps", []) if s.get("registry_name") == registry_name]
     if not steps:
@@ -224,6 +221,7 @@ def load(path: str | Path) -> Checkpoint:
         if s.get("registry_name") == "tokenizer_processor":
             tokenizer = s.get("config", {})
     post_cfg, post_stats = _normaliser(path, POSTPROCESSOR, "unnormalizer_processor")
+    relative = _relative(path)
     return Checkpoint(
         path=path,
         config=config,
@@ -234,4 +232,48 @@ def load(path: str | Path) -> Checkpoint:
         output_norm=_norms(post_cfg, post_stats, outputs, POSTPROCESSOR),
         wire_keys={f.key: renames.get(f.key, f.key) for f in inputs},
         tokenizer=tokenizer,
+        relative=relative,
     )
+
+
+def _relative(path: Path) -> dict | None:
+    """The relative-actions step pair, if enabled: the preprocessor's step (before the
+    normaliser, so that it caches the raw state) and the postprocessor's (after the
+    un-normaliser). Anything else is refused naming the step."""
+
+    def steps(file: str) -> list[tuple[str, dict]]:
+        return [
+            (s.get("registry_name"), s.get("config", {}))
+            for s in _read_json(path / file, "").get("steps", [])
+        ]
+
+    pre, post = steps(PREPROCESSOR), steps(POSTPROCESSOR)
+    rel = [(i, c) for i, (n, c) in enumerate(pre) if n == RELATIVE]
+    ab = [(i, c) for i, (n, c) in enumerate(post) if n == ABSOLUTE]
+    on_pre = bool(rel and rel[0][1].get("enabled"))
+    on_post = bool(ab and ab[0][1].get("enabled"))
+    if not on_pre and not on_post:
+        return None
+    if on_pre != on_post:
+        raise ExportError(
+            f"{path}: {RELATIVE} is {'en' if on_pre else 'dis'}abled in {PREPROCESSOR} but "
+            f"{ABSOLUTE} is {'en' if on_post else 'dis'}abled in {POSTPROCESSOR}; LeRobot "
+            "enables both together (use_relative_actions)"
+        )
+    names = [n for n, _ in pre]
+    if "normalizer_processor" in names and names.index("normalizer_processor") < rel[0][0]:
+        raise ExportError(
+            f"{path / PREPROCESSOR}: {RELATIVE} runs after the normaliser, so it would offset "
+            "by the normalised state; policyd reproduces LeRobot's order (relative, then "
+            "normalise)"
+        )
+    post_names = [n for n, _ in post]
+    if (
+        "unnormalizer_processor" in post_names
+        and post_names.index("unnormalizer_processor") > ab[0][0]
+    ):
+        raise ExportError(
+            f"{path / POSTPROCESSOR}: {ABSOLUTE} runs before the un-normaliser; policyd "
+            "reproduces LeRobot's order (un-normalise, then absolute)"
+        )
+    return rel[0][1]

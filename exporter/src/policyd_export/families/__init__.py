@@ -96,6 +96,11 @@ def export(
 ) -> Exported:
     from . import act, diffusion, pi0, smolvla
 
+    if ckpt.relative is not None and ckpt.type not in ("pi0", "pi05"):
+        raise ExportError(
+            f"{ckpt.path}: relative actions (relative_actions_processor) are exported for pi0 "
+            f"and pi0.5, whose LeRobot processors apply them; {ckpt.type}'s do not"
+        )
     policy = load_policy(ckpt)
     if ckpt.type in ("pi0", "pi05"):
         return pi0.export(ckpt, policy, out, verbose, tokenizer)

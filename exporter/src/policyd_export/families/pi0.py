@@ -6,7 +6,10 @@ noise (`euler_integrate`: `t = 1 + i·dt`, `x += dt·v`), the expert attending t
 prefix. pi0's expert also embeds the state; pi0.5 writes the state into the prompt instead
 (discretised into 256 bins) and conditions the expert on the time through adaRMS. Here:
 
-- `prefix.onnx` (cameras in [−1, 1], token ids, token mask, and for pi0 the normalised state)
+- `prefix.onnx` (cameras in [−1, 1], token ids, token mask, and for pi0 the normalised state;
+  a camera recorded at another size than the model's `image_resolution` enters at its own size,
+  normalised, and the graph applies LeRobot's `resize_with_pad_torch` and `·2 − 1` itself, as
+  `_preprocess_images` does; see docs/export.md for why it is in the graph)
   → the prefix's pad mask, its keys and values stacked over layers (`[layers, 1, kv_heads, P,
   D]`) and, for pi0, the state padded to `max_state_dim` (passed through for the step);
 - `step.onnx` (`x_t`, `time`, and those) → the velocity `v_t`;
@@ -25,7 +28,7 @@ import torch
 from torch import nn
 
 from .. import graphs
-from ..bindings import input_binding, output_binding
+from ..bindings import input_binding, output_binding, relative_actions
 from ..checkpoint import Checkpoint
 from ..errors import ExportError
 from . import Exported, local_file
@@ -37,12 +40,33 @@ TOKENIZER_FILE = "tokenizer.model"
 class Prefix(nn.Module):
     """`embed_prefix` and the VLM's pass with `use_cache=True`, over flat inputs."""
 
-    def __init__(self, model: nn.Module, cameras: int, empty: int, max_state: int | None):
+    def __init__(
+        self,
+        model: nn.Module,
+        cameras: int,
+        empty: int,
+        max_state: int | None,
+        resize: list[bool] | None = None,
+        resolution: tuple[int, int] = (224, 224),
+    ):
         super().__init__()
         self.model = model
         self.cameras = cameras
         self.empty = empty
         self.max_state = max_state  # None: pi0.5, no state in the graphs
+        self.resize = resize or [False] * cameras
+        self.resolution = resolution
+
+    def image(self, x: torch.Tensor, resize: bool) -> torch.Tensor:
+        """A camera as `_preprocess_images` makes it: one already in [−1, 1] at the model's
+        size passes; one at another size (normalised, [0, 1] for IDENTITY) is resized with
+        padding (bilinear, clamped to [0, 1], padded with 0 around the centre), then `·2 − 1`."""
+        if not resize:
+            return x
+        from lerobot.policies.common.vla_utils import resize_with_pad_torch
+
+        img = resize_with_pad_torch(x.permute(0, 2, 3, 1), *self.resolution)
+        return (img * 2.0 - 1.0).permute(0, 3, 1, 2)
 
     def forward(self, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         from lerobot.policies.common.vla_utils import (
@@ -51,7 +75,7 @@ class Prefix(nn.Module):
             prepare_attention_masks_4d,
         )
 
-        images = list(xs[: self.cameras])
+        images = [self.image(x, r) for x, r in zip(xs[: self.cameras], self.resize, strict=True)]
         tokens, token_mask, *state = xs[self.cameras :]
         present = torch.ones(1, dtype=torch.bool)
         masks = [present] * self.cameras
@@ -169,23 +193,14 @@ def export(
 ) -> Exported:
     cfg = policy.config
     model = policy.model
-    if getattr(cfg, "use_relative_actions", False):
-        raise ExportError(
-            "config.json: use_relative_actions is set; policyd serves absolute actions"
-        )
     pi05 = ckpt.type == "pi05"
     by_key = {f.key: f for f in ckpt.inputs}
     if OBS_STATE not in by_key:
         raise ExportError(f"config.json: {ckpt.type} needs {OBS_STATE}")
     images = list(cfg.image_features)
     res = tuple(cfg.image_resolution)
-    for k in images:
-        if tuple(by_key[k].shape[1:]) != res:
-            raise ExportError(
-                f"config.json: image {k} is {list(by_key[k].shape[1:])} but the model takes "
-                f"{list(res)}; LeRobot's resize-with-pad is not exported: send images at "
-                "the model's resolution"
-            )
+    # Cameras recorded at another size are resized with padding inside the prefix graph.
+    resize = [tuple(by_key[k].shape[1:]) != res for k in images]
     extra = [f.key for f in ckpt.inputs if f.type != "VISUAL" and f.key != OBS_STATE]
     if extra:
         raise ExportError(f"config.json: {ckpt.type} reads {OBS_STATE} and cameras; not {extra}")
@@ -193,7 +208,12 @@ def export(
     length = int(tok.get("max_length", cfg.tokenizer_max_length))
     state_dim = by_key[OBS_STATE].shape[0]
     gen = torch.Generator().manual_seed(0)
-    image_args = [torch.rand((1, 3, *res), generator=gen) * 2 - 1 for _ in images]
+    image_args = [
+        torch.rand((1, *by_key[k].shape), generator=gen)
+        if r
+        else torch.rand((1, 3, *res), generator=gen) * 2 - 1
+        for k, r in zip(images, resize, strict=True)
+    ]
     tokens = torch.randint(3, 100, (1, length), generator=gen)
     token_mask = torch.ones((1, length), dtype=torch.bool)
     token_mask[:, length // 2 :] = False
@@ -203,7 +223,7 @@ def export(
     prefix_in = [*images, "tokens", "token_mask", *with_state]
     prefix_out = ["prefix_mask", "k", "v"] + ([] if pi05 else ["state_padded"])
     max_state = None if pi05 else int(cfg.max_state_dim)
-    prefix = Prefix(model, len(images), int(cfg.empty_cameras), max_state)
+    prefix = Prefix(model, len(images), int(cfg.empty_cameras), max_state, resize, res)
     args = (*image_args, tokens, token_mask, *([] if pi05 else [state]))
     g1 = graphs.export(prefix, args, prefix_in, prefix_out, out / "prefix.onnx", verbose)
     with torch.no_grad():
@@ -214,7 +234,11 @@ def export(
     g2 = graphs.export(Step(model), step_args, step_in, ["v_t"], out / "step.onnx", verbose)
     steps = int(cfg.num_inference_steps)
     action_dim = ckpt.outputs[0].shape[0]
-    inputs = [_image_binding(ckpt, by_key[k], k) for k in images]
+    # A resized camera's binding only normalises: the graph resizes, then maps to [−1, 1].
+    inputs = [
+        input_binding(ckpt, by_key[k], k) if r else _image_binding(ckpt, by_key[k], k)
+        for k, r in zip(images, resize, strict=True)
+    ]
     state_binding = input_binding(ckpt, by_key[OBS_STATE], OBS_STATE)
     if pi05:
         del state_binding["tensor"]  # discretised into the prompt, never an engine input
@@ -239,6 +263,7 @@ def export(
     )
     output = output_binding(ckpt, "x_t")
     output["columns"] = action_dim
+    relative_actions(ckpt, output, state_binding["key"], state_dim)
     sampler = {
         "kind": "flow",
         "steps": steps,
