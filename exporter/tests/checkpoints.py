@@ -367,9 +367,10 @@ def tiny_smolvlm(out: Path) -> Path:
     return out
 
 
-def smolvla(out: Path, vlm: Path, seed: int = 0) -> Path:
+def smolvla(out: Path, vlm: Path, seed: int = 0, empty_cameras: int = 0) -> Path:
     """SmolVLA over the tiny SmolVLM at `vlm`: one 48×64 camera (resized with padding to 64×64
-    inside the model), prompts of at most 16 tokens, chunk 10."""
+    inside the model), prompts of at most 16 tokens, chunk 10; `empty_cameras` more that no
+    robot sends."""
     from lerobot.policies.smolvla.configuration_smolvla import SmolVLAConfig
     from lerobot.policies.smolvla.modeling_smolvla import SmolVLAPolicy
     from lerobot.policies.smolvla.processor_smolvla import make_smolvla_pre_post_processors
@@ -390,6 +391,7 @@ def smolvla(out: Path, vlm: Path, seed: int = 0) -> Path:
         chunk_size=10,
         n_action_steps=10,
         tokenizer_max_length=16,
+        empty_cameras=empty_cameras,
     )
     policy = SmolVLAPolicy(cfg)
     features = {**cfg.input_features, **cfg.output_features}

@@ -121,3 +121,20 @@ def test_lerobot_robot_clients_task_reaches_the_prompt(
         assert all(bool(a.get_action().isfinite().all()) for a in actions)
         stub.close()
         assert "policyd_prompts_tokenized_total 1" in s.metrics()
+
+
+def test_empty_cameras_are_filled_by_the_model_and_not_sent(
+    tmp_path_factory: pytest.TempPathFactory, policyd: str
+) -> None:
+    """`empty_cameras = 1`: LeRobot adds a feature no robot sends and fills it (−1, masked)
+    in `prepare_images`; the bundle binds the real camera only, and serves LeRobot's actions."""
+    root = tmp_path_factory.mktemp("smolvla-empty")
+    vlm = tiny_smolvlm(root / "vlm")
+    ckpt = smolvla(root / "checkpoint", vlm, seed=2, empty_cameras=1)
+    r = run_cli("lerobot", str(ckpt), "--out", str(root / "bundle"))
+    assert r.returncode == 0, r.stderr
+    config = tomllib.loads((root / "bundle" / "policyd.toml").read_text())
+    keys = [b["key"] for b in config["inputs"]]
+    assert keys == ["observation.images.cam0", "observation.state", "task"], keys
+    r = run_cli("verify", str(root / "bundle"), str(ckpt), "--policyd", policyd)
+    assert r.returncode == 0, r.stdout + r.stderr

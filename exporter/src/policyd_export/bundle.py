@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import shutil
 import tempfile
 from dataclasses import asdict
@@ -68,6 +69,43 @@ def lerobot_names(path: Path, extra: list[str]) -> list[str]:
     return list(dict.fromkeys(names))
 
 
+#: policyd's default `engine.timeout_ms`, and how many measured chunks a bundle's allows.
+DEFAULT_TIMEOUT_MS = 10_000
+TIMEOUT_CHUNKS = 10
+
+
+def chunk_seconds(exported: Exported) -> float:
+    """One chunk as measured at export with onnxruntime on this machine: each graph once, a
+    pipeline's step graph once per default sampler step."""
+    step = exported.config.get("denoise", {}).get("model")
+    steps = int(exported.config.get("sampler", {}).get("steps", 1))
+    return sum(g.run_seconds * (steps if g.file == step else 1) for g in exported.graphs)
+
+
+def sized_engine(exported: Exported) -> tuple[dict, str]:
+    """`[engine]` with the keys that depend on a chunk's time, and the header lines that say
+    so: `timeout_ms` (a run longer marks the engine stalled) at ten measured chunks and at
+    least policyd's default; one warm-up run instead of three for a chunk past a second."""
+    chunk = chunk_seconds(exported)
+    engine = dict(exported.config["engine"])
+    # Whole seconds, rounded up.
+    timeout = max(DEFAULT_TIMEOUT_MS, math.ceil(chunk * TIMEOUT_CHUNKS) * 1000)
+    engine["timeout_ms"] = timeout
+    note = (
+        f"engine.timeout_ms = {timeout}: one chunk took {chunk * 1000:.0f} ms with onnxruntime on\n"
+        f"the exporting machine; the timeout allows {TIMEOUT_CHUNKS} such chunks (and at least "
+        f"policyd's default,\n{DEFAULT_TIMEOUT_MS} ms). Raise it for a slower board."
+    )
+    if chunk > 1.0:
+        engine["warmup_runs"] = 1
+        note += (
+            "\nengine.warmup_runs = 1: a chunk takes seconds, so one warm-up run, not three.\n"
+            "Under systemd, a chunk longer than the unit's WatchdogSec= (5 s) restarts the\n"
+            "service: raise WatchdogSec= (sudo systemctl edit policyd) above the chunk time."
+        )
+    return engine, note
+
+
 def write(
     tmp: Path, ckpt: Checkpoint, exported: Exported, client_names: list[str] | None = None
 ) -> None:
@@ -78,9 +116,11 @@ def write(
         {"pretrained": n, "policy_type": ckpt.type}
         for n in lerobot_names(ckpt.path, client_names or [])
     ]
+    engine, timing = sized_engine(exported)
     config = {
         "server": {"host": "127.0.0.1", "port": 8000},
         **exported.config,
+        "engine": engine,
         "lerobot": {"listen": "127.0.0.1:8080", "serve": serve},
     }
     graphs = [g.file for g in exported.graphs]
@@ -92,7 +132,8 @@ def write(
         "checkpoint's own (policy_preprocessor / policy_postprocessor statistics).\n"
         "LeRobot's robot_client connects to [lerobot] listen (127.0.0.1:8080: this machine only;\n"
         "set 0.0.0.0:8080 and lerobot.allow for a robot on the network) with one of the\n"
-        "[[lerobot.serve]] names as --policy.pretrained_name_or_path (see docs/lerobot.md)."
+        "[[lerobot.serve]] names as --policy.pretrained_name_or_path (see docs/lerobot.md).\n"
+        + timing
     )
     (tmp / CONFIG).write_text(_toml(header, config))
     trt = copy.deepcopy(config)

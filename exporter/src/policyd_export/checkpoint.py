@@ -192,6 +192,12 @@ def load(path: str | Path) -> Checkpoint:
     if not (path / "model.safetensors").is_file():
         raise ExportError(f"{path / 'model.safetensors'}: missing (the policy's weights)")
     inputs = _features(config.get("input_features"), "input_features")
+    # pi0's and SmolVLA's `empty_cameras` add features no robot sends: the model fills them
+    # (−1, masked out) when they are missing, so they are neither bound nor sent.
+    empty = {
+        f"observation.images.empty_camera_{i}" for i in range(int(config.get("empty_cameras") or 0))
+    }
+    inputs = [f for f in inputs if f.key not in empty]
     outputs = _features(config.get("output_features"), "output_features")
     bindable = {"STATE", "VISUAL", "ENV"}
     for f in inputs:

@@ -32,6 +32,9 @@ class Graph:
     max_abs_diff: float
     rewrites: list[str]
     seconds: float
+    #: One onnxruntime run of the saved graph on this machine (after a first, warming run):
+    #: what the bundle's engine.timeout_ms is sized from.
+    run_seconds: float = 0.0
 
 
 def export(
@@ -79,6 +82,9 @@ def export(
 
     sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     got = sess.run(None, feeds)
+    timed = time.monotonic()
+    sess.run(None, feeds)
+    run_seconds = time.monotonic() - timed
     with torch.no_grad():
         want = module(*args)
     want = [want] if isinstance(want, torch.Tensor) else list(want)
@@ -93,4 +99,5 @@ def export(
         max_abs_diff=diff,
         rewrites=[line for line in report.lines() if not line.endswith(": 0")],
         seconds=time.monotonic() - start,
+        run_seconds=run_seconds,
     )

@@ -197,7 +197,8 @@ def export(
     by_key = {f.key: f for f in ckpt.inputs}
     if OBS_STATE not in by_key:
         raise ExportError(f"config.json: {ckpt.type} needs {OBS_STATE}")
-    images = list(cfg.image_features)
+    # `empty_cameras` are not inputs: the prefix adds them (−1, masked out), as LeRobot does.
+    images = [k for k in cfg.image_features if k in by_key]
     res = tuple(cfg.image_resolution)
     # Cameras recorded at another size are resized with padding inside the prefix graph.
     resize = [tuple(by_key[k].shape[1:]) != res for k in images]

@@ -102,13 +102,16 @@ def export(ckpt: Checkpoint, policy: nn.Module, out: Path, verbose: bool) -> Exp
     cfg = policy.config
     model = policy.model
     if cfg.adapt_to_pi_aloha:
-        raise ExportError("config.json: adapt_to_pi_aloha is set; not exported")
-    if cfg.empty_cameras:
-        raise ExportError("config.json: empty_cameras is set; not exported")
+        raise ExportError(
+            "config.json: adapt_to_pi_aloha is set: SmolVLA then maps the final actions into "
+            "pi's ALOHA space after the flow loop (_pi_aloha_encode_actions), a step policyd's "
+            "pipeline has no graph for; not exported"
+        )
     by_key = {f.key: f for f in ckpt.inputs}
     if OBS_STATE not in by_key:
         raise ExportError(f"config.json: SmolVLA needs {OBS_STATE}")
-    images = list(cfg.image_features)
+    # `empty_cameras` are not inputs: `prepare_images` fills them (−1, masked) in the graph.
+    images = [k for k in cfg.image_features if k in by_key]
     extra = [f.key for f in ckpt.inputs if f.type != "VISUAL" and f.key != OBS_STATE]
     if extra:
         raise ExportError(f"config.json: SmolVLA reads {OBS_STATE} and cameras; not {extra}")
