@@ -90,10 +90,13 @@ def diffusion(
     steps: int | None = 10,
     cameras: int = 1,
     full: bool = False,
+    image: tuple[int, int] = (96, 96),
+    resize: tuple[int, int] | None = None,
 ) -> Path:
-    """Diffusion Policy, PushT-like: 2 observation steps of 96×96 images cropped to 84, horizon
-    16, 8 actions kept; a small U-Net (down_dims 32/64/128), or with `full` LeRobot's default;
-    MIN_MAX state and action as LeRobot's defaults."""
+    """Diffusion Policy, PushT-like: 2 observation steps of 96×96 images (or `image`) cropped to
+    84, horizon 16, 8 actions kept; a small U-Net (down_dims 32/64/128), or with `full`
+    LeRobot's default; MIN_MAX state and action as LeRobot's defaults. `resize`: the encoder's
+    `resize_shape` (torchvision's antialiased Resize), then the crop."""
     from lerobot.policies.diffusion.configuration_diffusion import DiffusionConfig
     from lerobot.policies.diffusion.modeling_diffusion import DiffusionPolicy
 
@@ -101,7 +104,8 @@ def diffusion(
     g = torch.Generator().manual_seed(seed)
     inputs = {"observation.state": PolicyFeature(FeatureType.STATE, (STATE,))}
     for i in range(cameras):
-        inputs[f"observation.images.cam{i}"] = PolicyFeature(FeatureType.VISUAL, (3, 96, 96))
+        inputs[f"observation.images.cam{i}"] = PolicyFeature(FeatureType.VISUAL, (3, *image))
+    extra: dict = {} if resize is None else {"resize_shape": resize}
     cfg = DiffusionConfig(
         input_features=inputs,
         output_features={"action": PolicyFeature(FeatureType.ACTION, (ACTION,))},
@@ -119,6 +123,7 @@ def diffusion(
             }
         ),
         noise_scheduler_type=scheduler,
+        **extra,
         num_train_timesteps=100,
         num_inference_steps=steps,
         pretrained_backbone_weights=None,

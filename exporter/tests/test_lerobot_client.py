@@ -220,17 +220,35 @@ def test_robot_client_runs_against_policyd(
         assert 'policyd_requests_total{route="lerobot",endpoint="observe"}' in m
 
 
+#: LeRobot's policy_server with pi0 at the tests' tiny sizes and its noise all zeros (policyd's
+#: side takes the same zeros as injected noise), so that the two servers' actions compare.
+TINY_PI0_SERVER = """
+import runpy, sys, torch
+sys.path.insert(0, {tests!r})
+import checkpoints
+from lerobot.policies.pi0.modeling_pi0 import PI0Pytorch
+PI0Pytorch.sample_noise = lambda self, shape, device: torch.zeros(shape, device=device)
+sys.argv = ["policy_server"] + sys.argv[1:]
+with checkpoints.tiny_pi0():
+    runpy.run_module("lerobot.async_inference.policy_server", run_name="__main__")
+"""
+
+
 @contextlib.contextmanager
-def lerobot_server(tmp: Path) -> Iterator[str]:
-    """LeRobot 0.6.1's own policy_server, as its users start it."""
+def lerobot_server(tmp: Path, tiny_pi0: bool = False) -> Iterator[str]:
+    """LeRobot 0.6.1's own policy_server, as its users start it (`tiny_pi0`: see
+    `TINY_PI0_SERVER`)."""
     port = free_port()
     log = tmp / "lerobot-server.log"
+    if tiny_pi0:
+        start = ["-c", TINY_PI0_SERVER.format(tests=str(Path(__file__).parent))]
+    else:
+        start = ["-m", "lerobot.async_inference.policy_server"]
     with log.open("w") as out:
         proc = subprocess.Popen(
             [
                 sys.executable,
-                "-m",
-                "lerobot.async_inference.policy_server",
+                *start,
                 "--host=127.0.0.1",
                 f"--port={port}",
                 "--fps=30",
@@ -563,3 +581,53 @@ def test_a_reload_moves_the_session_to_the_new_engine(
         assert after[0].get_timestep() == 5
         assert abs(after[1].get_timestamp() - after[0].get_timestamp() - 0.1) < 1e-6
         stub.close()
+
+
+def test_pi0_with_480x640_cameras_for_256x256_features_equals_lerobots_server(
+    policyd: str, tmp_path: Path
+) -> None:
+    """A pi0 fine-tuned on 256×256 frames (LIBERO's size; the model takes 224×224) behind a robot
+    whose camera gives 480×640: both servers resize the frame to the feature's 256×256 (uint8
+    bilinear), then the model resizes with padding to 224×224. With the same (zero) noise on both
+    sides, the actions agree."""
+    import checkpoints
+    from policyd_export.cli import main
+
+    with checkpoints.tiny_pi0():
+        tokenizer = checkpoints.gemma_tokenizer(tmp_path / "tokenizer")
+        ckpt = checkpoints.pi0(tmp_path / "checkpoint", tokenizer, image=(256, 256), seed=4)
+        bundle = tmp_path / "bundle"
+        assert main(["lerobot", str(ckpt), "--out", str(bundle)]) == 0
+    # policyd's initial sample from a binding no robot sends: zeros, as LeRobot's patched noise.
+    config = tomllib.loads((bundle / "policyd.toml").read_text())
+    config["sampler"]["inject_noise"] = True
+    config["inputs"].append(
+        {
+            "key": "noise",
+            "tensor": "x_t",
+            "dtypes": ["float32"],
+            "shape": [10, 32],
+            "optional": True,
+            "fill": 0.0,
+        }
+    )
+    (bundle / "policyd.toml").write_text(tomli_w.dumps(config))
+    exported = Exported(ckpt, bundle, "")
+    robot = test_robot.PolicydTestRobot(robot_config(seed=6, frames={"cam0": (480, 640)}))
+    features = map_robot_keys_to_lerobot_features(robot)
+    remote = RemotePolicyConfig("pi0", str(ckpt.resolve()), features, 10, "cpu")
+    observations = [observation(robot, step) for step in (0, 4)]
+    got: dict[str, list[np.ndarray]] = {}
+    with served(policyd, exported, tmp_path) as s, lerobot_server(tmp_path, tiny_pi0=True) as up:
+        for name, address in (("policyd", s.address), ("lerobot", up)):
+            stub = Stub(address)
+            stub.setup(remote)
+            got[name] = []
+            for obs in observations:
+                stub.observe(obs)
+                got[name].append(np.stack([a.get_action().numpy() for a in stub.actions(60)]))
+            stub.close()
+    for ours, theirs in zip(got["policyd"], got["lerobot"], strict=True):
+        assert ours.shape == theirs.shape == (10, 6)
+        scale = max(float(np.abs(theirs).max()), 1.0)
+        assert float(np.abs(ours - theirs).max()) / scale <= 1e-4, (ours, theirs)

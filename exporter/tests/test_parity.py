@@ -148,3 +148,32 @@ def test_served_on_onnxruntime_actions_equal_lerobot(
     assert r.returncode == 0, r.stdout + r.stderr
     rows = [line for line in r.stdout.splitlines() if line.startswith("observation ")]
     assert len(rows) == 4 and all(line.endswith("pass") for line in rows), r.stdout
+
+
+def test_diffusion_resize_shape_is_served_with_its_antialiased_resize(
+    tmp_path: Path, policyd: str
+) -> None:
+    """`resize_shape` (torchvision's Resize, antialiased) on 120×160 cameras: the encoder
+    graph resizes as LeRobot does, and the same bundle with the antialiasing switched off
+    is far off, so the check can fail."""
+    import checkpoints
+    import onnx
+
+    ckpt = checkpoints.diffusion(tmp_path / "checkpoint", image=(120, 160), resize=(96, 128))
+    bundle = tmp_path / "bundle"
+    r = run_cli("lerobot", str(ckpt), "--out", str(bundle))
+    assert r.returncode == 0, r.stderr
+    config = tomllib.loads((bundle / "policyd.toml").read_text())
+    assert config["inputs"][-1]["shape"] == [120, 160, 3]
+    r = run_cli("verify", str(bundle), str(ckpt), "--policyd", policyd)
+    assert r.returncode == 0, r.stdout + r.stderr
+    model = onnx.load(str(bundle / "encoder.onnx"))
+    resizes = [n for n in model.graph.node if n.op_type == "Resize"]
+    assert resizes
+    for n in resizes:
+        for a in n.attribute:
+            if a.name == "antialias":
+                a.i = 0
+    onnx.save(model, str(bundle / "encoder.onnx"))
+    r = run_cli("verify", str(bundle), str(ckpt), "--policyd", policyd)
+    assert r.returncode == 1, r.stdout + r.stderr

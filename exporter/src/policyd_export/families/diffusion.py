@@ -7,7 +7,9 @@ Here the encoder is the pipeline's prefix graph, the U-Net its step graph, the l
 own DDPM/DDIM with the checkpoint's scheduler settings, and the slice `[[outputs]] rows`. The
 frames come from policyd's per-session history (`[[inputs]] history = n_obs_steps`), filled on
 a session's first observation as LeRobot's `populate_queues` fills its queues, so a client
-sends one frame per request.
+sends one frame per request. A camera whose feature is larger than `resize_shape` enters the
+encoder at its own size: the encoder's torchvision `Resize` (bilinear, antialiased) is traced
+with it, an ONNX `Resize` with `antialias = 1` that tract and onnxruntime both honour.
 """
 
 from __future__ import annotations
@@ -78,11 +80,6 @@ def sampler(cfg) -> dict:  # noqa: ANN001 (a LeRobot DiffusionConfig)
 def export(ckpt: Checkpoint, policy: nn.Module, out: Path, verbose: bool) -> Exported:
     cfg = policy.config
     model = policy.diffusion
-    if getattr(cfg, "resize_shape", None) is not None:
-        raise ExportError(
-            "config.json: resize_shape is set; the encoder's torchvision Resize (antialiased) "
-            "is not exported yet: give the checkpoint's images at the resized resolution"
-        )
     n_obs = int(cfg.n_obs_steps)
     images = list(cfg.image_features)
     by_key = {f.key: f for f in ckpt.inputs}
