@@ -591,6 +591,7 @@ def test_pi0_with_480x640_cameras_for_256x256_features_equals_lerobots_server(
     bilinear), then the model resizes with padding to 224×224. With the same (zero) noise on both
     sides, the actions agree."""
     import checkpoints
+
     from policyd_export.cli import main
 
     with checkpoints.tiny_pi0():
