@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from . import options
 from .errors import ExportError
 
 #: Policy types this exporter turns into bundles (config.json's "type").
@@ -189,6 +190,7 @@ def load(path: str | Path) -> Checkpoint:
             f"{path / 'config.json'}: policy type {kind!r} is not supported{extra}; "
             f"supported: {', '.join(SUPPORTED)}"
         )
+    options.check(kind, config, str(path / "config.json"))
     if not (path / "model.safetensors").is_file():
         raise ExportError(f"{path / 'model.safetensors'}: missing (the policy's weights)")
     inputs = _features(config.get("input_features"), "input_features")
