@@ -550,7 +550,11 @@ async fn connections_are_capped_and_time_out() {
     let opened = Instant::now();
     let mut socks = Vec::new();
     for _ in 0..40 {
-        socks.push(tokio::net::TcpStream::connect(grpc).await.expect("connects"));
+        socks.push(
+            tokio::net::TcpStream::connect(grpc)
+                .await
+                .expect("connects"),
+        );
     }
     tokio::time::sleep(Duration::from_millis(300)).await;
     let mut closed_at_once = 0;
@@ -574,7 +578,10 @@ async fn connections_are_capped_and_time_out() {
         opened.elapsed() < Duration::from_secs(2),
         "checked before the handshake deadline"
     );
-    assert_eq!(closed_at_once, 36, "all but lerobot.max_connections are closed");
+    assert_eq!(
+        closed_at_once, 36,
+        "all but lerobot.max_connections are closed"
+    );
     // The held ones are closed at the handshake deadline (2 s after accept).
     tokio::time::sleep(Duration::from_millis(2300).saturating_sub(opened.elapsed())).await;
     for s in &mut socks {
