@@ -260,3 +260,139 @@ mod tests {
         assert_eq!(raised, (soft + 1).min(hard));
     }
 }
+
+/// What the machine lets this process have: its cgroup's memory limit (systemd's `MemoryMax=`)
+/// less what the cgroup uses already, and the kernel's `MemAvailable`. `None` where there is
+/// no limit or it cannot be read.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MemoryRoom {
+    /// `(limit, in use)` of the cgroup, in bytes.
+    pub cgroup: Option<(u64, u64)>,
+    pub available: Option<u64>,
+}
+
+impl MemoryRoom {
+    /// Reads `/proc/self/cgroup` (cgroup v2's `memory.max`/`memory.current`, or v1's
+    /// `memory.limit_in_bytes`/`memory.usage_in_bytes`) and `/proc/meminfo`.
+    pub fn read() -> MemoryRoom {
+        let read = |p: &str| std::fs::read_to_string(p).ok();
+        let cgroup = read("/proc/self/cgroup").and_then(|text| {
+            let (dir, v2) = cgroup_memory_dir(&text)?;
+            let file = |name: &str| read(&format!("{dir}/{name}"));
+            let (limit, usage) = if v2 {
+                (file("memory.max")?, file("memory.current")?)
+            } else {
+                (
+                    file("memory.limit_in_bytes")?,
+                    file("memory.usage_in_bytes")?,
+                )
+            };
+            let limit: u64 = limit.trim().parse().ok()?;
+            // cgroup v1 says "no limit" with a huge number (a page-rounded i64::MAX).
+            (limit < 1 << 60).then_some((limit, usage.trim().parse().unwrap_or(0)))
+        });
+        let available = read("/proc/meminfo").and_then(|m| mem_available(&m));
+        MemoryRoom { cgroup, available }
+    }
+
+    /// Refuses `need` bytes (`what` they are, for the message) where the cgroup's headroom or
+    /// the machine's available memory is smaller, naming both figures and what to change.
+    pub fn check(&self, what: &str, need: u64) -> Result<(), String> {
+        let mib = |b: u64| b as f64 / (1024.0 * 1024.0);
+        if let Some((limit, used)) = self.cgroup {
+            let room = limit.saturating_sub(used);
+            if need > room {
+                return Err(format!(
+                    "{what} need {:.1} MiB but the service's memory limit (MemoryMax=) of \
+                     {:.1} MiB leaves {:.1} MiB: raise MemoryMax= (sudo systemctl edit policyd) \
+                     or serve a smaller policy",
+                    mib(need),
+                    mib(limit),
+                    mib(room)
+                ));
+            }
+        }
+        if let Some(available) = self.available
+            && need > available
+        {
+            return Err(format!(
+                "{what} need {:.1} MiB but this machine has {:.1} MiB available: free memory or \
+                 serve a smaller policy",
+                mib(need),
+                mib(available)
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// The directory of this process's memory controller in `/proc/self/cgroup`'s text, and
+/// whether it is cgroup v2.
+fn cgroup_memory_dir(text: &str) -> Option<(String, bool)> {
+    let v1 = text.lines().find_map(|l| {
+        let mut f = l.splitn(3, ':');
+        let (_, controllers, path) = (f.next()?, f.next()?, f.next()?);
+        controllers
+            .split(',')
+            .any(|c| c == "memory")
+            .then(|| format!("/sys/fs/cgroup/memory{path}"))
+    });
+    if let Some(dir) = v1 {
+        return Some((dir, false));
+    }
+    let path = text.lines().find_map(|l| l.strip_prefix("0::"))?;
+    Some((
+        format!("/sys/fs/cgroup{}", path.trim_end_matches('/')),
+        true,
+    ))
+}
+
+/// `MemAvailable` from `/proc/meminfo`'s text, in bytes.
+fn mem_available(meminfo: &str) -> Option<u64> {
+    let line = meminfo.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
+#[cfg(test)]
+mod room_tests {
+    use super::*;
+
+    #[test]
+    fn the_cgroup_is_found_in_v1_and_v2() {
+        assert_eq!(
+            cgroup_memory_dir("0::/system.slice/policyd.service\n"),
+            Some(("/sys/fs/cgroup/system.slice/policyd.service".into(), true))
+        );
+        assert_eq!(
+            cgroup_memory_dir("5:cpuset:/\n4:memory:/system.slice/policyd.service\n0::/\n"),
+            Some((
+                "/sys/fs/cgroup/memory/system.slice/policyd.service".into(),
+                false
+            ))
+        );
+        assert_eq!(
+            mem_available("MemTotal: 100 kB\nMemAvailable:   2048 kB\n"),
+            Some(2 << 20)
+        );
+    }
+
+    #[test]
+    fn a_policy_over_the_limit_or_the_memory_is_refused_naming_both_figures() {
+        let room = MemoryRoom {
+            cgroup: Some((2 << 30, 1 << 30)),
+            available: Some(8 << 30),
+        };
+        assert!(room.check("the weights", 512 << 20).is_ok());
+        let e = room.check("the weights", 3 << 30).unwrap_err();
+        assert!(e.contains("3072.0 MiB") && e.contains("2048.0 MiB"), "{e}");
+        assert!(e.contains("MemoryMax="), "{e}");
+        let tight = MemoryRoom {
+            cgroup: None,
+            available: Some(1 << 30),
+        };
+        let e = tight.check("the weights", 3 << 30).unwrap_err();
+        assert!(e.contains("1024.0 MiB available"), "{e}");
+        assert!(MemoryRoom::default().check("anything", u64::MAX).is_ok());
+    }
+}

@@ -329,6 +329,32 @@ pub fn build(
 ) -> Result<Built, PolicyError> {
     let mut policies = Vec::with_capacity(cfg.policies.len());
     let (mut loaded, mut kept) = (Vec::new(), Vec::new());
+    // Before any weights are read: those about to be loaded must fit in what the service may
+    // still allocate (its MemoryMax= less what it holds, and the machine's available memory).
+    let room = super::budget::MemoryRoom::read();
+    let mut weights = Vec::new();
+    for c in &cfg.policies {
+        let unchanged = current
+            .and_then(|s| s.get(&c.name))
+            .is_some_and(|old| old.fingerprint == fingerprint(cfg, c));
+        if !unchanged {
+            let size = c.model.size() + c.pipeline.as_ref().map_or(0, |p| p.denoise.size());
+            weights.push((c.name.as_str(), size));
+        }
+    }
+    let need: u64 = weights.iter().map(|(_, b)| b).sum();
+    room.check(
+        &format!(
+            "the weights to load ({})",
+            weights
+                .iter()
+                .map(|(n, b)| format!("{n} {:.1} MiB", *b as f64 / (1024.0 * 1024.0)))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+        need,
+    )
+    .map_err(|m| crate::config::invalid("engine.model", m))?;
     for c in &cfg.policies {
         let name = c.name.clone();
         if let Some(old) = current.and_then(|s| s.get(&name))
@@ -546,6 +572,18 @@ pub fn check(cfg: &Config, origin: &str) -> Result<String, PolicyError> {
     }
     let items: Vec<(&str, &Budget)> = budgets.iter().map(|(n, b)| (n.as_str(), b)).collect();
     let total = super::budget::budget_of(cfg, &items)?;
+    // The whole budget against what this machine (and this process's cgroup) could give it.
+    match super::budget::MemoryRoom::read().check("the policies' budget", total) {
+        Ok(()) => {
+            let _ = writeln!(
+                out,
+                "memory: the budget fits this machine's available memory"
+            );
+        }
+        Err(m) => {
+            let _ = writeln!(out, "memory: {m}");
+        }
+    }
     let fds = super::budget::FdBudget::compute(cfg);
     // What the limits would be at start-up: this process's, raised as serving raises them.
     if let Ok((soft, hard)) = crate::service::raise_open_files(fds.total) {
