@@ -133,6 +133,25 @@ async fn handshakes_that_break_rfc_6455_get_400_not_101() {
             "400",
         ),
         ("POST", handshake("POST", "HTTP/1.1", &ok), "400"),
+        (
+            "a body",
+            handshake("GET", "HTTP/1.1", &format!("{ok}Content-Length: 5\r\n")) + "hello",
+            "400",
+        ),
+        (
+            "a chunked body",
+            handshake(
+                "GET",
+                "HTTP/1.1",
+                &format!("{ok}Transfer-Encoding: chunked\r\n"),
+            ) + "0\r\n\r\n",
+            "400",
+        ),
+        (
+            "Content-Length: 0",
+            handshake("GET", "HTTP/1.1", &format!("{ok}Content-Length: 0\r\n")),
+            "101",
+        ),
         ("HTTP/1.0", handshake("GET", "HTTP/1.0", &ok), "400"),
         (
             "no Connection: Upgrade",
@@ -268,6 +287,32 @@ async fn protocol_violations_get_a_close_frame_before_the_socket_closes() {
             "invalid UTF-8 text",
             frame(0x81, &[b'a', 0xff, 0xfe], true),
             invalid,
+        ),
+        // RFC 6455 §5.2: the 64-bit length's top bit clear, the fewest bytes for a length.
+        (
+            "64-bit length with its top bit set",
+            [
+                &[0x82, 0x80 | 127, 0x80, 0, 0, 0, 0, 0, 0, 5][..],
+                &[1, 2, 3, 4],
+                b"hello",
+            ]
+            .concat(),
+            protocol,
+        ),
+        (
+            "5 in a 16-bit length",
+            [&[0x82, 0x80 | 126, 0, 5][..], &[1, 2, 3, 4], b"hello"].concat(),
+            protocol,
+        ),
+        (
+            "5 in a 64-bit length",
+            [
+                &[0x82, 0x80 | 127, 0, 0, 0, 0, 0, 0, 0, 5][..],
+                &[1, 2, 3, 4],
+                b"hello",
+            ]
+            .concat(),
+            protocol,
         ),
     ];
     for path in ["/", VLLM] {

@@ -167,6 +167,32 @@ impl<S> FrameGuard<S> {
         if masked {
             mask.copy_from_slice(&h[len - 4..len]);
         }
+        // RFC 6455 §5.2: a 64-bit length has its top bit clear, and every length uses the
+        // fewest bytes. A header that breaks either is a protocol error: tungstenite gets a
+        // header it refuses as one (RSV1 set, which no extension here allows), so the client
+        // gets close 1002, and nothing after it is read.
+        let ext = h[1] & 0x7f;
+        if (ext == 127 && (payload >> 63 != 0 || payload < 1 << 16))
+            || (ext == 126 && payload < 126)
+        {
+            crate::log_limited!(
+                log::Level::Info,
+                "a frame header breaks RFC 6455's length encoding; closing with 1002"
+            );
+            let o = &mut self.out;
+            o[0] = (b0 & 0x8f) | 0x40;
+            o[1] = if masked { 0x80 } else { 0 };
+            let mut n = 2;
+            if masked {
+                o[2..6].copy_from_slice(&mask);
+                n = 6;
+            }
+            self.out_start = 0;
+            self.out_end = n;
+            self.start += len;
+            self.state = State::Discard(u64::MAX);
+            return;
+        }
         let fin = b0 & 0x80 != 0;
         let opcode = b0 & 0x0f;
         let data = opcode < 8;

@@ -108,6 +108,9 @@ struct Head {
     keys: Vec<String>,
     /// Every `Authorization` header (API keys; more than one is refused); never logged.
     authorizations: Vec<String>,
+    /// The request says it has a body (`Content-Length` other than 0, or
+    /// `Transfer-Encoding`): a WebSocket handshake has none.
+    body: bool,
     /// Bytes read past the head (a client's first frame, if it did not wait).
     rest: Vec<u8>,
 }
@@ -189,6 +192,8 @@ async fn read_head<S: Transport>(stream: &mut S) -> Result<Head, HeadError> {
                     version: find("sec-websocket-version"),
                     keys: all("sec-websocket-key"),
                     authorizations: all("authorization"),
+                    body: all("content-length").iter().any(|v| v != "0")
+                        || !all("transfer-encoding").is_empty(),
                     rest: buf[end..len].to_vec(),
                 });
             }
@@ -216,6 +221,13 @@ fn upgrade_request(head: &Head) -> Result<&str, String> {
     if !head.connection_upgrade {
         return Err(
             "a WebSocket handshake needs a Connection header with the Upgrade token".into(),
+        );
+    }
+    if head.body {
+        // Its bytes would be read as WebSocket frames (RFC 6455 §4.1: the handshake is a GET
+        // with no body).
+        return Err(
+            "a WebSocket handshake has no body (Content-Length or Transfer-Encoding)".into(),
         );
     }
     match head.keys.as_slice() {
