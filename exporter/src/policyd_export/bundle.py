@@ -137,7 +137,7 @@ def write(
     )
     (tmp / CONFIG).write_text(_toml(header, config))
     trt = copy.deepcopy(config)
-    trt["engine"] = {"backend": "tensorrt", "model": _plan(trt["engine"]["model"])}
+    trt["engine"].update(backend="tensorrt", model=_plan(trt["engine"]["model"]))
     if "denoise" in trt:
         trt["denoise"]["model"] = _plan(trt["denoise"]["model"])
     trt_header = (
