@@ -2,6 +2,9 @@
 //! lerobot 0.6.1 with numpy 2, tests/fixtures/lerobot/generate.py) lower to the values they
 //! hold, and hostile or broken ones are refused with an error that names what was wrong.
 
+mod common;
+
+use common::MOTORS;
 use policyd::dtype::ElemType;
 use policyd::protocol::lerobot::{self, LerobotError, ObsValue};
 use policyd::protocol::pickle::{PickleError, PickleLimits, PickleReader};
@@ -50,15 +53,6 @@ fn read_observation(payload: &[u8]) -> Result<Seen, LerobotError> {
     }
     Ok(seen)
 }
-
-const MOTORS: [&str; 6] = [
-    "shoulder_pan.pos",
-    "shoulder_lift.pos",
-    "elbow_flex.pos",
-    "wrist_flex.pos",
-    "wrist_roll.pos",
-    "gripper.pos",
-];
 
 fn check_common(s: &Seen) {
     assert_eq!(s.timestamp, 1767225600.123456);

@@ -9,6 +9,8 @@
 
 mod common;
 
+use common::MOTORS;
+
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
@@ -20,15 +22,6 @@ use policyd::testing::synthetic::Behaviour;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tonic::Code;
 use tonic::transport::Channel;
-
-const MOTORS: [&str; 6] = [
-    "shoulder_pan.pos",
-    "shoulder_lift.pos",
-    "elbow_flex.pos",
-    "wrist_flex.pos",
-    "wrist_roll.pos",
-    "gripper.pos",
-];
 
 /// A pickle written opcode by opcode (protocol 4, the opcodes LeRobot's client emits).
 #[derive(Default)]
@@ -306,18 +299,22 @@ async fn first_action(c: &mut AsyncInferenceClient<Channel>) -> f64 {
     }
 }
 
+/// Sets up with `motors` (a 4x6 camera) and sends observation `step`: the first action's first
+/// value.
+async fn set_up_and_act(c: &mut AsyncInferenceClient<Channel>, motors: &[&str], step: i32) -> f64 {
+    set_up(c, setup(motors, &[4, 6, 3])).await.expect("setup");
+    observe(c, &observation(step, (4, 6), |_| {}))
+        .await
+        .expect("observation");
+    first_action(c).await
+}
+
 #[tokio::test]
 async fn a_robot_sets_up_observes_and_gets_its_actions() {
     let (_server, grpc) = serve("").await;
     let mut robot = client(grpc).await;
-    set_up(&mut robot, setup(&MOTORS, &[4, 6, 3]))
-        .await
-        .expect("setup");
-    observe(&mut robot, &observation(0, (4, 6), |_| {}))
-        .await
-        .expect("observation");
     assert_eq!(
-        first_action(&mut robot).await,
+        set_up_and_act(&mut robot, &MOTORS, 0).await,
         10.0,
         "the first motor's value"
     );
@@ -726,16 +723,10 @@ async fn another_peer_cannot_steer_or_rob_the_robots_session() {
     // Silent past lerobot.takeover_after_s: another client may take the session over, with
     // its own setup, and the old owner is refused from then on.
     tokio::time::sleep(Duration::from_millis(1200)).await;
-    set_up(&mut other, setup(&reversed, &[4, 6, 3]))
-        .await
-        .expect("a takeover");
-    observe(&mut other, &observation(2, (4, 6), |_| {}))
-        .await
-        .expect("observation");
     assert_eq!(
-        first_action(&mut other).await,
+        set_up_and_act(&mut other, &reversed, 2).await,
         60.0,
-        "the new owner's motor order"
+        "a takeover, with the new owner's motor order"
     );
     let e = observe(&mut again, &observation(3, (4, 6), |_| {}))
         .await

@@ -19,6 +19,17 @@ use tokio::net::TcpStream;
 use tokio::sync::oneshot;
 use tokio_tungstenite::tungstenite::Message;
 
+/// An SO-101's motor keys, as LeRobot's robot_client sends them (the order of its
+/// `observation.state` names).
+pub const MOTORS: [&str; 6] = [
+    "shoulder_pan.pos",
+    "shoulder_lift.pos",
+    "elbow_flex.pos",
+    "wrist_flex.pos",
+    "wrist_roll.pos",
+    "gripper.pos",
+];
+
 /// Action chunk rows and columns of the synthetic engine.
 pub const H: usize = 10;
 pub const D: usize = 7;
