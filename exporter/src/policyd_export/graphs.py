@@ -32,8 +32,8 @@ class Graph:
     max_abs_diff: float
     rewrites: list[str]
     seconds: float
-    #: One onnxruntime run of the saved graph on this machine (after a first, warming run):
-    #: what the bundle's engine.timeout_ms is sized from.
+    #: One onnxruntime run of the saved graph on one thread of this machine (after a first,
+    #: warming run): what the bundle's engine.timeout_ms is sized from.
     run_seconds: float = 0.0
 
 
@@ -80,7 +80,12 @@ def export(
         extra.unlink()
     import onnxruntime as ort
 
-    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    # One thread, as policyd's engine runs by default (engine.threads = 1): the run timed
+    # below sizes the bundle's engine.timeout_ms.
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    options.inter_op_num_threads = 1
+    sess = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
     got = sess.run(None, feeds)
     timed = time.monotonic()
     sess.run(None, feeds)
