@@ -394,8 +394,8 @@ impl<'s> Core<'s> {
             None => Some(Failure::Inference("the engine returned no result".into())),
         };
         let failure = failure.or_else(|| {
-            let (outputs, scratch, raw) = slot.outputs_and_scratch(plan.relative_source);
-            plan.non_finite_reply(outputs, scratch, raw, self.precision)
+            let parts = slot.reply_parts(plan.relative_source);
+            plan.non_finite_reply(parts.outputs, parts.scratch, parts.raw, self.precision)
                 .map(|name| {
                     Failure::Inference(format!(
                         "the engine's output '{name}' holds NaN or infinity as it would be \

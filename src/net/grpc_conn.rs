@@ -30,8 +30,6 @@ const PREFACE_LEN: usize = 24;
 /// whether the connection is gone.
 #[derive(Debug)]
 pub struct Activity {
-    /// A process-unique connection number.
-    pub id: u64,
     calls: AtomicUsize,
     /// Milliseconds after `epoch` of the last call's end (or the connection's start).
     last_ms: AtomicU64,
@@ -41,9 +39,7 @@ pub struct Activity {
 
 impl Activity {
     fn new() -> Activity {
-        static NEXT: AtomicU64 = AtomicU64::new(1);
         Activity {
-            id: NEXT.fetch_add(1, Ordering::Relaxed),
             calls: AtomicUsize::new(0),
             last_ms: AtomicU64::new(0),
             epoch: Instant::now(),

@@ -329,39 +329,48 @@ pub fn build(
 ) -> Result<Built, PolicyError> {
     let mut policies = Vec::with_capacity(cfg.policies.len());
     let (mut loaded, mut kept) = (Vec::new(), Vec::new());
+    // Which policies a reload keeps as they are (same fingerprint), decided once.
+    let reuse: Vec<Option<Arc<Policy>>> = cfg
+        .policies
+        .iter()
+        .map(|c| {
+            current
+                .and_then(|s| s.get(&c.name))
+                .filter(|old| old.fingerprint == fingerprint(cfg, c))
+                .cloned()
+        })
+        .collect();
     // Before any weights are read: those about to be loaded must fit in what the service may
     // still allocate (its MemoryMax= less what it holds, and the machine's available memory).
-    let room = super::budget::MemoryRoom::read();
-    let mut weights = Vec::new();
-    for c in &cfg.policies {
-        let unchanged = current
-            .and_then(|s| s.get(&c.name))
-            .is_some_and(|old| old.fingerprint == fingerprint(cfg, c));
-        if !unchanged {
+    let weights: Vec<(&str, u64)> = cfg
+        .policies
+        .iter()
+        .zip(&reuse)
+        .filter(|(_, kept)| kept.is_none())
+        .map(|(c, _)| {
             let size = c.model.size() + c.pipeline.as_ref().map_or(0, |p| p.denoise.size());
-            weights.push((c.name.as_str(), size));
-        }
-    }
+            (c.name.as_str(), size)
+        })
+        .collect();
     let need: u64 = weights.iter().map(|(_, b)| b).sum();
-    room.check(
-        &format!(
-            "the weights to load ({})",
-            weights
-                .iter()
-                .map(|(n, b)| format!("{n} {:.1} MiB", *b as f64 / (1024.0 * 1024.0)))
-                .collect::<Vec<_>>()
-                .join(", ")
-        ),
-        need,
-    )
-    .map_err(|m| crate::config::invalid("engine.model", m))?;
-    for c in &cfg.policies {
+    super::budget::MemoryRoom::read()
+        .check(
+            &format!(
+                "the weights to load ({})",
+                weights
+                    .iter()
+                    .map(|(n, b)| format!("{n} {:.1} MiB", *b as f64 / (1024.0 * 1024.0)))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+            need,
+        )
+        .map_err(|m| crate::config::invalid("engine.model", m))?;
+    for (c, old) in cfg.policies.iter().zip(reuse) {
         let name = c.name.clone();
-        if let Some(old) = current.and_then(|s| s.get(&name))
-            && old.fingerprint == fingerprint(cfg, c)
-        {
+        if let Some(old) = old {
             kept.push(name);
-            policies.push(old.clone());
+            policies.push(old);
             continue;
         }
         let context = |e| in_policy(cfg, &name, e);

@@ -99,18 +99,8 @@ impl Slot {
         self.result.as_ref()
     }
 
-    /// The engine's outputs, the scratch buffer a reply converts them in, and the request's
-    /// values as sent of the input at `raw` (`Plan::relative_source`; empty for `None`).
-    pub fn outputs_and_scratch(&mut self, raw: Option<usize>) -> (&[Vec<u8>], &mut [u8], &[u8]) {
-        let raw = match raw.and_then(|i| self.inputs.get_mut(i)) {
-            Some(b) => &*b.bytes_mut(),
-            None => &[],
-        };
-        (&self.outputs, &mut self.scratch, raw)
-    }
-
-    /// What an encoder needs (see [`SlotParts`]); `raw` as for
-    /// [`outputs_and_scratch`](Self::outputs_and_scratch).
+    /// What an encoder needs (see [`SlotParts`]); `raw` is the slot buffer holding the
+    /// request's values as sent of the relative actions' input (`Plan::relative_source`).
     pub fn reply_parts(&mut self, raw: Option<usize>) -> SlotParts<'_> {
         let raw = match raw.and_then(|i| self.inputs.get_mut(i)) {
             Some(b) => &*b.bytes_mut(),
