@@ -192,6 +192,13 @@ impl Metrics {
             .inc();
     }
 
+    /// How many times the LeRobot service refused for `reason` (tests and `policyd bench`).
+    pub fn lerobot_refusals(&self, reason: &'static str) -> u64 {
+        self.lerobot_refused
+            .get_or_create(&RefusedLabels { reason })
+            .get()
+    }
+
     pub fn replied(&self, route: Route, latency: std::time::Duration) {
         self.latency
             .get_or_create(&RouteLabels {

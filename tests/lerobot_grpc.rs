@@ -665,6 +665,33 @@ async fn echoed_client_strings_are_cut() {
     assert!(e.message().contains("kkk"), "{}", e.message());
 }
 
+/// Messages over tonic's limit are refused before a handler runs (a setup) or as the stream
+/// is read (an observation chunk): both are counted and answered, and the robot goes on.
+#[tokio::test]
+async fn messages_over_the_grpc_limit_are_counted() {
+    let (server, grpc) = serve("").await;
+    let metrics = &server.stats.metrics;
+    let mut c = client(grpc).await;
+    let e = set_up(&mut c, vec![0x80; 3 << 20])
+        .await
+        .expect_err("over 2 MiB");
+    assert_eq!(e.code(), tonic::Code::OutOfRange, "{}", e.message());
+    assert_eq!(metrics.lerobot_refusals("oversize"), 1);
+    let e = c
+        .send_observations(tokio_stream::iter([Observation {
+            transfer_state: TransferState::TransferEnd as i32,
+            data: vec![0x80; 3 << 20],
+        }]))
+        .await
+        .expect_err("one chunk over 2 MiB");
+    assert_eq!(e.code(), tonic::Code::ResourceExhausted, "{}", e.message());
+    assert!(e.message().contains("too large"), "{}", e.message());
+    assert_eq!(metrics.lerobot_refusals("oversize"), 2);
+    // The same connection still serves the robot.
+    assert_eq!(set_up_and_act(&mut c, &MOTORS, 0).await, 10.0);
+    assert_eq!(metrics.lerobot_refusals("oversize"), 2);
+}
+
 /// The session belongs to the connection that set it up (the safety concern).
 #[tokio::test]
 async fn another_peer_cannot_steer_or_rob_the_robots_session() {

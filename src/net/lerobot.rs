@@ -141,12 +141,18 @@ pub async fn serve(shared: Arc<Shared>, listener: TcpListener) {
         }
     });
     let mut stop = shared.shutdown.clone();
+    let refusals = shared.clone();
     let result = tonic::transport::Server::builder()
         // ~1.8 MB observations at 30 Hz: HTTP/2's 64 KiB default windows would throttle them.
         .initial_stream_window_size(Some(8 << 20))
         .initial_connection_window_size(Some(16 << 20))
         .tcp_nodelay(true)
         .max_concurrent_streams(Some(STREAMS_PER_CONNECTION))
+        .layer(tower::util::MapResponseLayer::new(
+            move |r: tonic::codegen::http::Response<tonic::body::Body>| {
+                count_early_refusal(&refusals, r)
+            },
+        ))
         .add_service(server)
         .serve_with_incoming_shutdown(
             tokio_stream::wrappers::ReceiverStream::new(incoming),
@@ -164,6 +170,35 @@ pub async fn serve(shared: Arc<Shared>, listener: TcpListener) {
     }
     accept.abort();
     session.abort();
+}
+
+/// tonic refuses a message over its size limit before any handler runs (the setup, a unary
+/// call, over [`CHUNK_BYTES`]): its reply is a trailers-only response with `grpc-status`
+/// `OUT_OF_RANGE` in the headers. Counted (`oversize`) and logged here like the handlers'
+/// refusals; the handlers never answer `OUT_OF_RANGE` themselves, so nothing counts twice.
+fn count_early_refusal<B>(
+    shared: &Shared,
+    r: tonic::codegen::http::Response<B>,
+) -> tonic::codegen::http::Response<B> {
+    let out_of_range = r
+        .headers()
+        .get("grpc-status")
+        .is_some_and(|v| v.as_bytes() == b"11");
+    if out_of_range {
+        shared.stats.metrics.lerobot_refused("oversize");
+        let message = r
+            .headers()
+            .get("grpc-message")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("");
+        crate::log_limited!(
+            log::Level::Info,
+            "lerobot: refused (oversize): {} (a gRPC message is at most {CHUNK_BYTES} bytes and \
+             a setup is one message)",
+            cap_message(message.to_string(), MAX_STATUS_MESSAGE)
+        );
+    }
+    r
 }
 
 fn allowed(cfg: &LerobotConfig, peer: SocketAddr) -> bool {
@@ -277,7 +312,14 @@ impl Service {
     ) -> Result<Option<Observation>, Status> {
         let by = (Instant::now() + self.cfg.chunk_timeout).min(whole);
         match tokio::time::timeout_at(by.into(), stream.message()).await {
-            Ok(r) => r,
+            Ok(Ok(r)) => Ok(r),
+            // tonic's refusal of a chunk over its limit (OUT_OF_RANGE) is the client sending
+            // more than a chunk: RESOURCE_EXHAUSTED, as grpc-go and grpc-core answer it.
+            Ok(Err(status)) if status.code() == tonic::Code::OutOfRange => Err(self.refuse(
+                "oversize",
+                Status::resource_exhausted(status.message().to_string()),
+            )),
+            Ok(Err(status)) => Err(self.refuse("chunking", status)),
             Err(_) => Err(self.refuse(
                 "slow",
                 Status::deadline_exceeded(format!(
