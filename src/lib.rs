@@ -1,7 +1,8 @@
 //! policyd: a robot-policy inference appliance speaking the OpenPI WebSocket protocol.
 //!
 //! Layers, lowest first; a module uses only modules of its own or a lower layer, never one
-//! above it, and no two modules use each other (`scripts/check-layers` checks it in CI):
+//! above it, no two modules use each other, and inside a module no files use each other in a
+//! circle (`scripts/check-layers` checks all three in CI):
 //!
 //! ```text
 //! limits, dtype, service,  caps and element types; systemd (notify, watchdog, sockets);
@@ -14,7 +15,7 @@
 //! runtime                  slots and the engine worker, scheduler, pacing, sessions
 //! metrics                  request-path counters
 //! policy                   the served policies: build (open, compile, warm), budget, reload
-//! net                      HTTP, auth, TLS, the frame guard, the connection loop
+//! net                      HTTP, auth, TLS, the frame guard, the request core, both front ends
 //! app                      listen → build (503 meanwhile) → notify → serve → drain
 //! testing                  (feature `testing`) the synthetic engine, fuzz entry points
 //! ```

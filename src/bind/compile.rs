@@ -2,7 +2,7 @@
 //! entry checked against the engine's I/O (names, dtypes, shapes, layouts, normalisation) and
 //! turned into transforms.
 
-use super::{InputBinding, OutputBinding, Plan, PlannerTap};
+use super::{InputBinding, OutputBinding, Plan, PlannerTap, squeeze_to};
 use crate::config::{Config, ConfigError, PolicySpec, invalid};
 use crate::dtype::ElemType;
 use crate::engine::{IoSpec, TensorSpec};
@@ -82,15 +82,6 @@ fn planner_tap(cfg: &Config, inputs: &[InputBinding]) -> Result<Option<PlannerTa
         geometry,
         max_subtask,
     }))
-}
-
-/// Drops leading size-1 axes while more than `min_rank` remain.
-pub(super) fn squeeze_to(shape: &[usize], min_rank: usize) -> &[usize] {
-    let mut s = shape;
-    while s.len() > min_rank && s.first() == Some(&1) {
-        s = &s[1..];
-    }
-    s
 }
 
 impl Plan {

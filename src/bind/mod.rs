@@ -139,6 +139,16 @@ impl PlannerTap {
     }
 }
 
+/// Drops leading size-1 axes while more than `min_rank` remain (the inputs' and the token
+/// tensors' shapes are compared this way).
+fn squeeze_to(shape: &[usize], min_rank: usize) -> &[usize] {
+    let mut s = shape;
+    while s.len() > min_rank && s.first() == Some(&1) {
+        s = &s[1..];
+    }
+    s
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -99,7 +99,7 @@ pub(super) fn compile(
         ("tensor", &inputs[ids]),
         ("tokenizer.mask_tensor", &inputs[mask]),
     ] {
-        if super::compile::squeeze_to(&spec.shape, 1) != [t.max_tokens] {
+        if super::squeeze_to(&spec.shape, 1) != [t.max_tokens] {
             return Err(invalid(
                 k(key),
                 format!(

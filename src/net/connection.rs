@@ -12,7 +12,6 @@
 //! task. The reply is encoded at release, so its timing fields are the real ones.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use bytes::BytesMut;
@@ -23,22 +22,14 @@ use tokio_tungstenite::tungstenite::protocol::CloseFrame;
 use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
 use tokio_tungstenite::tungstenite::{Bytes, Message};
 
-use crate::net::core::{Core, Finished, Released, Started, sleep_until_opt};
 use crate::net::frame_guard::oversize_marker;
-use crate::net::http::Shared;
+use crate::net::requests::{Core, Finished, Released, Started, sleep_until_opt};
+use crate::net::shared::{Shared, next_client_id};
 use crate::policy::Policy;
 use crate::protocol::dialect::{Frame, OPENPI_ERROR_REASON};
 use crate::protocol::{self, Dialect, Failure, Timing};
 use crate::runtime::scheduler::{Kind, SkipReason};
 use crate::runtime::worker::Lease;
-
-/// Client ids, for the scheduler's session keys (WebSocket connections and LeRobot clients).
-static NEXT_CONN: AtomicU64 = AtomicU64::new(1);
-
-/// A new client id.
-pub fn next_id() -> u64 {
-    NEXT_CONN.fetch_add(1, Ordering::Relaxed)
-}
 
 /// A reusable outgoing payload. tungstenite takes messages by value; handing it a clone of a
 /// shared buffer and taking the buffer back once the send has completed means steady-state
@@ -74,7 +65,7 @@ struct Conn<'a, S> {
     ws: WebSocketStream<S>,
     shared: &'a Shared,
     /// The requests of this connection (sessions, slots in flight, pacing).
-    core: Core<'a>,
+    core: Core,
     /// A policy switch waiting for the requests in flight to finish.
     change: Option<Change>,
     dialect: Dialect,
@@ -157,7 +148,7 @@ pub async fn serve<S>(
 where
     S: AsyncRead + AsyncWrite + Unpin,
 {
-    let id = next_id();
+    let id = next_client_id();
     let mut first = None;
     let mut send_metadata = true;
     loop {
@@ -167,7 +158,7 @@ where
             shared,
             dialect,
             core: Core::new(
-                shared,
+                &shared.requests,
                 policy.clone(),
                 id,
                 dialect.into(),

@@ -11,45 +11,16 @@ use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{Semaphore, watch};
+use tokio::sync::Semaphore;
 use tokio_tungstenite::WebSocketStream;
 use tokio_tungstenite::tungstenite::handshake::derive_accept_key;
-use tokio_tungstenite::tungstenite::protocol::{Role, WebSocketConfig};
+use tokio_tungstenite::tungstenite::protocol::Role;
 
-use arc_swap::ArcSwap;
-
-use crate::config::Config;
 use crate::limits::MAX_HEAD;
-use crate::metrics::Stats;
 use crate::net::connection;
 use crate::net::frame_guard::FrameGuard;
-use crate::policy::PolicySet;
+use crate::net::shared::Shared;
 use crate::protocol::Dialect;
-
-/// Everything a connection needs, shared by all of them.
-pub struct Shared {
-    /// Wakes connections at their replies' release times.
-    pub pacer: crate::runtime::pacing::Pacer,
-    pub stats: Arc<Stats>,
-    /// The config the server started with (its `[server]`, `[auth]` and `[tls]` hold until a
-    /// restart; each policy's own config is in its [`crate::policy::Policy`]).
-    pub cfg: Config,
-    /// The secrets opened from it at start-up (API keys, TLS acceptor, planner key).
-    pub access: crate::net::Access,
-    /// What the task planner feeds, when `[planner]` is on: passed to the decode of the
-    /// default policy whose bindings it fits.
-    pub planner: Option<Arc<crate::planner::Link>>,
-    /// The policies served now; a reload swaps the whole set.
-    pub policies: Arc<ArcSwap<PolicySet>>,
-    /// The set's generation, for connections to notice a reload.
-    pub generation: watch::Sender<u64>,
-    pub ws_config: WebSocketConfig,
-    /// One permit per connection that may be served.
-    pub connections: Arc<Semaphore>,
-    pub shutdown: watch::Receiver<bool>,
-    /// What `/metrics` encodes.
-    pub registry: prometheus_client::registry::Registry,
-}
 
 /// Answers every connection with 503 until `load` completes, then returns its output; the
 /// listener is then handed to [`serve_set`](crate::net::listener::serve_set). So a supervisor

@@ -33,9 +33,9 @@ use tonic::{Request, Response, Status, Streaming};
 
 use crate::bind::lerobot::Adapter;
 use crate::config::LerobotConfig;
-use crate::net::core::{Core, Finished, Started, sleep_until_opt};
 use crate::net::grpc_conn::{ConnInfo, GrpcConn};
-use crate::net::http::Shared;
+use crate::net::requests::{Core, Finished, Started, sleep_until_opt};
+use crate::net::shared::Shared;
 use crate::policy::Policy;
 use crate::protocol::dialect::{Precision, ResetScope};
 use crate::protocol::lerobot::{self, Codec, PolicySetup};
@@ -594,17 +594,17 @@ fn for_setup(
 }
 
 /// The session's state while a policy is set up.
-struct Active<'s> {
-    core: Core<'s>,
+struct Active {
+    core: Core,
     adapter: Box<Adapter>,
     setup: Box<PolicySetup>,
     /// The policy's engine-stall flag, watched while requests are in flight.
     stalled: tokio::sync::watch::Receiver<bool>,
 }
 
-impl<'s> Active<'s> {
+impl Active {
     fn new(
-        shared: &'s Shared,
+        shared: &Shared,
         policy: Arc<Policy>,
         adapter: Box<Adapter>,
         setup: Box<PolicySetup>,
@@ -622,7 +622,7 @@ impl<'s> Active<'s> {
 async fn session(shared: Arc<Shared>, mut rx: mpsc::Receiver<Command>) {
     let shared = &*shared;
     let mut reader = PickleReader::new(PickleLimits::default());
-    let mut active: Option<Active<'_>> = None;
+    let mut active: Option<Active> = None;
     let mut desk = Desk {
         ready: None,
         waiter: None,
@@ -736,11 +736,11 @@ async fn session(shared: Arc<Shared>, mut rx: mpsc::Receiver<Command>) {
     }
 }
 
-fn new_core(shared: &Shared, policy: Arc<Policy>) -> Core<'_> {
+fn new_core(shared: &Shared, policy: Arc<Policy>) -> Core {
     Core::new(
-        shared,
+        &shared.requests,
         policy,
-        crate::net::connection::next_id(),
+        crate::net::shared::next_client_id(),
         Route::Lerobot,
         Precision::Float32,
     )
@@ -835,13 +835,13 @@ fn own(desk: &mut Desk, from: &ConnInfo, claim: &Claim) {
 }
 
 /// Handles one command; returns a new session when a setup replaces the current one.
-fn command<'s>(
-    shared: &'s Shared,
+fn command(
+    shared: &Shared,
     reader: &mut PickleReader,
-    active: Option<&mut Active<'s>>,
+    active: Option<&mut Active>,
     cmd: Command,
     desk: &mut Desk,
-) -> Option<Active<'s>> {
+) -> Option<Active> {
     match cmd {
         Command::Ready { from, reply } => {
             let claimed = claim(desk, &from, true);
@@ -925,7 +925,7 @@ fn command<'s>(
 
 /// Starts one observation through the core.
 fn observe(
-    a: &mut Active<'_>,
+    a: &mut Active,
     reader: &mut PickleReader,
     payload: &[u8],
     received: Instant,
@@ -955,7 +955,7 @@ fn observe(
 
 /// Encodes a released chunk as the client's `list[TimedAction]` and hands it to the waiting
 /// poll, or keeps it for the next one.
-fn deliver(a: &mut Active<'_>, lease: Lease, paced: bool, desk: &mut Desk) {
+fn deliver(a: &mut Active, lease: Lease, paced: bool, desk: &mut Desk) {
     let (output, apc, codec) = (
         a.adapter.action_output(),
         a.adapter.actions_per_chunk(),

@@ -13,7 +13,8 @@ use tokio_tungstenite::tungstenite::protocol::WebSocketConfig;
 use crate::config::Config;
 use crate::metrics::Stats;
 use crate::net::frame_guard::MARKER_LEN;
-use crate::net::http::{Shared, handle};
+use crate::net::http::handle;
+use crate::net::shared::Shared;
 use crate::policy::build::Loaded;
 use crate::policy::reload::{ReloadStatus, Reloader};
 use crate::policy::{Policy, PolicySet};
@@ -124,8 +125,14 @@ pub async fn serve_set(
         planner: planner_link.clone(),
     };
     let registry = crate::net::scrape::registry(&stats.metrics, live);
+    let requests = crate::net::requests::Context {
+        stats: stats.clone(),
+        pacer: Arc::new(pacer),
+        planner: planner_link.clone(),
+        max_sessions: s.max_sessions,
+    };
     let shared = Arc::new(Shared {
-        pacer,
+        requests,
         registry,
         stats,
         policies,
@@ -135,7 +142,6 @@ pub async fn serve_set(
         shutdown: stop_rx,
         cfg,
         access,
-        planner: planner_link.clone(),
     });
     // LeRobot's gRPC service on its own port (`[lerobot]`).
     let lerobot = match &shared.cfg.lerobot {
@@ -169,7 +175,7 @@ pub async fn serve_set(
             policies: shared.policies.clone(),
             generation: shared.generation.clone(),
             started: shared.cfg.clone(),
-            planner: shared.planner.clone(),
+            planner: shared.requests.planner.clone(),
         });
         tokio::spawn(crate::policy::reload::run(served, r, open, reloads))
     });

@@ -4,13 +4,14 @@
 
 pub mod auth;
 pub mod connection;
-pub mod core;
 pub mod frame_guard;
 pub mod grpc_conn;
 pub mod http;
 pub mod lerobot;
 pub mod listener;
+pub mod requests;
 pub mod scrape;
+pub mod shared;
 pub mod tls;
 
 use crate::config::{Config, ConfigError};

@@ -3,8 +3,36 @@
 
 use rmp::Marker;
 
-use super::request::{Limits, WireError};
 use crate::dtype::ElemType;
+
+/// How deep and how wide a walk over a message may go.
+#[derive(Clone, Copy, Debug)]
+pub struct Limits {
+    /// Deepest nesting of maps and arrays (the top-level map is depth 1).
+    pub max_depth: usize,
+    /// Most entries in any map or array that is walked.
+    pub max_entries: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            max_depth: 16,
+            max_entries: 1024,
+        }
+    }
+}
+
+/// What the reader itself can find wrong: bytes that are not msgpack, or a walk past
+/// [`Limits`]. The request decoder turns each into its own `MsgpackError`, which says it in the
+/// request's terms.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum MsgpackError {
+    Empty,
+    NotMsgpack { byte: u8, offset: usize },
+    Truncated { len: usize, need: usize },
+    TooDeep { max: usize },
+}
 
 /// One msgpack value's header. Scalars, strings and bins are complete; maps and arrays carry
 /// their entry count and their contents follow.
@@ -56,10 +84,10 @@ impl<'a> Cursor<'a> {
         Cursor { buf, pos: 0 }
     }
 
-    pub(crate) fn take(&mut self, n: usize) -> Result<&'a [u8], WireError> {
+    pub(crate) fn take(&mut self, n: usize) -> Result<&'a [u8], MsgpackError> {
         let rest = self.buf.len() - self.pos;
         if n > rest {
-            return Err(WireError::Truncated {
+            return Err(MsgpackError::Truncated {
                 len: self.buf.len(),
                 need: n - rest,
             });
@@ -69,14 +97,14 @@ impl<'a> Cursor<'a> {
         Ok(s)
     }
 
-    pub(crate) fn len_be(&mut self, n: usize) -> Result<usize, WireError> {
+    pub(crate) fn len_be(&mut self, n: usize) -> Result<usize, MsgpackError> {
         let b = self.take(n)?;
         Ok(b.iter().fold(0usize, |acc, &x| (acc << 8) | usize::from(x)))
     }
 
-    pub(crate) fn head(&mut self) -> Result<Head<'a>, WireError> {
+    pub(crate) fn head(&mut self) -> Result<Head<'a>, MsgpackError> {
         let at = self.pos;
-        let byte = *self.take(1)?.first().ok_or(WireError::Empty)?;
+        let byte = *self.take(1)?.first().ok_or(MsgpackError::Empty)?;
         let marker_byte = &self.buf[at..at + 1];
         Ok(match Marker::from_u8(byte) {
             Marker::FixPos(_) => Head::Int {
@@ -178,17 +206,17 @@ impl<'a> Cursor<'a> {
                 let n = self.len_be(4)?;
                 self.ext(n + 1)?
             }
-            Marker::Reserved => return Err(WireError::NotMsgpack { byte, offset: at }),
+            Marker::Reserved => return Err(MsgpackError::NotMsgpack { byte, offset: at }),
         })
     }
 
-    pub(crate) fn ext(&mut self, n: usize) -> Result<Head<'a>, WireError> {
+    pub(crate) fn ext(&mut self, n: usize) -> Result<Head<'a>, MsgpackError> {
         self.take(n)?;
         Ok(Head::Ext)
     }
 
     /// Reads a map key: its bytes if it is a str or bin; otherwise skips it and returns None.
-    pub(crate) fn key(&mut self) -> Result<Option<&'a [u8]>, WireError> {
+    pub(crate) fn key(&mut self) -> Result<Option<&'a [u8]>, MsgpackError> {
         let at = self.pos;
         match self.head()? {
             Head::Str(s) | Head::Bin(s) => Ok(Some(s)),
@@ -206,7 +234,7 @@ impl<'a> Cursor<'a> {
         &mut self,
         depth: usize,
         limits: &Limits,
-    ) -> Result<Head<'a>, WireError> {
+    ) -> Result<Head<'a>, MsgpackError> {
         let h = self.head()?;
         match h {
             Head::Array(n) => self.skip_items(u64::from(n), depth + 1, limits)?,
@@ -216,7 +244,7 @@ impl<'a> Cursor<'a> {
         Ok(h)
     }
 
-    pub(crate) fn skip(&mut self, limits: &Limits, n: u64) -> Result<(), WireError> {
+    pub(crate) fn skip(&mut self, limits: &Limits, n: u64) -> Result<(), MsgpackError> {
         self.skip_items(n, 2, limits)
     }
 
@@ -225,7 +253,7 @@ impl<'a> Cursor<'a> {
         n: u32,
         depth: usize,
         limits: &Limits,
-    ) -> Result<(), WireError> {
+    ) -> Result<(), MsgpackError> {
         self.skip_items(u64::from(n) * 2, depth, limits)
     }
 
@@ -236,7 +264,7 @@ impl<'a> Cursor<'a> {
         n: u64,
         depth: usize,
         limits: &Limits,
-    ) -> Result<(), WireError> {
+    ) -> Result<(), MsgpackError> {
         let mut stack: heapless::Vec<u64, 64> = heapless::Vec::new();
         let max_extra = limits.max_depth.saturating_sub(depth).min(63);
         let mut remaining = n;
@@ -257,7 +285,7 @@ impl<'a> Cursor<'a> {
                 continue;
             }
             if stack.len() >= max_extra || depth + stack.len() + 1 > limits.max_depth {
-                return Err(WireError::TooDeep {
+                return Err(MsgpackError::TooDeep {
                     max: limits.max_depth,
                 });
             }

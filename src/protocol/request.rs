@@ -12,7 +12,7 @@
 //! Encoding writes replies into a reused buffer exactly as openpi's `msgpack_numpy.packb` does
 //! (bin marker keys in openpi order, `dtype.str`, float64 timing fields), byte for byte.
 
-use super::msgpack::{Cursor, Head};
+use super::msgpack::{Cursor, Head, MsgpackError};
 use crate::dtype::{ByteOrder, DTypeError, ElemType, WireDType, parse_numpy_dtype};
 use crate::limits::{MAX_PATH, MAX_RANK, MAX_SESSION_ID};
 
@@ -21,23 +21,8 @@ pub type SessionId = heapless::String<MAX_SESSION_ID>;
 /// An array shape, held inline.
 pub type Shape = heapless::Vec<usize, MAX_RANK>;
 
-/// Structural caps applied while decoding.
-#[derive(Clone, Copy, Debug)]
-pub struct Limits {
-    /// Deepest nesting of maps and arrays (the top-level map is depth 1).
-    pub max_depth: usize,
-    /// Most entries in any map or array that is walked.
-    pub max_entries: usize,
-}
-
-impl Default for Limits {
-    fn default() -> Self {
-        Limits {
-            max_depth: 16,
-            max_entries: 1024,
-        }
-    }
-}
+/// Structural caps applied while decoding (the msgpack reader's walk).
+pub use super::msgpack::Limits;
 
 /// A decoding failure. Messages name the key and say what was expected and what arrived.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -140,6 +125,17 @@ pub enum WireError {
         expected: &'static str,
         got: String,
     },
+}
+
+impl From<MsgpackError> for WireError {
+    fn from(e: MsgpackError) -> Self {
+        match e {
+            MsgpackError::Empty => WireError::Empty,
+            MsgpackError::NotMsgpack { byte, offset } => WireError::NotMsgpack { byte, offset },
+            MsgpackError::Truncated { len, need } => WireError::Truncated { len, need },
+            MsgpackError::TooDeep { max } => WireError::TooDeep { max },
+        }
+    }
 }
 
 impl WireError {

@@ -17,12 +17,12 @@ use tokio::sync::Notify;
 
 use crate::bind::{Plan, Reply, ReplyParts};
 use crate::engine::InputBuffer;
-use crate::net::http::Shared;
+use crate::metrics::Stats;
 use crate::planner::Link;
 use crate::policy::Policy;
 use crate::protocol::dialect::{Precision, ResetScope};
 use crate::protocol::{self, Endpoint, Failure, PolicyName, RequestMeta, Route, WireError};
-use crate::runtime::pacing::{Release, ReleaseQueue};
+use crate::runtime::pacing::{Pacer, Release, ReleaseQueue};
 use crate::runtime::scheduler::{Kind, SessionKey, SkipReason};
 use crate::runtime::session::{Filters, Sessions};
 use crate::runtime::worker::{Lease, ReplyPort, Ticket};
@@ -75,11 +75,25 @@ pub struct Released<'r, 'p, 'a> {
     pub buf: &'r mut Vec<u8>,
 }
 
+/// What the core uses of the server, shared by every client's core.
+#[derive(Clone)]
+pub struct Context {
+    pub stats: Arc<Stats>,
+    /// Wakes a client when a held reply's release time comes.
+    pub pacer: Arc<Pacer>,
+    /// What the task planner feeds, when `[planner]` is on: passed to the decode of the
+    /// default policy whose bindings it fits.
+    pub planner: Option<Arc<Link>>,
+    /// `server.max_sessions`: a client's session table.
+    pub max_sessions: usize,
+}
+
 /// One client's requests to one policy: its sessions, its slots in flight and held for release.
-pub struct Core<'s> {
-    shared: &'s Shared,
+pub struct Core {
+    stats: Arc<Stats>,
+    pacer: Arc<Pacer>,
     policy: Arc<Policy>,
-    /// The planner's link, if it feeds this policy (see [`Shared::planner`]).
+    /// The planner's link, if it feeds this policy (see [`Context::planner`]).
     planner: Option<Arc<Link>>,
     /// The scheduler's connection id.
     id: u64,
@@ -107,9 +121,9 @@ pub struct Core<'s> {
     abandoned: usize,
 }
 
-impl<'s> Core<'s> {
+impl Core {
     pub fn new(
-        shared: &'s Shared,
+        cx: &Context,
         policy: Arc<Policy>,
         id: u64,
         route: Route,
@@ -117,15 +131,13 @@ impl<'s> Core<'s> {
     ) -> Self {
         let pacing = &policy.spec.pacing;
         Core {
-            shared,
-            planner: planner_for(shared, &policy),
+            stats: cx.stats.clone(),
+            pacer: cx.pacer.clone(),
+            planner: planner_for(cx, &policy),
             id,
             route,
             precision,
-            sessions: Box::new(Sessions::new(
-                shared.cfg.server.max_sessions,
-                pacing.latency_window,
-            )),
+            sessions: Box::new(Sessions::new(cx.max_sessions, pacing.latency_window)),
             port: ReplyPort::new(&policy.worker.pool),
             outstanding: 0,
             infer_busy: false,
@@ -204,7 +216,7 @@ impl<'s> Core<'s> {
             Option<&Link>,
         ) -> Result<RequestMeta, WireError>,
     {
-        let shared = self.shared;
+        let stats = self.stats.clone();
         let policy = self.policy.clone();
         let plan = &policy.plan;
         let pacing = &policy.spec.pacing;
@@ -215,7 +227,7 @@ impl<'s> Core<'s> {
                 Ok(m) => m,
                 Err(e) => {
                     if e.is_non_finite() {
-                        shared.stats.metrics.non_finite_inputs.inc();
+                        stats.metrics.non_finite_inputs.inc();
                     }
                     return Started::Failed(Failure::Request(e.to_string()));
                 }
@@ -257,7 +269,7 @@ impl<'s> Core<'s> {
         if meta.endpoint != Endpoint::Reset && *policy.worker.state.stalled.borrow() {
             return Started::Failed(self.stall_failure());
         }
-        shared.stats.metrics.request(self.route, meta.endpoint);
+        stats.metrics.request(self.route, meta.endpoint);
         let release_at = crate::runtime::pacing::release_target(received, pacing.latency_budget_ms);
         match meta.endpoint {
             Endpoint::Reset => {
@@ -300,17 +312,13 @@ impl<'s> Core<'s> {
                     Ok(t) => t,
                     Err(e) => return Started::Failed(Failure::Request(e.to_string())),
                 };
-                shared.stats.skips.observed.fetch_add(1, Ordering::Relaxed);
+                stats.skips.observed.fetch_add(1, Ordering::Relaxed);
                 self.check_prompt(meta.session_id.as_ref(), slot.inputs_mut().0);
                 let mut state = [0f64; crate::limits::MAX_SIMILARITY_STATE];
                 let state = plan.similarity_state(slot.inputs_mut().0, &mut state);
                 let (reset, session) = self.sessions.begin(meta.session_id.as_ref());
                 if let Some(gap) = session.observed(received) {
-                    shared
-                        .stats
-                        .metrics
-                        .observe_interval
-                        .observe(gap.as_secs_f64());
+                    stats.metrics.observe_interval.observe(gap.as_secs_f64());
                 }
                 let must_go = meta.must_go.unwrap_or(false);
                 let admitted = session.admit(&self.filters, timestep, must_go, state);
@@ -416,14 +424,13 @@ impl<'s> Core<'s> {
                 // One entry per slot: cannot be full; if it were, out now.
                 Err(lease) => Finished::Now(lease),
                 Ok(()) => {
-                    self.shared
-                        .pacer
+                    self.pacer
                         .wake_at(at - crate::runtime::pacing::WAKE_LEAD, &self.wake);
                     Finished::Held
                 }
             },
             Release::Late => {
-                self.shared.stats.release.missed();
+                self.stats.release.missed();
                 Finished::Now(lease)
             }
             Release::Now => Finished::Now(lease),
@@ -444,7 +451,7 @@ impl<'s> Core<'s> {
     where
         E: FnOnce(Released<'_, '_, '_>),
     {
-        let shared = self.shared;
+        let stats = &self.stats;
         let policy = self.policy.clone();
         let plan = &policy.plan;
         let pacing = &policy.spec.pacing;
@@ -452,7 +459,7 @@ impl<'s> Core<'s> {
         let slot = lease.slot();
         let t = slot.ticket().clone();
         if paced && let Some(at) = t.release_at {
-            shared.stats.release.on_time(at, now);
+            stats.release.on_time(at, now);
         }
         let latency = now.saturating_duration_since(t.received);
         let delay_steps = match self.sessions.pacing(&t.session) {
@@ -466,7 +473,7 @@ impl<'s> Core<'s> {
             Some(Ok(s)) => (s.compute, s.stages),
             _ => (Duration::ZERO, None),
         };
-        let metrics = &shared.stats.metrics;
+        let metrics = &stats.metrics;
         metrics.replied(self.route, latency);
         metrics.engine.observe(compute.as_secs_f64());
         if let Some(s) = stages {
@@ -513,11 +520,7 @@ impl<'s> Core<'s> {
     /// Gives back what this client held: its share of the sessions gauge and its entries
     /// waiting in the scheduler (running ones come back to the port, whose drop returns them).
     pub fn close(self) {
-        self.shared
-            .stats
-            .metrics
-            .sessions
-            .dec_by(self.counted_sessions);
+        self.stats.metrics.sessions.dec_by(self.counted_sessions);
         self.policy
             .worker
             .scheduler
@@ -545,7 +548,7 @@ impl<'s> Core<'s> {
 
     /// Counts a failure the front end reports.
     pub fn count_error(&self, f: &Failure) {
-        self.shared.stats.metrics.error(self.route, f.kind());
+        self.stats.metrics.error(self.route, f.kind());
     }
 
     /// The failure every request gets while the engine is stalled.
@@ -579,7 +582,7 @@ impl<'s> Core<'s> {
 
     /// Counts a truncated prompt, and says so once per session (openpi logs every one).
     fn tokenized(&self, policy: &Policy, t: crate::bind::Tokenized) {
-        let metrics = &self.shared.stats.metrics;
+        let metrics = &self.stats.metrics;
         if t.encoded {
             metrics.prompts_tokenized.inc();
         }
@@ -616,8 +619,7 @@ impl<'s> Core<'s> {
     fn count_sessions(&mut self) {
         let now = self.sessions.len() as i64;
         if now != self.counted_sessions {
-            self.shared
-                .stats
+            self.stats
                 .metrics
                 .sessions
                 .inc_by(now - self.counted_sessions);
@@ -634,7 +636,7 @@ impl<'s> Core<'s> {
 
     /// Counts a skipped observation; the front end tells the client if `report`.
     fn skipped(&self, timestep: i64, why: SkipReason) -> Started {
-        self.shared.stats.skips.count(why);
+        self.stats.skips.count(why);
         Started::Skipped {
             timestep,
             why,
@@ -649,8 +651,8 @@ fn not_running() -> Failure {
 
 /// The planner's link, for a policy whose bindings it fits (only the default policy's plan
 /// has a planner tap).
-fn planner_for(shared: &Shared, policy: &Policy) -> Option<Arc<Link>> {
-    let link = shared.planner.as_ref()?;
+fn planner_for(cx: &Context, policy: &Policy) -> Option<Arc<Link>> {
+    let link = cx.planner.as_ref()?;
     let tap = policy.plan.planner.as_ref()?;
     tap.fits(link).then(|| link.clone())
 }
@@ -660,5 +662,141 @@ pub async fn sleep_until_opt(deadline: Option<Instant>) {
     match deadline {
         Some(d) => tokio::time::sleep_until(d.into()).await,
         None => std::future::pending().await,
+    }
+}
+
+/// The core without a socket: a request decoded by a made-up front end, through the synthetic
+/// engine, to its released reply.
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Config;
+    use crate::dtype::ElemType;
+    use crate::engine::{IoSpec, TensorSpec};
+    use crate::testing::synthetic::{Behaviour, SyntheticEngine};
+
+    fn served(pacing: &str) -> (Context, Arc<Policy>) {
+        let text = format!(
+            "[server]\nhost = \"127.0.0.1\"\nport = 0\n\
+             [engine]\nmodel = \"synthetic\"\nwarmup_runs = 0\nslots = 4\n\
+             [pacing]\n{pacing}\n\
+             [[inputs]]\nkey = \"state\"\ntensor = \"state\"\ndtypes = [\"float32\"]\nshape = [2]\n\
+             [[outputs]]\ntensor = \"actions\"\n"
+        );
+        let cfg = Config::parse(&text, "test", None).expect("config");
+        let io = IoSpec {
+            inputs: vec![TensorSpec {
+                name: "state".into(),
+                dtype: ElemType::F32,
+                shape: vec![1, 2],
+            }],
+            outputs: vec![TensorSpec {
+                name: "actions".into(),
+                dtype: ElemType::F32,
+                shape: vec![1, 4, 2],
+            }],
+        };
+        let engine = Box::new(SyntheticEngine::new(io, Behaviour::default()));
+        let spec = cfg.default_policy().clone();
+        let loaded = crate::policy::build::load_engine(&cfg, &spec, engine).expect("loads");
+        let cx = Context {
+            stats: loaded.stats.clone(),
+            pacer: Arc::new(Pacer::start(Duration::ZERO).expect("pacer")),
+            planner: None,
+            max_sessions: 4,
+        };
+        (cx, Arc::new(Policy::new(&cfg, spec, loaded)))
+    }
+
+    /// Starts a request whose state is `[x, 0]`, as a front end's decoder would write it.
+    fn start(core: &mut Core, endpoint: Endpoint, x: f32, timestep: i64) -> Started {
+        let lease = core
+            .policy()
+            .worker
+            .pool
+            .try_acquire()
+            .expect("a free slot");
+        core.start(
+            Instant::now(),
+            lease,
+            ResetScope::Session,
+            |_, inputs, seen, _| {
+                let b = inputs[0].bytes_mut();
+                b[..4].copy_from_slice(&x.to_le_bytes());
+                b[4..8].fill(0);
+                seen[0] = true;
+                Ok(RequestMeta {
+                    endpoint,
+                    timestep: Some(timestep),
+                    timestamp: Some(timestep as f64 / 10.0),
+                    ..RequestMeta::default()
+                })
+            },
+        )
+    }
+
+    /// Waits for the engine's slot, releases it, and returns the reply's first action value.
+    async fn reply(core: &mut Core) -> (Kind, f32) {
+        let lease = tokio::time::timeout(Duration::from_secs(10), core.port().recv())
+            .await
+            .expect("the engine's reply within 10 s");
+        let lease = core.returned(lease).expect("current");
+        let lease = match core.finished(lease) {
+            Finished::Now(l) => l,
+            Finished::Held => {
+                sleep_until_opt(core.next_release()).await;
+                core.due().expect("due")
+            }
+            Finished::Failed(f) => panic!("{}", f.message()),
+        };
+        let mut got = None;
+        drop(core.release(lease, false, |r| {
+            let (rows, _) = r.reply.rows_f32(0, usize::MAX).expect("f32 rows");
+            let first = f32::from_le_bytes(rows[..4].try_into().expect("4 bytes"));
+            got = Some((r.kind, first));
+        }));
+        got.expect("encoded")
+    }
+
+    #[tokio::test]
+    async fn an_infer_request_runs_and_is_released() {
+        let (cx, policy) = served("");
+        let mut core = Core::new(&cx, policy, 1, Route::Openpi, Precision::Float32);
+        assert!(matches!(
+            start(&mut core, Endpoint::Infer, 3.0, 0),
+            Started::Queued
+        ));
+        assert!(core.infer_busy() && !core.idle());
+        assert_eq!(reply(&mut core).await, (Kind::Infer, 3.0));
+        assert!(core.idle() && !core.infer_busy());
+        core.close();
+    }
+
+    #[tokio::test]
+    async fn observations_run_once_per_timestep() {
+        let (cx, policy) = served("");
+        let mut core = Core::new(&cx, policy, 1, Route::Openpi, Precision::Float32);
+        assert!(matches!(
+            start(&mut core, Endpoint::Observe, 1.0, 0),
+            Started::Queued
+        ));
+        assert_eq!(reply(&mut core).await, (Kind::Observe, 1.0));
+        // The same timestep again: predicted already, never queued.
+        assert!(matches!(
+            start(&mut core, Endpoint::Observe, 9.0, 0),
+            Started::Skipped {
+                why: SkipReason::AlreadyPredicted,
+                ..
+            }
+        ));
+        assert!(core.idle());
+        assert!(matches!(
+            start(&mut core, Endpoint::Observe, 5.0, 10),
+            Started::Queued
+        ));
+        assert_eq!(reply(&mut core).await, (Kind::Observe, 5.0));
+        assert_eq!(cx.stats.skips.observed.load(Ordering::Relaxed), 3);
+        assert_eq!(cx.stats.skips.already_predicted.load(Ordering::Relaxed), 1);
+        core.close();
     }
 }
