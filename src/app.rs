@@ -114,7 +114,10 @@ pub async fn run<F>(
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), AppError>
 where
-    F: Fn(&PolicySpec) -> Result<Box<dyn Engine>, PolicyError> + Send + Sync + 'static,
+    F: Fn(&PolicySpec) -> Result<Box<dyn Engine>, crate::engine::EngineError>
+        + Send
+        + Sync
+        + 'static,
 {
     run_with_reload(cfg, open, shutdown, None).await
 }
@@ -127,7 +130,10 @@ pub async fn run_with_reload<F>(
     reload: Option<Reloader>,
 ) -> Result<(), AppError>
 where
-    F: Fn(&PolicySpec) -> Result<Box<dyn Engine>, PolicyError> + Send + Sync + 'static,
+    F: Fn(&PolicySpec) -> Result<Box<dyn Engine>, crate::engine::EngineError>
+        + Send
+        + Sync
+        + 'static,
 {
     let open: Arc<OpenFn> = Arc::new(open);
     let origin = cfg

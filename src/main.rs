@@ -12,7 +12,6 @@ use clap::{Parser, Subcommand};
 use policyd::app::AppError;
 use policyd::config::{Config, ConfigError};
 use policyd::policy::build::PolicyError;
-use policyd::policy::build::open_engine;
 use policyd::policy::reload::Reloader;
 
 /// A robot-policy inference server speaking the OpenPI WebSocket protocol.
@@ -316,7 +315,7 @@ fn serve(
         let (tx, rx) = tokio::sync::mpsc::channel(4);
         tokio::spawn(reload_signal(tx, reload.is_some()));
         let source = reload.map(|load| Reloader { load, requests: rx });
-        policyd::app::run_with_reload(cfg, open_engine, shutdown_signal(), source)
+        policyd::app::run_with_reload(cfg, policyd::engine::open, shutdown_signal(), source)
             .await
             .map_err(CliError::from)
     })

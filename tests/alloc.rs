@@ -230,7 +230,7 @@ async fn own_path(n: usize) -> u64 {
 /// Allocations of one tract run of the ALOHA demo, after warm-up.
 fn cpu_engine_per_run(n: u64) -> f64 {
     let cfg = demo::config().unwrap();
-    let mut engine = policyd::policy::build::open_engine(cfg.default_policy()).unwrap();
+    let mut engine = policyd::engine::open(cfg.default_policy()).unwrap();
     let mut inputs = engine.alloc_inputs().unwrap();
     let mut outputs = common::output_buffers(engine.as_ref());
     for _ in 0..3 {
@@ -251,7 +251,7 @@ fn ort_engine_per_run(config: &str, n: u64) -> Option<f64> {
     let lib = common::ort_library()?;
     let text = common::ort_config(config, &lib, "");
     let cfg = policyd::config::Config::parse(&text, "test", None).unwrap();
-    let mut engine = policyd::policy::build::open_engine(cfg.default_policy()).unwrap();
+    let mut engine = policyd::engine::open(cfg.default_policy()).unwrap();
     // Two slots' buffers, alternated as the worker does: rebinding is part of the path.
     let mut slots = [
         engine.alloc_inputs().unwrap(),

@@ -64,7 +64,7 @@ fn a_pipeline_runs_on_ort() {
         return;
     };
     let cfg = Config::parse(&ort_config("flow", &lib, ""), "test", None).unwrap();
-    let mut engine = policyd::policy::build::open_engine(cfg.default_policy()).unwrap();
+    let mut engine = policyd::engine::open(cfg.default_policy()).unwrap();
     let mut inputs = engine.alloc_inputs().unwrap();
     let mut outputs = common::output_buffers(engine.as_ref());
     let sampling = policyd::engine::Sampling { seed: 3, steps: 10 };
@@ -276,7 +276,7 @@ fn onnxruntimes_own_allocations_per_run_are_measured() {
     if std::env::var_os("POLICYD_ORT_CHILD").is_some() {
         for config in ["aloha", "flow"] {
             let cfg = Config::parse(&ort_config(config, &lib, ""), "test", None).unwrap();
-            let mut engine = policyd::policy::build::open_engine(cfg.default_policy()).unwrap();
+            let mut engine = policyd::engine::open(cfg.default_policy()).unwrap();
             let mut inputs = engine.alloc_inputs().unwrap();
             let mut outputs = common::output_buffers(engine.as_ref());
             let sampling = policyd::engine::Sampling { seed: 1, steps: 10 };

@@ -11,7 +11,7 @@ use arc_swap::ArcSwap;
 use futures_util::{SinkExt, StreamExt};
 use policyd::config::{Config, PolicySpec};
 use policyd::dtype::ElemType;
-use policyd::engine::{Engine, IoSpec, TensorSpec};
+use policyd::engine::{Engine, EngineError, IoSpec, TensorSpec};
 use policyd::metrics::Stats;
 use policyd::policy::build::PolicyError;
 use policyd::policy::reload::Reloader;
@@ -84,7 +84,7 @@ struct Server {
 
 fn opener(opens: Arc<Mutex<Vec<String>>>) -> Arc<OpenFn> {
     Arc::new(
-        move |c: &PolicySpec| -> Result<Box<dyn Engine>, PolicyError> {
+        move |c: &PolicySpec| -> Result<Box<dyn Engine>, EngineError> {
             opens.lock().expect("lock").push(c.name.clone());
             let b = Behaviour {
                 compute: Duration::from_millis(2),

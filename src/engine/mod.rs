@@ -7,12 +7,12 @@
 
 #[cfg(feature = "cpu")]
 pub mod cpu;
+mod open;
 #[cfg(feature = "ort")]
 pub mod ort;
+pub use open::{BACKENDS, open};
 pub mod pipeline;
 pub mod tensorrt;
-#[cfg(feature = "cpu")]
-pub mod tract_patterns;
 
 use std::any::Any;
 use std::borrow::Cow;
@@ -140,6 +140,9 @@ pub fn model_bytes(model: &ModelSource) -> Result<Cow<'static, [u8]>, EngineErro
 
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
+    /// `[engine]` or `[denoise]` asks for what this build or this model cannot do.
+    #[error(transparent)]
+    Config(#[from] crate::config::ConfigError),
     #[error("cannot read model file {path}: {source}")]
     ReadModel {
         path: String,
@@ -230,5 +233,12 @@ pub trait Engine: Send {
     /// staging, an accelerator's scratch), for the memory budget: `(what, bytes)`.
     fn working_memory(&self) -> Vec<(String, u64)> {
         Vec::new()
+    }
+
+    /// Whether the graph holds what this backend may fail on only at run time, so that
+    /// `check-config` must run it once to be sure (tract 0.23's patterns, found by the CPU
+    /// engine's scan at load).
+    fn needs_trial_run(&self) -> bool {
+        false
     }
 }

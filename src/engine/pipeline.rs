@@ -301,6 +301,10 @@ impl Engine for Pipeline {
         self.prefix.backend()
     }
 
+    fn needs_trial_run(&self) -> bool {
+        self.prefix.needs_trial_run() || self.denoise.needs_trial_run()
+    }
+
     fn io(&self) -> &IoSpec {
         &self.w.io
     }

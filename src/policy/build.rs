@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use crate::bind::Plan;
-use crate::config::{Backend, Config, ConfigError, ModelSource, PolicySpec};
+use crate::config::{Config, ConfigError, ModelSource, PolicySpec};
 use crate::engine::{Engine, EngineError};
 use crate::metrics::Stats;
 use crate::runtime::worker::WorkerHandle;
@@ -39,22 +39,6 @@ pub struct Loaded {
     pub warmup: Duration,
 }
 
-/// The backends compiled into this build, for messages.
-pub const BACKENDS: &str = match (
-    cfg!(feature = "cpu"),
-    cfg!(feature = "ort"),
-    cfg!(feature = "tensorrt"),
-) {
-    (true, true, true) => "cpu, ort, tensorrt",
-    (true, true, false) => "cpu, ort",
-    (true, false, true) => "cpu, tensorrt",
-    (true, false, false) => "cpu",
-    (false, true, true) => "ort, tensorrt",
-    (false, true, false) => "ort",
-    (false, false, true) => "tensorrt",
-    (false, false, false) => "none",
-};
-
 /// `e`, said of the policy `name` when the config names its policies.
 fn in_policy(cfg: &Config, name: &str, e: PolicyError) -> PolicyError {
     if !cfg.named {
@@ -66,133 +50,9 @@ fn in_policy(cfg: &Config, name: &str, e: PolicyError) -> PolicyError {
     }
 }
 
-/// Fixed shapes (`engine_shape`) for the inputs whose dims the model leaves symbolic.
-#[cfg_attr(
-    not(any(feature = "cpu", feature = "ort", feature = "tensorrt")),
-    allow(dead_code)
-)]
-fn shape_hints(spec: &PolicySpec) -> Vec<(String, Vec<usize>)> {
-    spec.inputs
-        .iter()
-        .filter_map(|b| Some((b.tensor.clone()?, b.engine_shape.clone()?)))
-        .collect()
-}
-
-/// Opens the engine a policy names, with the backend its config chose: its model, or for a
-/// pipeline the prefix and the step graph wired together.
-pub fn open_engine(spec: &PolicySpec) -> Result<Box<dyn Engine>, PolicyError> {
-    #[cfg(feature = "tensorrt")]
-    if spec.engine.backend == Backend::Tensorrt
-        && let Some(p) = &spec.pipeline
-    {
-        return open_tensorrt_pipeline(spec, p);
-    }
-    let prefix = open_model(spec, &spec.model)?;
-    let Some(p) = &spec.pipeline else {
-        return Ok(prefix);
-    };
-    let denoise = open_model(spec, &p.denoise).map_err(in_denoise)?;
-    let pipeline = crate::engine::pipeline::Pipeline::new(prefix, denoise, p)
-        .map_err(|e| crate::config::invalid("denoise", e.to_string()))?;
-    Ok(Box::new(pipeline))
-}
-
-/// A step graph that failed to open, said of `denoise.model`.
-fn in_denoise(e: PolicyError) -> PolicyError {
-    match e {
-        PolicyError::Engine(e) => crate::config::invalid("denoise.model", e.to_string()).into(),
-        e => e,
-    }
-}
-
-/// A TensorRT pipeline: both plans on one device (one stream), the sampler's loop on it.
-#[cfg(feature = "tensorrt")]
-fn open_tensorrt_pipeline(
-    spec: &PolicySpec,
-    p: &crate::config::PipelineConfig,
-) -> Result<Box<dyn Engine>, PolicyError> {
-    use crate::engine::tensorrt;
-    let e = &spec.engine;
-    let (api, device) = tensorrt::open_device(e.device, e.tensorrt_library.as_deref())?;
-    let prefix = tensorrt::load(api, &device, &spec.model, &trt_options(spec, &spec.model))?;
-    let denoise = tensorrt::load(api, &device, &p.denoise, &trt_options(spec, &p.denoise))
-        .map_err(|e| in_denoise(e.into()))?;
-    tensorrt::device_loop::build(prefix, denoise, p)
-        .map_err(|e| crate::config::invalid("denoise", e.to_string()).into())
-}
-
-/// `[engine]`'s TensorRT settings for one plan.
-#[cfg(feature = "tensorrt")]
-fn trt_options(spec: &PolicySpec, model: &ModelSource) -> crate::engine::tensorrt::Options {
-    let e = &spec.engine;
-    crate::engine::tensorrt::Options {
-        model: model.describe(),
-        dla_core: e.dla_core,
-        cuda_graph: e.cuda_graph,
-        zero_copy: e.zero_copy,
-        shapes: shape_hints(spec),
-    }
-}
-
-/// Opens one model file on the policy's backend.
-#[cfg_attr(
-    not(any(feature = "cpu", feature = "ort", feature = "tensorrt")),
-    allow(unused_variables)
-)]
-fn open_model(spec: &PolicySpec, model: &ModelSource) -> Result<Box<dyn Engine>, PolicyError> {
-    let backend_missing = |b: Backend| -> PolicyError {
-        let how = match b {
-            Backend::Cpu => "build policyd with its default features",
-            Backend::Ort => "build policyd with its default features (or `--features ort`)",
-            Backend::Tensorrt => "build policyd with `--features tensorrt` (see docs/tensorrt.md)",
-        };
-        crate::config::invalid(
-            "engine.backend",
-            format!(
-                "\"{}\" is not in this build, which has: {}; {how}",
-                b.name(),
-                BACKENDS
-            ),
-        )
-        .into()
-    };
-    match spec.engine.backend {
-        #[cfg(feature = "cpu")]
-        Backend::Cpu => Ok(Box::new(
-            crate::engine::cpu::CpuEngine::load(model, &shape_hints(spec))?
-                .with_threads(spec.engine.threads),
-        )),
-        #[cfg(feature = "ort")]
-        Backend::Ort => {
-            let e = &spec.engine;
-            let hints = shape_hints(spec);
-            let opts = crate::engine::ort::Options {
-                library: e.ort_library.as_deref(),
-                threads: e.threads,
-                providers: &e.providers,
-                device: e.device,
-                shapes: &hints,
-            };
-            Ok(Box::new(crate::engine::ort::OrtEngine::load(model, &opts)?))
-        }
-        #[cfg(feature = "tensorrt")]
-        Backend::Tensorrt => {
-            let e = &spec.engine;
-            Ok(Box::new(crate::engine::tensorrt::open(
-                model,
-                e.device,
-                e.tensorrt_library.as_deref(),
-                &trt_options(spec, model),
-            )?))
-        }
-        #[allow(unreachable_patterns)]
-        other => Err(backend_missing(other)),
-    }
-}
-
 /// Loads the model, checks the policy against it, allocates every buffer and warms up.
 pub fn load(cfg: &Config, spec: &PolicySpec) -> Result<Loaded, PolicyError> {
-    load_engine(cfg, spec, open_engine(spec)?)
+    load_engine(cfg, spec, crate::engine::open(spec)?)
 }
 
 /// [`load`] with an engine the caller opened (tests and benchmarks use a synthetic one).
@@ -374,7 +234,7 @@ pub fn build(
             continue;
         }
         let context = |e| in_policy(cfg, &name, e);
-        let engine = open(c).map_err(context)?;
+        let engine = open(c).map_err(|e| context(e.into()))?;
         let l = load_engine(cfg, c, engine).map_err(context)?;
         loaded.push(name);
         policies.push(Arc::new(Policy::new(cfg, c.clone(), l)));
@@ -442,44 +302,28 @@ fn tokenizer_report(plan: &Plan) -> Option<String> {
     ))
 }
 
-/// `check-config` does not run the model, but a CPU graph holding a pattern tract 0.23 fails on
-/// only at run time (CumSum over an int64 Cast) would pass it and then fail at warm-up: such a
-/// graph gets one run here, with fill values, so that its failure (naming the rewrite) is the
-/// check's. A tract that runs it passes.
-fn trial_run_if_tract_may_fail(
-    spec: &PolicySpec,
-    engine: &mut dyn Engine,
-    plan: &Plan,
-) -> Result<(), PolicyError> {
-    #[cfg(feature = "cpu")]
-    {
-        use crate::config::Backend;
-        use crate::engine::tract_patterns::scan_model;
-        if spec.engine.backend != Backend::Cpu {
-            return Ok(());
-        }
-        let models = std::iter::once(&spec.model).chain(spec.pipeline.as_ref().map(|p| &p.denoise));
-        let risky = models.filter_map(scan_model).any(|f| f.failing().is_some());
-        if !risky {
-            return Ok(());
-        }
-        // A slot's buffers: the engine's inputs, then the request path's own (prompt text).
-        let mut inputs = engine.alloc_inputs()?;
-        let n = inputs.len();
-        for &bytes in &plan.host_buffers {
-            inputs.push(Box::new(crate::engine::HostBuffer(vec![0; bytes])));
-        }
-        plan.fill_all(&mut inputs);
-        let mut outputs: Vec<Vec<u8>> = engine
-            .io()
-            .outputs
-            .iter()
-            .map(|s| vec![0; s.bytes()])
-            .collect();
-        engine.run(&mut inputs[..n], &mut outputs, true)?;
+/// `check-config` does not run the model, but a graph the backend knows may fail only at run
+/// time ([`Engine::needs_trial_run`]: tract 0.23's CumSum over an int64 Cast) would pass it
+/// and then fail at warm-up: such a graph gets one run here, with fill values, so that its
+/// failure (naming the rewrite) is the check's.
+fn trial_run(engine: &mut dyn Engine, plan: &Plan) -> Result<(), PolicyError> {
+    if !engine.needs_trial_run() {
+        return Ok(());
     }
-    #[cfg(not(feature = "cpu"))]
-    let _ = (spec, engine, plan);
+    // A slot's buffers: the engine's inputs, then the request path's own (prompt text).
+    let mut inputs = engine.alloc_inputs()?;
+    let n = inputs.len();
+    for &bytes in &plan.host_buffers {
+        inputs.push(Box::new(crate::engine::HostBuffer(vec![0; bytes])));
+    }
+    plan.fill_all(&mut inputs);
+    let mut outputs: Vec<Vec<u8>> = engine
+        .io()
+        .outputs
+        .iter()
+        .map(|s| vec![0; s.bytes()])
+        .collect();
+    engine.run(&mut inputs[..n], &mut outputs, true)?;
     Ok(())
 }
 
@@ -491,9 +335,9 @@ pub fn check(cfg: &Config, origin: &str) -> Result<String, PolicyError> {
     for c in &cfg.policies {
         let name = c.name.clone();
         let context = |e| in_policy(cfg, &name, e);
-        let mut engine = open_engine(c).map_err(context)?;
+        let mut engine = crate::engine::open(c).map_err(|e| context(e.into()))?;
         let plan = Plan::compile(cfg, c, engine.io()).map_err(|e| context(e.into()))?;
-        trial_run_if_tract_may_fail(c, engine.as_mut(), &plan).map_err(context)?;
+        trial_run(engine.as_mut(), &plan).map_err(context)?;
         let lerobot = lerobot_fit(cfg, c, &plan).map_err(|e| context(e.into()))?;
         let mut budget = Budget::compute(cfg, c, &plan);
         budget.add(engine.working_memory());

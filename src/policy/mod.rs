@@ -15,17 +15,17 @@ use tokio_tungstenite::tungstenite::Bytes;
 
 use crate::bind::Plan;
 use crate::config::{Config, PolicySpec};
-use crate::engine::Engine;
+use crate::engine::{Engine, EngineError};
 pub mod budget;
 pub mod build;
 pub mod reload;
 
 use crate::runtime::worker::WorkerHandle;
-use build::{Loaded, PolicyError, fingerprint};
+use build::{Loaded, fingerprint};
 
-/// Opens the engine a policy names (the server's: [`build::open_engine`]; tests pass a
+/// Opens the engine a policy names (the server's: [`crate::engine::open`]; tests pass a
 /// synthetic one).
-pub type OpenFn = dyn Fn(&PolicySpec) -> Result<Box<dyn Engine>, PolicyError> + Send + Sync;
+pub type OpenFn = dyn Fn(&PolicySpec) -> Result<Box<dyn Engine>, EngineError> + Send + Sync;
 
 /// One served policy: its config, compiled plan, engine worker and metadata frame.
 pub struct Policy {

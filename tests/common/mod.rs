@@ -219,7 +219,7 @@ pub fn output_buffers(engine: &dyn policyd::engine::Engine) -> Vec<Vec<u8>> {
 /// One run of `spec`'s engine on patterned inputs (small float32 values whatever the element
 /// type: a pattern, not noise): its backend and the outputs' bytes.
 pub fn patterned_run(spec: &policyd::config::PolicySpec) -> (&'static str, Vec<Vec<u8>>) {
-    let mut engine = policyd::policy::build::open_engine(spec).expect("the engine opens");
+    let mut engine = policyd::engine::open(spec).expect("the engine opens");
     let mut inputs = engine.alloc_inputs().expect("inputs");
     for (i, b) in inputs.iter_mut().enumerate() {
         for (j, byte) in b.bytes_mut().iter_mut().enumerate() {

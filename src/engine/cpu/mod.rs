@@ -6,6 +6,8 @@
 //! reference count, so inputs are never copied; outputs are copied into the slot's buffers
 //! (they are small: an action chunk).
 
+pub mod patterns;
+
 use std::any::Any;
 use std::sync::Arc;
 use std::time::Instant;
@@ -73,7 +75,7 @@ impl CpuEngine {
     ) -> Result<Self, EngineError> {
         // The graph's patterns that tract 0.23 fails on (or runs slowly): their rewrite is
         // named in any failure, at load or at run (warm-up runs it before serving).
-        let findings = super::tract_patterns::scan_model(model);
+        let findings = patterns::scan_model(model);
         if let Some(note) = findings.as_ref().and_then(|f| f.slow()) {
             log::warn!("{}: {note}", model.describe());
         }
@@ -277,6 +279,11 @@ fn embedded_with_data(
 impl Engine for CpuEngine {
     fn backend(&self) -> &'static str {
         "cpu"
+    }
+
+    /// A graph with a pattern tract fails on at run time (the scan at load found it).
+    fn needs_trial_run(&self) -> bool {
+        self.hint.is_some()
     }
 
     fn io(&self) -> &IoSpec {
