@@ -3,6 +3,11 @@
 
 /// Largest array rank accepted on the wire (shapes are held inline at this rank).
 pub const MAX_RANK: usize = 8;
+/// Most cameras a policy served to LeRobot's `robot_client` may read (an observation's frames
+/// are held in a table of this size while it is bound).
+pub const MAX_LEROBOT_CAMERAS: usize = 16;
+/// Most values one LeRobot observation binds: every camera, the state vector and the task.
+pub const MAX_LEROBOT_VALUES: usize = MAX_LEROBOT_CAMERAS + 2;
 /// Longest key path (`images/cam_high`) that can name a binding, in bytes.
 pub const MAX_PATH: usize = 256;
 /// Longest `session_id` accepted, in bytes.

@@ -19,7 +19,7 @@ use policyd::demo;
 use policyd::dtype::ElemType;
 use policyd::engine::{IoSpec, TensorSpec};
 use policyd::protocol::lerobot;
-use policyd::protocol::pickle::{PickleLimits, PickleReader};
+use policyd::protocol::lerobot::pickle::{PickleLimits, PickleReader};
 
 mod common;
 use policyd::protocol::{Dialect, Encoder, SessionId, Timing};
@@ -723,9 +723,10 @@ tensor = "action"
         ))
         .unwrap()
     };
+    let mut payloads = lerobot::Payloads::default();
     let mut reader = PickleReader::new(PickleLimits::default());
     let config = fixture("config");
-    let setup = lerobot::policy_setup(&reader.read(&config).unwrap()).unwrap();
+    let setup = lerobot::pickled::policy_setup(&reader.read(&config).unwrap()).unwrap();
     let mut adapter = policyd::bind::lerobot::Adapter::new(
         policyd::config::LerobotResize::Bilinear,
         32 << 20,
@@ -742,7 +743,7 @@ tensor = "action"
     let payload = fixture("observation_p4");
     let mut go = || {
         let meta = adapter
-            .decode(&mut reader, &payload, &plan, &mut bufs, &mut seen)
+            .decode(&mut payloads, &payload, &plan, &mut bufs, &mut seen)
             .unwrap();
         assert_eq!(meta.timestep, Some(7));
     };

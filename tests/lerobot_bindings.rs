@@ -432,3 +432,34 @@ fn relative_actions_are_checked_against_the_bindings() {
         assert!(e.contains(says), "{lines}: {e}");
     }
 }
+
+/// A LeRobot observation's frames are held in a table of `MAX_LEROBOT_CAMERAS`: a policy that
+/// reads more cameras is refused when its LeRobot fit is taken (at start-up), not served with
+/// frames dropped.
+#[test]
+fn more_cameras_than_the_lerobot_table_holds_are_refused() {
+    use policyd::limits::MAX_LEROBOT_CAMERAS;
+    let fit = |n: usize| {
+        let mut cfg = String::from("[engine]\nmodel = \"synthetic\"\n");
+        let mut inputs = Vec::new();
+        for i in 0..n {
+            cfg += &format!(
+                "[[inputs]]\nkey = \"observation.images.c{i}\"\ntensor = \"c{i}\"\n\
+                 dtypes = [\"uint8\"]\nshape = [2, 2, 3]\n"
+            );
+            inputs.push(spec(&format!("c{i}"), ElemType::U8, &[2, 2, 3]));
+        }
+        cfg += "[[outputs]]\ntensor = \"actions\"\n";
+        let io = IoSpec {
+            inputs,
+            outputs: vec![spec("actions", ElemType::F32, &[1, 4, 2])],
+        };
+        compile(&cfg, &io).expect("compiles").lerobot_fit()
+    };
+    assert_eq!(
+        fit(MAX_LEROBOT_CAMERAS).expect("fits").cameras.len(),
+        MAX_LEROBOT_CAMERAS
+    );
+    let e = fit(MAX_LEROBOT_CAMERAS + 1).expect_err("one camera too many");
+    assert!(e.contains("at most 16"), "{e}");
+}

@@ -6,8 +6,8 @@ mod common;
 
 use common::MOTORS;
 use policyd::dtype::ElemType;
+use policyd::protocol::lerobot::pickle::{PickleError, PickleLimits, PickleReader};
 use policyd::protocol::lerobot::{self, LerobotError, ObsValue};
-use policyd::protocol::pickle::{PickleError, PickleLimits, PickleReader};
 
 fn fixture(name: &str) -> Vec<u8> {
     let path = format!(
@@ -31,7 +31,7 @@ fn read_observation(payload: &[u8]) -> Result<Seen, LerobotError> {
     let mut reader = PickleReader::new(PickleLimits::default());
     lerobot::sniff(payload)?;
     let tree = reader.read(payload)?;
-    let obs = lerobot::observation(&tree)?;
+    let obs = lerobot::pickled::observation(&tree)?;
     let mut seen = Seen {
         timestamp: obs.timestamp,
         timestep: obs.timestep,
@@ -103,7 +103,7 @@ fn the_policy_config_lowers_with_its_features_in_the_clients_order() {
     let payload = fixture("config");
     let mut reader = PickleReader::new(PickleLimits::default());
     let tree = reader.read(&payload).unwrap();
-    let setup = lerobot::policy_setup(&tree).unwrap();
+    let setup = lerobot::pickled::policy_setup(&tree).unwrap();
     assert_eq!(setup.policy_type, "act");
     assert_eq!(setup.pretrained_name_or_path, "user/act_so101");
     assert_eq!(setup.actions_per_chunk, 10);
@@ -117,10 +117,12 @@ fn the_policy_config_lowers_with_its_features_in_the_clients_order() {
     assert_eq!(setup.features[1].dtype, "image");
     assert_eq!(setup.features[1].shape, [4, 6, 3]);
     // The config is not an observation, and the reverse.
-    assert!(lerobot::observation(&tree).is_err());
+    assert!(lerobot::pickled::observation(&tree).is_err());
     let obs = fixture("observation_p4");
     let tree = reader.read(&obs).unwrap();
-    let e = lerobot::policy_setup(&tree).unwrap_err().to_string();
+    let e = lerobot::pickled::policy_setup(&tree)
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("RemotePolicyConfig"), "{e}");
 }
 
@@ -241,7 +243,7 @@ fn the_reply_is_a_protocol_2_list_of_timed_actions_built_with_torch_tensor() {
         .map(|r| r.iter().flat_map(|v| v.to_le_bytes()).collect())
         .collect();
     let mut buf = Vec::new();
-    lerobot::encode_actions(
+    lerobot::pickled::encode_actions(
         bytes.iter().map(Vec::as_slice),
         (40, 100.0),
         1,
@@ -301,7 +303,7 @@ fn camera_frames_resize_to_the_same_pixels_as_torch() {
 /// the safetensors crate into the rows, timesteps and timestamps it was given.
 #[test]
 fn the_json_safetensors_reply_parses_back_and_observations_read() {
-    use policyd::protocol::lerobot_json;
+    use policyd::protocol::lerobot::json as lerobot_json;
     let rows: [[f32; 3]; 2] = [[0.5, -1.25, 2.0], [3.0, 4.5, -6.0]];
     let bytes: Vec<Vec<u8>> = rows
         .iter()
@@ -395,7 +397,7 @@ fn the_readers_pools_stay_bounded_after_hostile_input() {
     // A PR #3048 payload whose JSON is declared at 2 MiB is refused before it is parsed.
     let mut json = (2u32 << 20).to_be_bytes().to_vec();
     json.extend(std::iter::repeat_n(b' ', 2 << 20));
-    let e = policyd::protocol::lerobot_json::observation(&json)
+    let e = policyd::protocol::lerobot::json::observation(&json)
         .err()
         .expect("refused");
     assert!(e.to_string().contains("at most 1048576"), "{e}");

@@ -13,7 +13,6 @@ use policyd::config::{Config, PolicySpec};
 use policyd::dtype::ElemType;
 use policyd::engine::{Engine, EngineError, IoSpec, TensorSpec};
 use policyd::metrics::Stats;
-use policyd::policy::build::PolicyError;
 use policyd::policy::reload::Reloader;
 use policyd::policy::{self, OpenFn};
 use policyd::protocol::Encoder;

@@ -9,10 +9,10 @@ use super::Plan;
 use crate::config::LerobotResize;
 use crate::dtype::{ByteOrder, ElemType, WireDType};
 use crate::engine::InputBuffer;
+use crate::limits::{MAX_LEROBOT_CAMERAS, MAX_LEROBOT_VALUES};
 use crate::protocol::lerobot::{
-    self, Codec, IMAGE_PREFIX, ObsValue, PolicySetup, STATE_KEY, TASK_KEY,
+    self, Codec, IMAGE_PREFIX, ObsValue, Payloads, PolicySetup, STATE_KEY, TASK_KEY,
 };
-use crate::protocol::pickle::PickleReader;
 use crate::protocol::{ArrayView, Endpoint, RequestMeta, Shape, Value, WireError, clip};
 
 /// What a LeRobot `robot_client` can fill of a plan's bindings (see [`Plan::lerobot_fit`]).
@@ -92,6 +92,12 @@ impl Plan {
         }
         if self.outputs.is_empty() {
             return Err("the policy has no outputs to send as actions".into());
+        }
+        if fit.cameras.len() > MAX_LEROBOT_CAMERAS {
+            return Err(format!(
+                "the policy reads {} cameras; LeRobot clients are served at most {MAX_LEROBOT_CAMERAS}",
+                fit.cameras.len()
+            ));
         }
         Ok(fit)
     }
@@ -279,49 +285,33 @@ impl Adapter {
     /// inputs; the request's meta for the core.
     pub fn decode(
         &mut self,
-        reader: &mut PickleReader,
+        payloads: &mut Payloads,
         payload: &[u8],
         plan: &Plan,
         inputs: &mut [Box<dyn InputBuffer>],
         seen: &mut [bool],
     ) -> Result<RequestMeta, WireError> {
-        let codec = lerobot::codec(payload).map_err(wire)?;
-        if codec != self.codec {
-            return Err(WireError::Payload(format!(
-                "the client set up with {} payloads and sent an observation as {}",
-                self.codec.name(),
-                codec.name()
-            )));
-        }
-        match codec {
-            Codec::Pickle => {
-                let tree = reader.read(payload).map_err(|e| wire(e.into()))?;
-                let obs = lerobot::observation(&tree).map_err(wire)?;
-                let at = (obs.timestep, obs.timestamp, obs.must_go);
-                self.bind(at, obs.entries(), plan, inputs, seen)
-            }
-            Codec::Json => {
-                let obs = crate::protocol::lerobot_json::observation(payload).map_err(wire)?;
-                let at = (obs.timestep, obs.timestamp, obs.must_go);
-                self.bind(at, obs.entries(), plan, inputs, seen)
-            }
-        }
+        let codec = self.codec;
+        payloads
+            .observation(codec, payload, |at, entries| {
+                self.bind(at, entries, plan, inputs, seen)
+            })
+            .map_err(wire)?
     }
 
     /// Binds one observation's entries (either format) into a slot's inputs.
     fn bind<'o>(
         &mut self,
         (timestep, timestamp, must_go): (i64, f64, bool),
-        entries: impl Iterator<Item = Result<(&'o str, ObsValue<'o>), lerobot::LerobotError>>,
+        entries: &mut dyn Iterator<Item = Result<(&'o str, ObsValue<'o>), lerobot::LerobotError>>,
         plan: &Plan,
         inputs: &mut [Box<dyn InputBuffer>],
         seen: &mut [bool],
     ) -> Result<RequestMeta, WireError> {
         self.filled.iter_mut().for_each(|f| *f = false);
-        let mut frames: heapless::Vec<Option<lerobot::NdArray<'_>>, 16> = heapless::Vec::new();
-        for _ in &self.cameras {
-            let _ = frames.push(None);
-        }
+        // The adapter holds at most MAX_LEROBOT_CAMERAS cameras (checked when it was built).
+        let mut frames: [Option<lerobot::NdArray<'_>>; MAX_LEROBOT_CAMERAS] =
+            std::array::from_fn(|_| None);
         let mut task: Option<&str> = None;
         for entry in entries {
             let (key, value) = entry.map_err(wire)?;
@@ -335,8 +325,10 @@ impl Adapter {
                 ObsValue::Text(t) if key == "task" => task = Some(t),
                 ObsValue::Text(_) => {}
                 ObsValue::Array(a) => {
-                    if let Some(i) = self.cameras.iter().position(|c| c.raw == key) {
-                        frames[i] = Some(a);
+                    if let Some(i) = self.cameras.iter().position(|c| c.raw == key)
+                        && let Some(slot) = frames.get_mut(i)
+                    {
+                        *slot = Some(a);
                     }
                 }
             }
@@ -347,7 +339,7 @@ impl Adapter {
                 clip(&self.motors[j])
             )));
         }
-        let mut values: heapless::Vec<(&str, Value<'_>), 18> = heapless::Vec::new();
+        let mut values: heapless::Vec<(&str, Value<'_>), MAX_LEROBOT_VALUES> = heapless::Vec::new();
         if !self.motors.is_empty() {
             let mut shape = Shape::new();
             let _ = shape.push(self.motors.len());
@@ -419,12 +411,12 @@ impl Adapter {
     }
 }
 
-/// A LeRobot payload error as a request error; "pickle: " marks what the reader refused (counted
-/// apart from observations that read but do not fit the policy).
+/// A LeRobot payload error as a request error: what the reader refused is
+/// [`WireError::Unreadable`], counted apart from observations that read but do not fit.
 fn wire(e: lerobot::LerobotError) -> WireError {
     match e {
         lerobot::LerobotError::Invalid(m) => WireError::Payload(m),
-        e => WireError::Payload(format!("pickle: {e}")),
+        e => WireError::Unreadable(e.to_string()),
     }
 }
 

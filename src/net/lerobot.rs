@@ -2,7 +2,7 @@
 //! (`[lerobot]`), on its own port, through the same request core as the WebSocket.
 //!
 //! The client's payloads are pickles. policyd reads them with its strict reader
-//! ([`crate::protocol::pickle`]), which executes nothing, and writes its replies byte by byte
+//! ([`crate::protocol::lerobot::pickle`]), which executes nothing, and writes its replies byte by byte
 //! ([`crate::protocol::lerobot`]). The client never names a model policyd would load: its
 //! `pretrained_name_or_path` must be a served policy's name or a `[[lerobot.serve]]` entry.
 //!
@@ -38,9 +38,8 @@ use crate::net::requests::{Core, Finished, Started, sleep_until_opt};
 use crate::net::shared::Shared;
 use crate::policy::Policy;
 use crate::protocol::dialect::{Precision, ResetScope};
-use crate::protocol::lerobot::{self, Codec, PolicySetup};
-use crate::protocol::pickle::{PickleLimits, PickleReader};
-use crate::protocol::{Route, cap_message, clip};
+use crate::protocol::lerobot::{self, Payloads, PolicySetup};
+use crate::protocol::{Route, WireError, cap_message, clip};
 use crate::runtime::worker::Lease;
 
 /// The service's messages and server, generated from proto/services.proto by build.rs.
@@ -211,6 +210,19 @@ fn allowed(cfg: &LerobotConfig, peer: SocketAddr) -> bool {
     cfg.allow.is_empty() || cfg.allow.iter().any(|n| n.contains(&ip))
 }
 
+/// An observation the session refused, and why (the `reason` label of
+/// `policyd_lerobot_refused_total`).
+struct Refusal {
+    reason: &'static str,
+    status: Status,
+}
+
+impl Refusal {
+    fn new(reason: &'static str, status: Status) -> Refusal {
+        Refusal { reason, status }
+    }
+}
+
 /// What the RPC handlers ask of the session task; each names the connection it came by.
 enum Command {
     /// `Ready`: forget the session's state.
@@ -231,7 +243,7 @@ enum Command {
         from: ConnInfo,
         payload: Vec<u8>,
         received: Instant,
-        reply: oneshot::Sender<(Result<(), Status>, Vec<u8>)>,
+        reply: oneshot::Sender<(Result<(), Refusal>, Vec<u8>)>,
     },
     /// `GetActions`: the next chunk's pickle.
     Poll {
@@ -370,7 +382,8 @@ impl AsyncInference for Service {
         let from = caller(&request)?;
         let _call = from.activity.call();
         let data = request.into_inner().data;
-        let (setup, codec) = read_setup(&data)
+        let (setup, codec) = Payloads::default()
+            .setup(&data)
             .map_err(|e| self.refuse("pickle", Status::invalid_argument(e.to_string())))?;
         let set = self.shared.policies.load();
         let (policy, mut adapter) = for_setup(&self.cfg, &set, &setup)
@@ -500,18 +513,7 @@ impl AsyncInference for Service {
         }
         match result {
             Ok(()) => Ok(Response::new(Empty {})),
-            Err(status) => Err(self.refuse(
-                if status.code() == tonic::Code::FailedPrecondition {
-                    "setup"
-                } else if status.code() == tonic::Code::PermissionDenied {
-                    "owner"
-                } else if status.message().starts_with("pickle: ") {
-                    "pickle"
-                } else {
-                    "observation"
-                },
-                status,
-            )),
+            Err(r) => Err(self.refuse(r.reason, r.status)),
         }
     }
 
@@ -533,20 +535,6 @@ impl AsyncInference for Service {
             }
         }
     }
-}
-
-/// Reads the client's `RemotePolicyConfig` in whichever format it sent, and says which.
-fn read_setup(data: &[u8]) -> Result<(PolicySetup, Codec), lerobot::LerobotError> {
-    let codec = lerobot::codec(data)?;
-    let setup = match codec {
-        Codec::Pickle => {
-            let mut reader = PickleReader::new(PickleLimits::default());
-            let tree = reader.read(data)?;
-            lerobot::policy_setup(&tree)?
-        }
-        Codec::Json => crate::protocol::lerobot_json::policy_setup(data)?,
-    };
-    Ok((setup, codec))
 }
 
 /// Checks a client's setup against the served policies: the one it names (by
@@ -621,7 +609,7 @@ impl Active {
 /// The session task: owns the request core, answers the handlers' commands, releases chunks.
 async fn session(shared: Arc<Shared>, mut rx: mpsc::Receiver<Command>) {
     let shared = &*shared;
-    let mut reader = PickleReader::new(PickleLimits::default());
+    let mut payloads = Payloads::default();
     let mut active: Option<Active> = None;
     let mut desk = Desk {
         ready: None,
@@ -674,7 +662,7 @@ async fn session(shared: Arc<Shared>, mut rx: mpsc::Receiver<Command>) {
                 cmd = rx.recv() => match cmd {
                     None => return,
                     Some(cmd) => {
-                        if let Some(next) = command(shared, &mut reader, None, cmd, &mut desk) {
+                        if let Some(next) = command(shared, &mut payloads, None, cmd, &mut desk) {
                             active = Some(next);
                         }
                     }
@@ -689,7 +677,7 @@ async fn session(shared: Arc<Shared>, mut rx: mpsc::Receiver<Command>) {
             cmd = rx.recv() => match cmd {
                 None => return,
                 Some(cmd) => {
-                    if let Some(next) = command(shared, &mut reader, Some(a), cmd, &mut desk) {
+                    if let Some(next) = command(shared, &mut payloads, Some(a), cmd, &mut desk) {
                         if let Some(old) = active.take() {
                             old.core.close();
                         }
@@ -837,7 +825,7 @@ fn own(desk: &mut Desk, from: &ConnInfo, claim: &Claim) {
 /// Handles one command; returns a new session when a setup replaces the current one.
 fn command(
     shared: &Shared,
-    reader: &mut PickleReader,
+    payloads: &mut Payloads,
     active: Option<&mut Active>,
     cmd: Command,
     desk: &mut Desk,
@@ -908,13 +896,16 @@ fn command(
             reply,
         } => {
             let result = match (claim(desk, &from, false), active) {
-                (Err(status), _) => Err(status),
-                (Ok(_), None) => Err(Status::failed_precondition(
-                    "no policy is set up: the client must call SendPolicyInstructions first",
+                (Err(status), _) => Err(Refusal::new("owner", status)),
+                (Ok(_), None) => Err(Refusal::new(
+                    "setup",
+                    Status::failed_precondition(
+                        "no policy is set up: the client must call SendPolicyInstructions first",
+                    ),
                 )),
                 (Ok(c), Some(a)) => {
                     own(desk, &from, &c);
-                    observe(a, reader, &payload, received)
+                    observe(a, payloads, &payload, received)
                 }
             };
             let _ = reply.send((result, payload));
@@ -926,10 +917,10 @@ fn command(
 /// Starts one observation through the core.
 fn observe(
     a: &mut Active,
-    reader: &mut PickleReader,
+    payloads: &mut Payloads,
     payload: &[u8],
     received: Instant,
-) -> Result<(), Status> {
+) -> Result<(), Refusal> {
     let policy = a.core.policy().clone();
     // One slot is the most a session holds waiting (latest wins); with none free the newest
     // observation is dropped, as the one it would replace is about to run.
@@ -937,17 +928,25 @@ fn observe(
         return Ok(());
     };
     let adapter = &mut a.adapter;
+    let mut unreadable = false;
     let started = a.core.start(
         received,
         lease,
         ResetScope::Connection,
-        |plan, inputs, seen, _planner| adapter.decode(reader, payload, plan, inputs, seen),
+        |plan, inputs, seen, _| {
+            let meta = adapter.decode(payloads, payload, plan, inputs, seen);
+            unreadable = matches!(meta, Err(WireError::Unreadable(_)));
+            meta
+        },
     );
     match started {
         Started::Queued | Started::Reset | Started::Skipped { .. } => Ok(()),
         Started::Failed(f) => {
             a.core.count_error(&f);
-            Err(Status::invalid_argument(f.message().to_string()))
+            Err(Refusal::new(
+                if unreadable { "pickle" } else { "observation" },
+                Status::invalid_argument(f.message().to_string()),
+            ))
         }
         Started::OtherPolicy(_) => Ok(()),
     }
@@ -967,22 +966,14 @@ fn deliver(a: &mut Active, lease: Lease, paced: bool, desk: &mut Desk) {
         let dt = 1.0 / r.fps;
         let (timestep, timestamp) = (r.ticket.timestep, r.ticket.timestamp);
         match r.reply.rows_f32(output, apc.max(first + 1)) {
-            Some((rows, row)) if row > 0 => match codec {
-                Codec::Pickle => lerobot::encode_actions(
-                    rows.chunks_exact(row),
-                    (timestep, timestamp),
-                    first,
-                    dt,
-                    r.buf,
-                ),
-                Codec::Json => crate::protocol::lerobot_json::encode_actions(
-                    rows.chunks_exact(row),
-                    (timestep, timestamp),
-                    first,
-                    dt,
-                    r.buf,
-                ),
-            },
+            Some((rows, row)) if row > 0 => lerobot::encode_actions(
+                codec,
+                rows.chunks_exact(row),
+                (timestep, timestamp),
+                first,
+                dt,
+                r.buf,
+            ),
             _ => ok = false,
         }
     });

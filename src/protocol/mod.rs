@@ -9,9 +9,7 @@
 pub mod dialect;
 pub mod encode;
 pub mod lerobot;
-pub mod lerobot_json;
 mod msgpack;
-pub mod pickle;
 pub mod request;
 
 pub use dialect::{Dialect, ErrorKind, Failure, VLLM_PATH};

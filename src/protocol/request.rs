@@ -29,9 +29,13 @@ pub use super::msgpack::Limits;
 pub enum WireError {
     #[error("the frame is empty; send one msgpack map")]
     Empty,
-    /// Another front end's payload (LeRobot's pickles) could not be read or bound.
+    /// Another front end's payload (LeRobot's) was read but does not fit the policy.
     #[error("{0}")]
     Payload(String),
+    /// Another front end's payload that its reader refused (LeRobot's strict pickle reader):
+    /// counted apart from payloads that read but do not fit.
+    #[error("pickle: {0}")]
+    Unreadable(String),
     #[error("not msgpack: byte 0x{byte:02x} at offset {offset} is not a valid msgpack marker")]
     NotMsgpack { byte: u8, offset: usize },
     #[error("truncated msgpack: the frame ends at byte {len} but a value needs {need} more")]

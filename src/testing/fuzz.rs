@@ -320,14 +320,13 @@ pub fn config(data: &[u8]) {
 /// the lowering to a `TimedObservation` (every entry) and a `RemotePolicyConfig`; bytes that
 /// are not a pickle through the JSON + safetensors reader (lerobot PR #3048).
 pub fn pickle(data: &[u8]) {
-    use crate::protocol::pickle::{PickleLimits, PickleReader};
-    use crate::protocol::{lerobot, lerobot_json};
+    use crate::protocol::lerobot::pickle::{PickleLimits, PickleReader};
+    use crate::protocol::lerobot::{LerobotError, ObsValue};
+    use crate::protocol::lerobot::{json as lerobot_json, pickled as lerobot};
     // Every array an observation lowers to holds exactly its shape's bytes.
-    fn check<'a>(
-        entries: impl Iterator<Item = Result<(&'a str, lerobot::ObsValue<'a>), lerobot::LerobotError>>,
-    ) {
+    fn check<'a>(entries: impl Iterator<Item = Result<(&'a str, ObsValue<'a>), LerobotError>>) {
         for entry in entries {
-            if let Ok((_, lerobot::ObsValue::Array(a))) = entry {
+            if let Ok((_, ObsValue::Array(a))) = entry {
                 let n: usize = a.shape.iter().product();
                 assert_eq!(
                     n * a.dtype.size(),
@@ -361,8 +360,8 @@ pub fn pickle(data: &[u8]) {
 /// more than [`SETUP_ALLOCATION_FACTOR`] times its length plus [`SETUP_ALLOCATION_BASE`]. A
 /// pickle's memo made 983 KB allocate 4.3·10⁹ strings before.
 pub fn setup(data: &[u8], allocated: Option<fn() -> usize>) {
-    use crate::protocol::pickle::{PickleLimits, PickleReader};
-    use crate::protocol::{lerobot, lerobot_json};
+    use crate::protocol::lerobot::pickle::{PickleLimits, PickleReader};
+    use crate::protocol::lerobot::{json as lerobot_json, pickled as lerobot};
     if data.first() != Some(&0x80) {
         let _ = lerobot_json::policy_setup(data);
         return;

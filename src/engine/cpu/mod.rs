@@ -260,15 +260,14 @@ fn embedded_with_data(
         let offset: usize = field("offset").map_or(Ok(0), |v| v.parse())?;
         let length: Option<usize> = field("length").map(|v| v.parse()).transpose()?;
         let end = length.map_or(Some(data.len()), |l| offset.checked_add(l));
-        let slice = end
-            .and_then(|end| data.get(offset..end))
-            .ok_or_else(|| {
-                TractError::msg(format!(
-                    "tensor '{}': external data [{offset}, +{length:?}) past the built-in                      data file ({} bytes)",
-                    t.name,
-                    data.len()
-                ))
-            })?;
+        let slice = end.and_then(|end| data.get(offset..end)).ok_or_else(|| {
+            TractError::msg(format!(
+                "tensor '{}': external data [{offset}, +{length:?}) past the built-in \
+                     data file ({} bytes)",
+                t.name,
+                data.len()
+            ))
+        })?;
         t.raw_data = slice.to_vec();
         t.external_data.clear();
         t.data_location = Some(DataLocation::Default as i32);

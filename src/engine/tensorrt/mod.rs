@@ -585,12 +585,15 @@ fn check_layout(t: &shim::RawTensor) -> Result<(), String> {
     let side = if t.is_input { "input" } else { "output" };
     if t.location != shim::LOCATION_DEVICE {
         return Err(format!(
-            "{side} '{name}' is a shape tensor that TensorRT reads from host memory (kHOST);              policyd feeds device tensors only: export the model with that shape fixed"
+            "{side} '{name}' is a shape tensor that TensorRT reads from host memory (kHOST); \
+             policyd feeds device tensors only: export the model with that shape fixed"
         ));
     }
     if t.format != shim::FORMAT_LINEAR || t.components != 1 {
         return Err(format!(
-            "{side} '{name}' has the vectorised format {} ({} components per element); policyd              needs dense linear tensors: rebuild the plan with --inputIOFormats/--outputIOFormats              naming a linear format (e.g. fp16:chw or fp32:chw), or none",
+            "{side} '{name}' has the vectorised format {} ({} components per element); policyd \
+             needs dense linear tensors: rebuild the plan with --inputIOFormats/--outputIOFormats \
+             naming a linear format (e.g. fp16:chw or fp32:chw), or none",
             shim::format_name(t.format),
             t.components
         ));

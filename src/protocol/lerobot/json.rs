@@ -7,10 +7,10 @@
 use safetensors::{Dtype, SafeTensors};
 use serde_json::Value as Json;
 
-use super::clip;
-use super::lerobot::{Feature, LerobotError, NdArray, ObsValue, PolicySetup};
+use super::{Feature, LerobotError, NdArray, ObsValue, PolicySetup};
 use crate::dtype::{ByteOrder, ElemType};
 use crate::limits::MAX_RANK;
+use crate::protocol::clip;
 
 fn invalid(msg: impl Into<String>) -> LerobotError {
     LerobotError::Invalid(msg.into())
@@ -181,7 +181,7 @@ pub fn policy_setup(payload: &[u8]) -> Result<PolicySetup, LerobotError> {
         .get("lerobot_features")
         .and_then(Json::as_object)
         .ok_or_else(|| invalid("RemotePolicyConfig.lerobot_features must be an object"))?;
-    super::lerobot::check_feature_count(fs.len())?;
+    super::check_feature_count(fs.len())?;
     for (key, f) in fs {
         let bad = |what: &str| invalid(format!("lerobot_features['{}']: {what}", clip(key)));
         let f = f.as_object().ok_or_else(|| bad("must be an object"))?;
@@ -206,7 +206,7 @@ pub fn policy_setup(payload: &[u8]) -> Result<PolicySetup, LerobotError> {
         };
         let names = match f.get("names") {
             Some(Json::Array(ns)) => {
-                super::lerobot::check_name_count(key, &shape, ns.len())?;
+                super::check_name_count(key, &shape, ns.len())?;
                 ns.iter()
                     .map(|n| n.as_str().map(str::to_string))
                     .collect::<Option<Vec<_>>>()
@@ -245,7 +245,7 @@ pub fn policy_setup(payload: &[u8]) -> Result<PolicySetup, LerobotError> {
             .to_string(),
         rename_map,
     };
-    super::lerobot::check_setup(&setup)?;
+    super::check_setup(&setup)?;
     Ok(setup)
 }
 
@@ -263,7 +263,7 @@ pub fn encode_actions<'a>(
     buf.extend_from_slice(&[0; 4]);
     let _ = write!(buf, r#"{{"type": "TimedActions", "actions": ["#);
     for i in 0..rows.len() {
-        let (step, t) = super::timed_step(timestep, timestamp, dt, first + i);
+        let (step, t) = crate::protocol::timed_step(timestep, timestamp, dt, first + i);
         let sep = if i == 0 { "" } else { ", " };
         let _ = write!(buf, r#"{sep}{{"timestamp": {t:?}, "timestep": {step}}}"#);
     }

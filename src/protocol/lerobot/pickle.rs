@@ -3,7 +3,7 @@
 //! allow-list, and the stream is lowered into an inert tree of typed nodes. Nothing is imported,
 //! called or resolved: a global is one of [`Global`]'s variants or an error naming it, and
 //! `REDUCE`, `NEWOBJ` and `BUILD` only record what the stream asked for, for
-//! [`lerobot`](super::lerobot) to check against the shapes it expects.
+//! [`pickled`](super::pickled) to check against the shapes it expects.
 //!
 //! No pickle crate is used on purpose: the ones tried resolve or drop globals, copy memo entries
 //! (CPython keeps references, and a second camera reuses the dtype built for the first), or read

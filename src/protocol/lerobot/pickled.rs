@@ -11,61 +11,14 @@
 //!
 //! [pickle reader]: super::pickle
 
-use thiserror::Error;
-
-use super::clip;
-use super::pickle::{Global, Node, NodeId, PickleError, Seq, Tree};
+use super::pickle::{Global, Node, NodeId, Seq, Tree};
+use super::{
+    Feature, LerobotError, NdArray, ObsValue, PolicySetup, SetupBudget, check_feature_count,
+    check_name_count, check_setup, invalid,
+};
 use crate::dtype::{ByteOrder, ElemType, WireDType, parse_numpy_dtype};
 use crate::limits::MAX_RANK;
-
-/// The binding key of LeRobot's state feature (the client's motors, in its order).
-pub const STATE_KEY: &str = "observation.state";
-/// The prefix of LeRobot's camera features: `observation.images.<camera>`, filled from the
-/// client's `<camera>` frame.
-pub const IMAGE_PREFIX: &str = "observation.images.";
-/// The key of the task (a VLA's prompt).
-pub const TASK_KEY: &str = "task";
-
-/// Why a LeRobot payload was refused.
-#[derive(Clone, Debug, Error, PartialEq)]
-pub enum LerobotError {
-    #[error(transparent)]
-    Pickle(#[from] PickleError),
-    #[error(
-        "the payload is not a pickle (first byte 0x{0:02x}); policyd reads LeRobot's pickled \
-         payloads, protocols 2 to 5"
-    )]
-    NotPickle(u8),
-    #[error("the payload is empty")]
-    Empty,
-    #[error("{0}")]
-    Invalid(String),
-}
-
-fn invalid(msg: impl Into<String>) -> LerobotError {
-    LerobotError::Invalid(msg.into())
-}
-
-/// A numpy array inside an observation, its data borrowed from the payload.
-#[derive(Clone, Debug, PartialEq)]
-pub struct NdArray<'p> {
-    pub dtype: ElemType,
-    pub order: ByteOrder,
-    pub shape: heapless::Vec<usize, MAX_RANK>,
-    /// C order, exactly `prod(shape) · itemsize` bytes.
-    pub data: &'p [u8],
-}
-
-/// One value of an observation's dict.
-#[derive(Clone, Debug, PartialEq)]
-pub enum ObsValue<'p> {
-    /// A Python float, int or bool, or a numpy scalar (a motor reading).
-    Number(f64),
-    /// A str (the task).
-    Text(&'p str),
-    /// A numpy array (a camera frame).
-    Array(NdArray<'p>),
-}
+use crate::protocol::clip;
 
 /// A `TimedObservation`: its scalars, and its `observation` dict to walk.
 pub struct Observation<'t, 'r, 'p> {
@@ -238,7 +191,8 @@ fn ndarray<'p>(tree: &Tree<'_, 'p>, id: NodeId) -> Result<NdArray<'p>, String> {
             if tree.node(fortran) != Some(Node::Bool(false)) {
                 return Err("a Fortran-ordered array; send C-contiguous arrays".into());
             }
-            let shp = shape(tree, shp).ok_or("an array with a bad shape or rank over 4")?;
+            let shp = shape(tree, shp)
+                .ok_or_else(|| format!("an array with a bad shape or rank over {MAX_RANK}"))?;
             let data = tree
                 .bytes(data)
                 .ok_or("an array whose data is not bytes (object arrays are refused)")?;
@@ -254,7 +208,8 @@ fn ndarray<'p>(tree: &Tree<'_, 'p>, id: NodeId) -> Result<NdArray<'p>, String> {
             if tree.str(order) != Some("C") {
                 return Err("a Fortran-ordered array; send C-contiguous arrays".into());
             }
-            let shp = shape(tree, shp).ok_or("an array with a bad shape or rank over 4")?;
+            let shp = shape(tree, shp)
+                .ok_or_else(|| format!("an array with a bad shape or rank over {MAX_RANK}"))?;
             let data = tree
                 .bytes(data)
                 .ok_or("_frombuffer of something not bytes")?;
@@ -339,129 +294,6 @@ impl<'p> Observation<'_, '_, 'p> {
             Ok((key, value))
         })
     }
-}
-
-/// One entry of `RemotePolicyConfig.lerobot_features`.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Feature {
-    pub key: String,
-    /// `float32`, `image`, ... (for a `PolicyFeature`, from its `FeatureType`).
-    pub dtype: String,
-    pub shape: Vec<usize>,
-    /// Per-element names (`observation.state`'s motors, in the client's order).
-    pub names: Vec<String>,
-}
-
-/// A `RemotePolicyConfig`: what the client asks the server to run.
-#[derive(Clone, Debug, PartialEq)]
-pub struct PolicySetup {
-    pub policy_type: String,
-    pub pretrained_name_or_path: String,
-    pub features: Vec<Feature>,
-    pub actions_per_chunk: i64,
-    pub device: String,
-    pub rename_map: Vec<(String, String)>,
-}
-
-/// Most `lerobot_features` one setup may declare (LeRobot's robots have a state, an action and
-/// a few cameras).
-pub const MAX_FEATURES: usize = 64;
-/// Most `names` one feature may carry (one per motor of the state vector).
-pub const MAX_NAMES: usize = 1024;
-
-/// What lowering one setup may allocate, counted as it goes: strings and feature records
-/// against one budget proportional to the payload (see [`SetupBudget::for_payload`]). A
-/// pickle's memo lets a 1 MB payload name one string 65,536 times; each reference is a copy
-/// here, so each counts, and the budget stops the copying long before it matters.
-#[derive(Debug)]
-pub struct SetupBudget {
-    left: usize,
-}
-
-impl SetupBudget {
-    /// Bytes a setup's lowering may allocate per payload byte, and on top of any payload.
-    pub const PER_BYTE: usize = 4;
-    pub const BASE: usize = 64 << 10;
-
-    pub fn for_payload(len: usize) -> SetupBudget {
-        SetupBudget {
-            left: len
-                .saturating_mul(Self::PER_BYTE)
-                .saturating_add(Self::BASE),
-        }
-    }
-
-    fn take(&mut self, n: usize) -> Result<(), LerobotError> {
-        self.left = self.left.checked_sub(n).ok_or_else(|| {
-            invalid(
-                "the RemotePolicyConfig expands to far more than its size (repeated references \
-                 to the same strings); send each feature once, with names only for the state",
-            )
-        })?;
-        Ok(())
-    }
-
-    /// A copy of a client's string, counted.
-    pub fn string(&mut self, s: &str) -> Result<String, LerobotError> {
-        self.take(s.len() + std::mem::size_of::<String>())?;
-        Ok(s.to_string())
-    }
-
-    /// One more item of `size` bytes in a list, counted.
-    pub fn item(&mut self, size: usize) -> Result<(), LerobotError> {
-        self.take(size)
-    }
-}
-
-/// Checks what both formats' setups must hold before their features are copied: at most
-/// [`MAX_FEATURES`] of them.
-pub fn check_feature_count(n: usize) -> Result<(), LerobotError> {
-    if n > MAX_FEATURES {
-        return Err(invalid(format!(
-            "RemotePolicyConfig.lerobot_features has {n} entries; at most {MAX_FEATURES} are accepted"
-        )));
-    }
-    Ok(())
-}
-
-/// Checks one feature's `names` against its shape before they are copied: no more than its
-/// elements (a state of shape (6,) names 6 motors) and at most [`MAX_NAMES`].
-pub fn check_name_count(key: &str, shape: &[usize], n: usize) -> Result<(), LerobotError> {
-    let elements = shape
-        .iter()
-        .try_fold(1usize, |a, &d| a.checked_mul(d))
-        .unwrap_or(usize::MAX);
-    if n > elements.min(MAX_NAMES) {
-        return Err(invalid(format!(
-            "lerobot_features['{}'] has {n} names for shape {shape:?}; at most one per element \
-             (and {MAX_NAMES} in all)",
-            clip(key)
-        )));
-    }
-    Ok(())
-}
-
-/// Checks a lowered setup (either format): no feature twice, no name twice within a feature.
-pub fn check_setup(setup: &PolicySetup) -> Result<(), LerobotError> {
-    // Sets, not pairwise scans: 64 features of 1024 names would be 33 million comparisons.
-    let mut keys = std::collections::HashSet::with_capacity(setup.features.len());
-    for f in &setup.features {
-        if !keys.insert(f.key.as_str()) {
-            return Err(invalid(format!(
-                "lerobot_features has '{}' twice",
-                clip(&f.key)
-            )));
-        }
-        let mut names = std::collections::HashSet::with_capacity(f.names.len());
-        if let Some(n) = f.names.iter().find(|n| !names.insert(n.as_str())) {
-            return Err(invalid(format!(
-                "lerobot_features['{}'] names '{}' twice; each motor must have its own name",
-                clip(&f.key),
-                clip(n)
-            )));
-        }
-    }
-    Ok(())
 }
 
 /// Reads a `RemotePolicyConfig`, within a [`SetupBudget`] for the pickle's size.
@@ -607,43 +439,6 @@ fn feature(
     }
 }
 
-/// The two payload formats a LeRobot client may send.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Codec {
-    /// Pickles (lerobot 0.6.1's client).
-    Pickle,
-    /// JSON + safetensors (lerobot PR #3048, [`super::lerobot_json`]).
-    Json,
-}
-
-impl Codec {
-    pub fn name(self) -> &'static str {
-        match self {
-            Codec::Pickle => "pickle",
-            Codec::Json => "JSON + safetensors (lerobot PR #3048)",
-        }
-    }
-}
-
-/// Tells the formats apart by the first byte: a pickle starts with `PROTO` (0x80, protocol 2 and
-/// up); PR #3048's payloads with their JSON length, big-endian (0x00 below 16 MiB).
-pub fn codec(payload: &[u8]) -> Result<Codec, LerobotError> {
-    match payload.first() {
-        None => Err(LerobotError::Empty),
-        Some(0x80) => Ok(Codec::Pickle),
-        Some(_) => Ok(Codec::Json),
-    }
-}
-
-/// Checks that a payload is a pickle (it starts with `PROTO`, 0x80).
-pub fn sniff(payload: &[u8]) -> Result<(), LerobotError> {
-    match payload.first() {
-        None => Err(LerobotError::Empty),
-        Some(0x80) => Ok(()),
-        Some(&b) => Err(LerobotError::NotPickle(b)),
-    }
-}
-
 /// Writes the `list[TimedAction]` reply: action `i` is `rows[i]` (float32, little-endian) at
 /// `timestep + first + i`, `timestamp + (first + i)·dt`, as `torch.tensor([...])`.
 pub fn encode_actions<'a>(
@@ -667,7 +462,7 @@ pub fn encode_actions<'a>(
     buf.clear();
     buf.extend_from_slice(&[0x80, 2, b']', b'(']);
     for (i, row) in rows.enumerate() {
-        let (step, t) = super::timed_step(timestep, timestamp, dt, first + i);
+        let (step, t) = crate::protocol::timed_step(timestep, timestamp, dt, first + i);
         buf.extend_from_slice(TIMED_ACTION);
         buf.extend_from_slice(&[b')', 0x81, b'}', b'(']);
         text(buf, "timestamp");
