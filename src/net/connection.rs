@@ -23,7 +23,7 @@ use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
 use tokio_tungstenite::tungstenite::{Bytes, Message};
 
 use crate::net::frame_guard::oversize_marker;
-use crate::net::requests::{Core, Finished, Released, Started, sleep_until_opt};
+use crate::net::requests::{Core, Event, Released, Started, sleep_until_opt};
 use crate::net::shared::{Shared, next_client_id};
 use crate::policy::Policy;
 use crate::protocol::dialect::{Frame, OPENPI_ERROR_REASON};
@@ -72,6 +72,8 @@ struct Conn<'a, S> {
     /// Immediate replies (errors, reset, skipped notices).
     out: Vec<u8>,
     send: SendBuf,
+    /// When the keepalive ping still unanswered was sent.
+    ping_sent: Option<Instant>,
 }
 
 /// Why a connection leaves its current policy.
@@ -167,6 +169,7 @@ where
             out: Vec::with_capacity(capacity),
             send: SendBuf::new(capacity),
             change: None,
+            ping_sent: None,
         };
         let end = c.run(send_metadata, first.take()).await;
         let Conn {
@@ -208,7 +211,6 @@ where
             return End::Closed(Closed::BeforeMetadata);
         }
         let mut pending: Option<(Bytes, Instant)> = first;
-        let mut generation = shared.generation.subscribe();
         // A reload may have come between the handshake and now.
         self.change = self.reloaded();
         let mut shutdown = shared.shutdown.clone();
@@ -220,11 +222,8 @@ where
         let mut ping = tokio::time::interval(ping_every.unwrap_or(Duration::from_secs(3600)));
         ping.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         ping.reset();
-        let mut ping_sent: Option<Instant> = None;
         let idle = (cfg.idle_timeout_s > 0.0).then(|| Duration::from_secs_f64(cfg.idle_timeout_s));
         let mut last_activity = Instant::now();
-        let mut stalled = policy.worker.state.stalled.subscribe();
-        let wake = self.core.wake().clone();
 
         loop {
             // On shutdown, everything already read is still answered.
@@ -237,24 +236,7 @@ where
                 && self.core.idle()
                 && let Some(change) = self.change.take()
             {
-                match change {
-                    Change::Removed => {
-                        close(&mut self.ws, CloseCode::Away, "policy removed by a reload").await;
-                        return End::Closed(Closed::PolicyRemoved);
-                    }
-                    Change::Replaced(to) => {
-                        return End::Switch {
-                            to,
-                            frame: pending.take(),
-                        };
-                    }
-                    Change::Named(to, frame, received) => {
-                        return End::Switch {
-                            to,
-                            frame: Some((frame, received)),
-                        };
-                    }
-                }
+                return self.leave(change, pending.take()).await;
             }
             // Start the next frame if no `infer` is ahead of it and a slot is free.
             if !self.core.infer_busy() && pending.is_some() && self.change.is_none() {
@@ -269,17 +251,24 @@ where
                 }
             }
             let idle_deadline = idle.map(|d| last_activity + d);
-            let release_backstop = self
-                .core
-                .next_release()
-                .map(|t| t + Duration::from_millis(2));
             let quiet = self.core.idle() && pending.is_none();
             let wants_slot = !self.core.infer_busy() && pending.is_some() && self.change.is_none();
             tokio::select! {
-                changed = generation.changed() => {
-                    if changed.is_ok() && self.change.is_none() {
-                        self.change = self.reloaded();
+                event = self.core.next() => {
+                    let step = match event {
+                        Event::Release { lease, paced } => self.release(lease, paced).await,
+                        Event::Failed(f) => self.fail(f).await,
+                        Event::Reloaded => {
+                            if self.change.is_none() {
+                                self.change = self.reloaded();
+                            }
+                            Ok(())
+                        }
+                    };
+                    if let Err(why) = step {
+                        return End::Closed(why);
                     }
+                    last_activity = Instant::now();
                 }
                 changed = shutdown.changed(), if !stopping => {
                     if changed.is_err() || *shutdown.borrow() {
@@ -293,92 +282,112 @@ where
                         return End::Closed(why);
                     }
                 }
-                lease = self.core.port().recv(), if self.core.awaiting() => {
-                    // None: already answered with a timeout error.
-                    let Some(lease) = self.core.returned(lease) else {
-                        continue;
-                    };
-                    if let Err(why) = self.finished(lease).await {
-                        return End::Closed(why);
-                    }
-                    last_activity = Instant::now();
-                }
-                changed = stalled.changed(), if self.core.outstanding() > 0 => {
-                    if changed.is_ok() && *stalled.borrow_and_update() {
-                        let f = self.core.stalled();
-                        if let Err(why) = self.fail(f).await {
-                            return End::Closed(why);
-                        }
-                    }
-                }
-                _ = wake.notified(), if self.core.holding() => {
-                    if let Err(why) = self.release_due().await {
-                        return End::Closed(why);
-                    }
-                }
-                _ = sleep_until_opt(release_backstop), if release_backstop.is_some() => {
-                    if let Err(why) = self.release_due().await {
-                        return End::Closed(why);
-                    }
-                }
                 msg = self.ws.next(), if pending.is_none() && !stopping && self.change.is_none() => {
                     last_activity = Instant::now();
-                    match msg {
-                        None => return End::Closed(Closed::ByClient),
-                        Some(Ok(Message::Binary(b))) => match oversize_marker(&b) {
-                            None => pending = Some((b, Instant::now())),
-                            Some(size) => {
-                                let f = oversize(size, cfg.max_message_bytes);
-                                if let Err(why) = self.fail(f).await {
-                        return End::Closed(why);
-                    }
-                            }
-                        },
-                        Some(Ok(Message::Text(t))) => {
-                            let f = match oversize_marker(t.as_bytes()) {
-                                Some(size) => oversize(size, cfg.max_message_bytes),
-                                None => Failure::Request("text frames are not accepted; send the observation as a binary msgpack frame".into()),
-                            };
-                            if let Err(why) = self.fail(f).await {
-                        return End::Closed(why);
-                    }
-                        }
-                        Some(Ok(Message::Pong(_))) => ping_sent = None,
-                        Some(Ok(Message::Ping(_))) | Some(Ok(Message::Frame(_))) => {}
-                        Some(Ok(Message::Close(_))) => {
-                            // tungstenite answers the close; drive it to the end.
-                            while let Ok(Some(_)) = tokio::time::timeout(Duration::from_secs(1), self.ws.next()).await {}
-                            return End::Closed(Closed::ByClient);
-                        }
-                        Some(Err(e)) => {
-                            // RFC 6455 §7.1.7: a client that broke the protocol gets a Close
-                            // frame saying so before the socket goes (if it is still there).
-                            if let Some(code) = violation_code(&e) {
-                                close(&mut self.ws, code, "protocol violation").await;
-                            }
-                            return End::Closed(Closed::Protocol(e.to_string()));
-                        }
+                    match self.on_message(msg).await {
+                        Ok(Some(frame)) => pending = Some((frame, Instant::now())),
+                        Ok(None) => {}
+                        Err(end) => return end,
                     }
                 }
                 _ = ping.tick(), if ping_every.is_some() => {
-                    match ping_sent {
-                        Some(t) if t.elapsed() >= pong_timeout => {
-                            close(&mut self.ws, CloseCode::Error, "keepalive ping timeout").await;
-                            return End::Closed(Closed::PingTimeout);
-                        }
-                        Some(_) => {}
-                        None => {
-                            if self.ws.send(Message::Ping(Bytes::new())).await.is_err() {
-                                return End::Closed(Closed::Gone);
-                            }
-                            ping_sent = Some(Instant::now());
-                        }
+                    if let Err(why) = self.ping(pong_timeout).await {
+                        return End::Closed(why);
                     }
                 }
                 _ = sleep_until_opt(idle_deadline), if idle_deadline.is_some() && quiet => {
                     close(&mut self.ws, CloseCode::Normal, "idle timeout").await;
                     return End::Closed(Closed::Idle);
                 }
+            }
+        }
+    }
+
+    /// Leaves the current policy once nothing is in flight: closes for a removed one, or
+    /// switches (fresh sessions) with the frame that was waiting, if any.
+    async fn leave(&mut self, change: Change, pending: Option<(Bytes, Instant)>) -> End {
+        match change {
+            Change::Removed => {
+                close(&mut self.ws, CloseCode::Away, "policy removed by a reload").await;
+                End::Closed(Closed::PolicyRemoved)
+            }
+            Change::Replaced(to) => End::Switch { to, frame: pending },
+            Change::Named(to, frame, received) => End::Switch {
+                to,
+                frame: Some((frame, received)),
+            },
+        }
+    }
+
+    /// One message from the client: a binary frame to start (returned), or what the
+    /// connection does about anything else; `Err` when the connection ends.
+    async fn on_message(
+        &mut self,
+        msg: Option<Result<Message, tokio_tungstenite::tungstenite::Error>>,
+    ) -> Result<Option<Bytes>, End> {
+        let max = self.shared.cfg.server.max_message_bytes;
+        let closed = |why| Err(End::Closed(why));
+        match msg {
+            None => closed(Closed::ByClient),
+            Some(Ok(Message::Binary(b))) => match oversize_marker(&b) {
+                None => Ok(Some(b)),
+                Some(size) => self
+                    .fail(oversize(size, max))
+                    .await
+                    .map(|()| None)
+                    .or_else(closed),
+            },
+            Some(Ok(Message::Text(t))) => {
+                let f = match oversize_marker(t.as_bytes()) {
+                    Some(size) => oversize(size, max),
+                    None => Failure::Request(
+                        "text frames are not accepted; send the observation as a binary msgpack \
+                         frame"
+                            .into(),
+                    ),
+                };
+                self.fail(f).await.map(|()| None).or_else(closed)
+            }
+            Some(Ok(Message::Pong(_))) => {
+                self.ping_sent = None;
+                Ok(None)
+            }
+            Some(Ok(Message::Ping(_))) | Some(Ok(Message::Frame(_))) => Ok(None),
+            Some(Ok(Message::Close(_))) => {
+                // tungstenite answers the close; drive it to the end.
+                while let Ok(Some(_)) =
+                    tokio::time::timeout(Duration::from_secs(1), self.ws.next()).await
+                {
+                }
+                closed(Closed::ByClient)
+            }
+            Some(Err(e)) => {
+                // RFC 6455 §7.1.7: a client that broke the protocol gets a Close frame saying
+                // so before the socket goes (if it is still there).
+                if let Some(code) = violation_code(&e) {
+                    close(&mut self.ws, code, "protocol violation").await;
+                }
+                closed(Closed::Protocol(e.to_string()))
+            }
+        }
+    }
+
+    /// The keepalive: a ping when none is out, the connection's end when the last one has
+    /// gone unanswered for `server.ping_timeout_s`.
+    async fn ping(&mut self, timeout: Duration) -> Step {
+        match self.ping_sent {
+            Some(t) if t.elapsed() >= timeout => {
+                close(&mut self.ws, CloseCode::Error, "keepalive ping timeout").await;
+                Err(Closed::PingTimeout)
+            }
+            Some(_) => Ok(()),
+            None => {
+                self.ws
+                    .send(Message::Ping(Bytes::new()))
+                    .await
+                    .map_err(|_| Closed::Gone)?;
+                self.ping_sent = Some(Instant::now());
+                Ok(())
             }
         }
     }
@@ -461,24 +470,6 @@ where
         Dialect::encode_skipped(timestep, why.as_str(), &mut self.out);
         let msg = self.send.message(&self.out);
         self.send_msg(msg).await
-    }
-
-    /// A slot came back from the engine: report a failure, or release the result (now, or at
-    /// its release time).
-    async fn finished(&mut self, lease: Lease) -> Step {
-        match self.core.finished(lease) {
-            Finished::Failed(f) => self.fail(f).await,
-            Finished::Held => Ok(()),
-            Finished::Now(lease) => self.release(lease, false).await,
-        }
-    }
-
-    /// Releases every held result whose time has come.
-    async fn release_due(&mut self) -> Step {
-        while let Some(lease) = self.core.due() {
-            self.release(lease, true).await?;
-        }
-        Ok(())
     }
 
     /// Encodes a result in the connection's dialect and sends it.

@@ -34,7 +34,7 @@ use tonic::{Request, Response, Status, Streaming};
 use crate::bind::lerobot::Adapter;
 use crate::config::LerobotConfig;
 use crate::net::grpc_conn::{ConnInfo, GrpcConn};
-use crate::net::requests::{Core, Finished, Started, sleep_until_opt};
+use crate::net::requests::{Core, Event, Started};
 use crate::net::shared::Shared;
 use crate::policy::Policy;
 use crate::protocol::dialect::{Precision, ResetScope};
@@ -586,8 +586,6 @@ struct Active {
     core: Core,
     adapter: Box<Adapter>,
     setup: Box<PolicySetup>,
-    /// The policy's engine-stall flag, watched while requests are in flight.
-    stalled: tokio::sync::watch::Receiver<bool>,
 }
 
 impl Active {
@@ -597,141 +595,295 @@ impl Active {
         adapter: Box<Adapter>,
         setup: Box<PolicySetup>,
     ) -> Self {
+        let core = Core::new(
+            &shared.requests,
+            policy,
+            crate::net::shared::next_client_id(),
+            Route::Lerobot,
+            Precision::Float32,
+        );
         Active {
-            stalled: policy.worker.state.stalled.subscribe(),
-            core: new_core(shared, policy),
+            core,
             adapter,
             setup,
         }
     }
 }
 
-/// The session task: owns the request core, answers the handlers' commands, releases chunks.
+/// The service's one session, owned by the session task: the policy set up (if any), the
+/// payload reader, and the desk where chunks wait for polls.
+struct Session {
+    shared: Arc<Shared>,
+    payloads: Payloads,
+    active: Option<Active>,
+    desk: Desk,
+    /// A reload came: the session moves to the new policy once nothing is in flight.
+    replaced: bool,
+}
+
+/// The session task: answers the handlers' commands and releases chunks.
 async fn session(shared: Arc<Shared>, mut rx: mpsc::Receiver<Command>) {
-    let shared = &*shared;
-    let mut payloads = Payloads::default();
-    let mut active: Option<Active> = None;
-    let mut desk = Desk {
-        ready: None,
-        waiter: None,
-        owner: None,
-        takeover_after: shared
-            .cfg
-            .lerobot
-            .as_ref()
-            .map_or(Duration::from_secs(10), |l| l.takeover_after),
+    let takeover_after = shared
+        .cfg
+        .lerobot
+        .as_ref()
+        .map_or(Duration::from_secs(10), |l| l.takeover_after);
+    let mut s = Session {
+        shared,
+        payloads: Payloads::default(),
+        active: None,
+        desk: Desk {
+            ready: None,
+            waiter: None,
+            owner: None,
+            takeover_after,
+        },
+        replaced: false,
     };
-    let mut generation = shared.generation.subscribe();
-    let mut replaced = false;
     loop {
-        if replaced && let Some(a) = active.as_ref().filter(|a| a.core.idle()) {
-            replaced = false;
-            let set = shared.policies.load();
-            // A reload that kept this policy's engine (same fingerprint) changes nothing here.
-            let kept = set
-                .get(&a.core.policy().name)
-                .is_some_and(|p| Arc::ptr_eq(p, a.core.policy()));
-            if kept {
-                continue;
-            }
-            let next = set.get(&a.core.policy().name).cloned().and_then(|p| {
-                let l = shared.cfg.lerobot.as_ref()?;
-                Adapter::new(l.resize, l.max_payload_bytes, &p.plan, &p.name, &a.setup)
-                    .map_err(|e| log::warn!("lerobot: after the reload: {e}"))
-                    .ok()
-                    .map(|ad| (p, ad))
-            });
-            if let Some(old) = active.take() {
-                let setup = old.setup;
-                old.core.close();
-                if let Some((p, adapter)) = next {
-                    log::info!(
-                        "lerobot: policy \"{}\" reloaded; the session starts afresh",
-                        p.name
-                    );
-                    active = Some(Active::new(shared, p, Box::new(adapter), setup));
-                } else {
-                    log::warn!(
-                        "lerobot: the session's policy is gone after a reload; the client must set up again"
-                    );
-                }
-            }
-        }
-        let Some(a) = active.as_mut() else {
-            tokio::select! {
-                cmd = rx.recv() => match cmd {
-                    None => return,
-                    Some(cmd) => {
-                        if let Some(next) = command(shared, &mut payloads, None, cmd, &mut desk) {
-                            active = Some(next);
-                        }
-                    }
-                },
-                changed = generation.changed() => if changed.is_err() { return },
+        s.follow_reload();
+        let Some(a) = s.active.as_mut() else {
+            match rx.recv().await {
+                Some(cmd) => s.command(cmd),
+                None => return,
             }
             continue;
         };
-        let backstop = a.core.next_release().map(|t| t + Duration::from_millis(2));
-        let wake = a.core.wake().clone();
         tokio::select! {
             cmd = rx.recv() => match cmd {
+                Some(cmd) => s.command(cmd),
                 None => return,
-                Some(cmd) => {
-                    if let Some(next) = command(shared, &mut payloads, Some(a), cmd, &mut desk) {
-                        if let Some(old) = active.take() {
-                            old.core.close();
-                        }
-                        active = Some(next);
-                    }
-                }
             },
-            lease = a.core.port().recv(), if a.core.awaiting() => {
-                if let Some(lease) = a.core.returned(lease) {
-                    match a.core.finished(lease) {
-                        Finished::Failed(f) => {
-                            a.core.count_error(&f);
-                            log::warn!("lerobot: {}", f.message());
-                        }
-                        Finished::Held => {}
-                        Finished::Now(lease) => deliver(a, lease, false, &mut desk),
-                    }
-                }
-            }
-            _ = wake.notified(), if a.core.holding() => {
-                while let Some(lease) = a.core.due() {
-                    deliver(a, lease, true, &mut desk);
-                }
-            }
-            _ = sleep_until_opt(backstop), if backstop.is_some() => {
-                while let Some(lease) = a.core.due() {
-                    deliver(a, lease, true, &mut desk);
-                }
-            }
-            changed = a.stalled.changed(), if a.core.outstanding() > 0 => {
-                if changed.is_ok() && *a.stalled.borrow_and_update() {
-                    let f = a.core.stalled();
-                    a.core.count_error(&f);
-                    log::warn!("lerobot: {}", f.message());
-                }
-            }
-            changed = generation.changed() => {
-                if changed.is_err() {
-                    return;
-                }
-                replaced = true;
-            }
+            event = a.core.next() => s.event(event),
         }
     }
 }
 
-fn new_core(shared: &Shared, policy: Arc<Policy>) -> Core {
-    Core::new(
-        &shared.requests,
-        policy,
-        crate::net::shared::next_client_id(),
-        Route::Lerobot,
-        Precision::Float32,
-    )
+impl Session {
+    /// After a reload, once nothing is in flight: the same policy's new engine with the same
+    /// setup (a fresh session), or none if the policy is gone or no longer fits the setup.
+    fn follow_reload(&mut self) {
+        let Some(a) = self
+            .active
+            .as_ref()
+            .filter(|a| self.replaced && a.core.idle())
+        else {
+            return;
+        };
+        self.replaced = false;
+        let set = self.shared.policies.load();
+        // A reload that kept this policy's engine (same fingerprint) changes nothing here.
+        let current = set.get(&a.core.policy().name);
+        if current.is_some_and(|p| Arc::ptr_eq(p, a.core.policy())) {
+            return;
+        }
+        let next = current.cloned().and_then(|p| {
+            let l = self.shared.cfg.lerobot.as_ref()?;
+            Adapter::new(l.resize, l.max_payload_bytes, &p.plan, &p.name, &a.setup)
+                .map_err(|e| log::warn!("lerobot: after the reload: {e}"))
+                .ok()
+                .map(|ad| (p, ad))
+        });
+        let Some(old) = self.active.take() else {
+            return;
+        };
+        let setup = old.setup;
+        old.core.close();
+        match next {
+            Some((p, adapter)) => {
+                log::info!(
+                    "lerobot: policy \"{}\" reloaded; the session starts afresh",
+                    p.name
+                );
+                self.active = Some(Active::new(&self.shared, p, Box::new(adapter), setup));
+            }
+            None => log::warn!(
+                "lerobot: the session's policy is gone after a reload; the client must set up \
+                 again"
+            ),
+        }
+    }
+
+    /// What the request core waited for.
+    fn event(&mut self, event: Event) {
+        match event {
+            Event::Release { lease, paced } => self.deliver(lease, paced),
+            Event::Failed(f) => {
+                if let Some(a) = &self.active {
+                    a.core.count_error(&f);
+                }
+                log::warn!("lerobot: {}", f.message());
+            }
+            Event::Reloaded => self.replaced = true,
+        }
+    }
+
+    /// Handles one command from the RPC handlers.
+    fn command(&mut self, cmd: Command) {
+        let desk = &mut self.desk;
+        match cmd {
+            Command::Ready { from, reply } => {
+                let claimed = claim(desk, &from, true);
+                if let Ok(c) = &claimed {
+                    own(desk, &from, c);
+                    desk.ready = None;
+                    if let Some(a) = &mut self.active {
+                        a.core.reset_all();
+                    }
+                }
+                let _ = reply.send(claimed.map(|_| ()));
+            }
+            Command::Setup {
+                from,
+                policy,
+                adapter,
+                setup,
+                reply,
+            } => {
+                let claimed = claim(desk, &from, true);
+                let Ok(c) = claimed else {
+                    let _ = reply.send(claimed.map(|_| ()));
+                    return;
+                };
+                own(desk, &from, &c);
+                desk.ready = None;
+                let _ = reply.send(Ok(()));
+                match &mut self.active {
+                    Some(a) if Arc::ptr_eq(a.core.policy(), &policy) => {
+                        a.core.reset_all();
+                        a.adapter = adapter;
+                        a.setup = setup;
+                    }
+                    _ => {
+                        if let Some(old) = self.active.take() {
+                            old.core.close();
+                        }
+                        self.active = Some(Active::new(&self.shared, policy, adapter, setup));
+                    }
+                }
+            }
+            Command::Poll { from, reply } => match claim(desk, &from, false) {
+                Err(status) => {
+                    let _ = reply.send(Err(status));
+                }
+                Ok(c) => {
+                    own(desk, &from, &c);
+                    match desk.ready.take() {
+                        Some(data) => {
+                            if let Err(Ok(data)) = reply.send(Ok(data)) {
+                                desk.ready = Some(data);
+                            }
+                        }
+                        // A newer poll replaces an older one (whose handler then answers "none").
+                        None => desk.waiter = Some(reply),
+                    }
+                }
+            },
+            Command::Observe {
+                from,
+                payload,
+                received,
+                reply,
+            } => {
+                let result = match claim(desk, &from, false) {
+                    Err(status) => Err(Refusal::new("owner", status)),
+                    Ok(c) => {
+                        own(desk, &from, &c);
+                        self.observe(&payload, received)
+                    }
+                };
+                let _ = reply.send((result, payload));
+            }
+        }
+    }
+
+    /// Starts one observation through the core.
+    fn observe(&mut self, payload: &[u8], received: Instant) -> Result<(), Refusal> {
+        let Some(a) = &mut self.active else {
+            return Err(Refusal::new(
+                "setup",
+                Status::failed_precondition(
+                    "no policy is set up: the client must call SendPolicyInstructions first",
+                ),
+            ));
+        };
+        let policy = a.core.policy().clone();
+        // One slot is the most a session holds waiting (latest wins); with none free the newest
+        // observation is dropped, as the one it would replace is about to run.
+        let Some(lease) = policy.worker.pool.try_acquire() else {
+            return Ok(());
+        };
+        let (adapter, payloads) = (&mut a.adapter, &mut self.payloads);
+        let mut unreadable = false;
+        let started = a.core.start(
+            received,
+            lease,
+            ResetScope::Connection,
+            |plan, inputs, seen, _| {
+                let meta = adapter.decode(payloads, payload, plan, inputs, seen);
+                unreadable = matches!(meta, Err(WireError::Unreadable(_)));
+                meta
+            },
+        );
+        match started {
+            Started::Failed(f) => {
+                a.core.count_error(&f);
+                Err(Refusal::new(
+                    if unreadable { "pickle" } else { "observation" },
+                    Status::invalid_argument(f.message().to_string()),
+                ))
+            }
+            Started::Queued
+            | Started::Reset
+            | Started::Skipped { .. }
+            | Started::OtherPolicy(_) => Ok(()),
+        }
+    }
+
+    /// Encodes a released chunk as the client's `list[TimedAction]` and hands it to the
+    /// waiting poll, or keeps it for the next one.
+    fn deliver(&mut self, lease: Lease, paced: bool) {
+        let Some(a) = &mut self.active else {
+            return;
+        };
+        let (output, apc, codec) = (
+            a.adapter.action_output(),
+            a.adapter.actions_per_chunk(),
+            a.adapter.codec(),
+        );
+        let mut ok = true;
+        let lease = a.core.release(lease, paced, |r| {
+            let first = r.reply.first_row();
+            let dt = 1.0 / r.fps;
+            let (timestep, timestamp) = (r.ticket.timestep, r.ticket.timestamp);
+            match r.reply.rows_f32(output, apc.max(first + 1)) {
+                Some((rows, row)) if row > 0 => lerobot::encode_actions(
+                    codec,
+                    rows.chunks_exact(row),
+                    (timestep, timestamp),
+                    first,
+                    dt,
+                    r.buf,
+                ),
+                _ => ok = false,
+            }
+        });
+        if !ok {
+            log::warn!("lerobot: the action output cannot be sent as float32 rows");
+            return;
+        }
+        let data = lease.peek().reply().to_vec();
+        drop(lease);
+        let desk = &mut self.desk;
+        match desk.waiter.take() {
+            Some(tx) => {
+                if let Err(Ok(data)) = tx.send(Ok(data)) {
+                    desk.ready = Some(data);
+                }
+            }
+            None => desk.ready = Some(data),
+        }
+    }
 }
 
 /// What the session task keeps beside the core: the chunk no poll has taken yet (the newest
@@ -819,176 +971,5 @@ fn own(desk: &mut Desk, from: &ConnInfo, claim: &Claim) {
             desk.waiter = None;
             desk.ready = None;
         }
-    }
-}
-
-/// Handles one command; returns a new session when a setup replaces the current one.
-fn command(
-    shared: &Shared,
-    payloads: &mut Payloads,
-    active: Option<&mut Active>,
-    cmd: Command,
-    desk: &mut Desk,
-) -> Option<Active> {
-    match cmd {
-        Command::Ready { from, reply } => {
-            let claimed = claim(desk, &from, true);
-            let ok = claimed.is_ok();
-            if let Ok(c) = &claimed {
-                own(desk, &from, c);
-                desk.ready = None;
-            }
-            let _ = reply.send(claimed.map(|_| ()));
-            if ok && let Some(a) = active {
-                a.core.reset_all();
-            }
-            None
-        }
-        Command::Setup {
-            from,
-            policy,
-            adapter,
-            setup,
-            reply,
-        } => {
-            let claimed = claim(desk, &from, true);
-            let Ok(c) = claimed else {
-                let _ = reply.send(claimed.map(|_| ()));
-                return None;
-            };
-            own(desk, &from, &c);
-            desk.ready = None;
-            let _ = reply.send(Ok(()));
-            match active {
-                Some(a) if Arc::ptr_eq(a.core.policy(), &policy) => {
-                    a.core.reset_all();
-                    a.adapter = adapter;
-                    a.setup = setup;
-                    None
-                }
-                _ => Some(Active::new(shared, policy, adapter, setup)),
-            }
-        }
-        Command::Poll { from, reply } => {
-            match claim(desk, &from, false) {
-                Err(status) => {
-                    let _ = reply.send(Err(status));
-                }
-                Ok(c) => {
-                    own(desk, &from, &c);
-                    match desk.ready.take() {
-                        Some(data) => {
-                            if let Err(Ok(data)) = reply.send(Ok(data)) {
-                                desk.ready = Some(data);
-                            }
-                        }
-                        // A newer poll replaces an older one (whose handler then answers "none").
-                        None => desk.waiter = Some(reply),
-                    }
-                }
-            }
-            None
-        }
-        Command::Observe {
-            from,
-            payload,
-            received,
-            reply,
-        } => {
-            let result = match (claim(desk, &from, false), active) {
-                (Err(status), _) => Err(Refusal::new("owner", status)),
-                (Ok(_), None) => Err(Refusal::new(
-                    "setup",
-                    Status::failed_precondition(
-                        "no policy is set up: the client must call SendPolicyInstructions first",
-                    ),
-                )),
-                (Ok(c), Some(a)) => {
-                    own(desk, &from, &c);
-                    observe(a, payloads, &payload, received)
-                }
-            };
-            let _ = reply.send((result, payload));
-            None
-        }
-    }
-}
-
-/// Starts one observation through the core.
-fn observe(
-    a: &mut Active,
-    payloads: &mut Payloads,
-    payload: &[u8],
-    received: Instant,
-) -> Result<(), Refusal> {
-    let policy = a.core.policy().clone();
-    // One slot is the most a session holds waiting (latest wins); with none free the newest
-    // observation is dropped, as the one it would replace is about to run.
-    let Some(lease) = policy.worker.pool.try_acquire() else {
-        return Ok(());
-    };
-    let adapter = &mut a.adapter;
-    let mut unreadable = false;
-    let started = a.core.start(
-        received,
-        lease,
-        ResetScope::Connection,
-        |plan, inputs, seen, _| {
-            let meta = adapter.decode(payloads, payload, plan, inputs, seen);
-            unreadable = matches!(meta, Err(WireError::Unreadable(_)));
-            meta
-        },
-    );
-    match started {
-        Started::Queued | Started::Reset | Started::Skipped { .. } => Ok(()),
-        Started::Failed(f) => {
-            a.core.count_error(&f);
-            Err(Refusal::new(
-                if unreadable { "pickle" } else { "observation" },
-                Status::invalid_argument(f.message().to_string()),
-            ))
-        }
-        Started::OtherPolicy(_) => Ok(()),
-    }
-}
-
-/// Encodes a released chunk as the client's `list[TimedAction]` and hands it to the waiting
-/// poll, or keeps it for the next one.
-fn deliver(a: &mut Active, lease: Lease, paced: bool, desk: &mut Desk) {
-    let (output, apc, codec) = (
-        a.adapter.action_output(),
-        a.adapter.actions_per_chunk(),
-        a.adapter.codec(),
-    );
-    let mut ok = true;
-    let lease = a.core.release(lease, paced, |r| {
-        let first = r.reply.first_row();
-        let dt = 1.0 / r.fps;
-        let (timestep, timestamp) = (r.ticket.timestep, r.ticket.timestamp);
-        match r.reply.rows_f32(output, apc.max(first + 1)) {
-            Some((rows, row)) if row > 0 => lerobot::encode_actions(
-                codec,
-                rows.chunks_exact(row),
-                (timestep, timestamp),
-                first,
-                dt,
-                r.buf,
-            ),
-            _ => ok = false,
-        }
-    });
-    if !ok {
-        log::warn!("lerobot: the action output cannot be sent as float32 rows");
-        return;
-    }
-    let data = lease.peek().reply().to_vec();
-    drop(lease);
-    match desk.waiter.take() {
-        Some(tx) => {
-            if let Err(Ok(data)) = tx.send(Ok(data)) {
-                desk.ready = Some(data);
-            }
-        }
-        None => desk.ready = Some(data),
     }
 }

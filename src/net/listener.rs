@@ -130,6 +130,7 @@ pub async fn serve_set(
         pacer: Arc::new(pacer),
         planner: planner_link.clone(),
         max_sessions: s.max_sessions,
+        generation: generation.subscribe(),
     };
     let shared = Arc::new(Shared {
         requests,

@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use tokio::sync::Notify;
+use tokio::sync::{Notify, watch};
 
 use crate::bind::{Plan, Reply, ReplyParts};
 use crate::engine::InputBuffer;
@@ -46,8 +46,19 @@ pub enum Started {
     OtherPolicy(PolicyName),
 }
 
+/// What [`Core::next`] waited for.
+pub enum Event {
+    /// A result to send now; `paced` if it was held for its release time (for
+    /// [`Core::release`]).
+    Release { lease: Lease, paced: bool },
+    /// A request failed (the engine's error, or the engine stalled): the front end reports it.
+    Failed(Failure),
+    /// The served policies changed (a reload): what that means is the front end's call.
+    Reloaded,
+}
+
 /// What [`Core::finished`] made of a slot back from the engine.
-pub enum Finished {
+enum Finished {
     /// The run failed: the front end reports it.
     Failed(Failure),
     /// Held until its release time; [`Core::due`] hands it out when the wake fires.
@@ -86,6 +97,8 @@ pub struct Context {
     pub planner: Option<Arc<Link>>,
     /// `server.max_sessions`: a client's session table.
     pub max_sessions: usize,
+    /// The served set's generation: a reload bumps it ([`Event::Reloaded`]).
+    pub generation: watch::Receiver<u64>,
 }
 
 /// One client's requests to one policy: its sessions, its slots in flight and held for release.
@@ -119,6 +132,11 @@ pub struct Core {
     epoch: u64,
     /// Slots submitted before the last stall, not yet back.
     abandoned: usize,
+    /// The engine worker's stall flag (`engine.timeout_ms`).
+    stalled: watch::Receiver<bool>,
+    generation: watch::Receiver<u64>,
+    /// The generation's sender is gone (the server is stopping).
+    server_gone: bool,
 }
 
 impl Core {
@@ -151,6 +169,13 @@ impl Core {
             counted_sessions: 0,
             epoch: 0,
             abandoned: 0,
+            stalled: policy.worker.state.stalled.subscribe(),
+            generation: {
+                let mut g = cx.generation.clone();
+                g.mark_unchanged();
+                g
+            },
+            server_gone: false,
             policy,
         }
     }
@@ -165,7 +190,7 @@ impl Core {
     }
 
     /// Slots submitted and not yet back.
-    pub fn outstanding(&self) -> usize {
+    fn outstanding(&self) -> usize {
         self.outstanding
     }
 
@@ -175,27 +200,17 @@ impl Core {
     }
 
     /// Whether slots (current or abandoned) are still to come back through [`port`](Self::port).
-    pub fn awaiting(&self) -> bool {
+    fn awaiting(&self) -> bool {
         self.outstanding + self.abandoned > 0
     }
 
-    /// Where the engine hands finished slots back.
-    pub fn port(&self) -> &ReplyPort {
-        &self.port
-    }
-
-    /// Fires when a held result's release time comes (the pacer's wake).
-    pub fn wake(&self) -> &Arc<Notify> {
-        &self.wake
-    }
-
     /// The earliest release time held.
-    pub fn next_release(&self) -> Option<Instant> {
+    fn next_release(&self) -> Option<Instant> {
         self.releasing.next_at()
     }
 
     /// Whether results are held for release.
-    pub fn holding(&self) -> bool {
+    fn holding(&self) -> bool {
         !self.releasing.is_empty()
     }
 
@@ -372,7 +387,7 @@ impl Core {
 
     /// A slot came back through the port: `None` if it belongs to requests already answered
     /// by a stall error (dropped), else the slot to hand to [`finished`](Self::finished).
-    pub fn returned(&mut self, lease: Lease) -> Option<Lease> {
+    fn returned(&mut self, lease: Lease) -> Option<Lease> {
         if lease.peek().ticket().epoch != self.epoch {
             self.abandoned = self.abandoned.saturating_sub(1);
             return None;
@@ -383,7 +398,7 @@ impl Core {
 
     /// The engine has run past `engine.timeout_ms`: every request in flight is answered with
     /// the returned failure now, and their slots are dropped when they come back.
-    pub fn stalled(&mut self) -> Failure {
+    fn stall(&mut self) -> Failure {
         self.epoch += 1;
         self.abandoned += self.outstanding;
         self.outstanding = 0;
@@ -392,7 +407,7 @@ impl Core {
     }
 
     /// A finished slot: a failure to report, or its result to release now or at its time.
-    pub fn finished(&mut self, mut lease: Lease) -> Finished {
+    fn finished(&mut self, mut lease: Lease) -> Finished {
         let policy = self.policy.clone();
         let plan = &policy.plan;
         let slot = lease.slot();
@@ -440,8 +455,50 @@ impl Core {
     /// The next held result whose release time has come, with `paced` for [`release`].
     ///
     /// [`release`]: Self::release
-    pub fn due(&mut self) -> Option<Lease> {
+    fn due(&mut self) -> Option<Lease> {
         self.releasing.pop_due()
+    }
+
+    /// Waits for the next thing this client must act on: a slot back from the engine (a
+    /// result to send, or its failure), a held result's release time, the engine stalling, a
+    /// reload. Each wait is cancel-safe, so a front end selects on `next()` beside its socket
+    /// and loses nothing when the socket wins.
+    pub async fn next(&mut self) -> Event {
+        loop {
+            if let Some(lease) = self.due() {
+                return Event::Release { lease, paced: true };
+            }
+            // A wake that fires a little early (or not at all) is caught by this backstop.
+            let backstop = self.next_release().map(|t| t + Duration::from_millis(2));
+            let wake = self.wake.clone();
+            tokio::select! {
+                lease = self.port.recv(), if self.awaiting() => {
+                    // None: already answered with a stall error.
+                    let Some(lease) = self.returned(lease) else { continue };
+                    match self.finished(lease) {
+                        Finished::Failed(f) => return Event::Failed(f),
+                        Finished::Held => {}
+                        Finished::Now(lease) => return Event::Release { lease, paced: false },
+                    }
+                }
+                _ = wake.notified(), if self.holding() => {}
+                _ = sleep_until_opt(backstop), if backstop.is_some() => {}
+                changed = self.stalled.changed(), if self.outstanding() > 0 => {
+                    if changed.is_ok() && *self.stalled.borrow_and_update() {
+                        return Event::Failed(self.stall());
+                    }
+                }
+                changed = self.generation.changed(), if !self.server_gone => {
+                    if changed.is_ok() {
+                        return Event::Reloaded;
+                    }
+                    // The server is gone: no reload will come.
+                    self.server_gone = true;
+                }
+                // Nothing in flight, held or to watch: the front end's other branches decide.
+                else => std::future::pending::<()>().await,
+            }
+        }
     }
 
     /// Releases a result: records its latency, cuts the chunk and has `encode` write the reply
@@ -552,7 +609,7 @@ impl Core {
     }
 
     /// The failure every request gets while the engine is stalled.
-    pub fn stall_failure(&self) -> Failure {
+    fn stall_failure(&self) -> Failure {
         Failure::Inference(format!(
             "the engine has been running one inference for over {} ms (engine.timeout_ms); \
              it may be stuck, so this request was not run",
@@ -676,6 +733,10 @@ mod tests {
     use crate::testing::synthetic::{Behaviour, SyntheticEngine};
 
     fn served(pacing: &str) -> (Context, Arc<Policy>) {
+        served_with(pacing, watch::channel(0).1)
+    }
+
+    fn served_with(pacing: &str, generation: watch::Receiver<u64>) -> (Context, Arc<Policy>) {
         let text = format!(
             "[server]\nhost = \"127.0.0.1\"\nport = 0\n\
              [engine]\nmodel = \"synthetic\"\nwarmup_runs = 0\nslots = 4\n\
@@ -704,6 +765,7 @@ mod tests {
             pacer: Arc::new(Pacer::start(Duration::ZERO).expect("pacer")),
             planner: None,
             max_sessions: 4,
+            generation,
         };
         (cx, Arc::new(Policy::new(&cfg, spec, loaded)))
     }
@@ -735,19 +797,14 @@ mod tests {
         )
     }
 
-    /// Waits for the engine's slot, releases it, and returns the reply's first action value.
+    /// Waits for the core's next event, releases its result, and returns the reply's first
+    /// action value.
     async fn reply(core: &mut Core) -> (Kind, f32) {
-        let lease = tokio::time::timeout(Duration::from_secs(10), core.port().recv())
+        let event = tokio::time::timeout(Duration::from_secs(10), core.next())
             .await
             .expect("the engine's reply within 10 s");
-        let lease = core.returned(lease).expect("current");
-        let lease = match core.finished(lease) {
-            Finished::Now(l) => l,
-            Finished::Held => {
-                sleep_until_opt(core.next_release()).await;
-                core.due().expect("due")
-            }
-            Finished::Failed(f) => panic!("{}", f.message()),
+        let Event::Release { lease, .. } = event else {
+            panic!("a result to release");
         };
         let mut got = None;
         drop(core.release(lease, false, |r| {
@@ -797,6 +854,26 @@ mod tests {
         assert_eq!(reply(&mut core).await, (Kind::Observe, 5.0));
         assert_eq!(cx.stats.skips.observed.load(Ordering::Relaxed), 3);
         assert_eq!(cx.stats.skips.already_predicted.load(Ordering::Relaxed), 1);
+        core.close();
+    }
+
+    #[tokio::test]
+    async fn a_reload_is_an_event_and_the_server_going_is_not() {
+        let (tx, rx) = watch::channel(0);
+        let (cx, policy) = served_with("", rx);
+        let mut core = Core::new(&cx, policy, 1, Route::Openpi, Precision::Float32);
+        tx.send_replace(1);
+        let event = tokio::time::timeout(Duration::from_secs(5), core.next()).await;
+        assert!(matches!(event, Ok(Event::Reloaded)));
+        // The generation's sender gone: next() waits (for requests), it does not spin.
+        drop(tx);
+        let waited = tokio::time::timeout(Duration::from_millis(50), core.next()).await;
+        assert!(waited.is_err(), "nothing to wait for");
+        assert!(matches!(
+            start(&mut core, Endpoint::Infer, 2.0, 0),
+            Started::Queued
+        ));
+        assert_eq!(reply(&mut core).await, (Kind::Infer, 2.0));
         core.close();
     }
 }
