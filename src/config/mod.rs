@@ -1,22 +1,57 @@
 //! What is policyd told to serve, and how? The configuration, resolved: every value checked,
 //! every closed set an enum, every path absolute against the file's folder, one
-//! [`PolicySpec`] per policy. `raw.rs` is the file's shape, `check.rs` turns it into this; the
-//! two are never confused. Parsing reads the config file and nothing else: key files,
-//! certificates and models are opened by the layers that use them ([`crate::net`],
-//! [`crate::planner`], [`crate::policy`]). Checks against the engine's real inputs and
-//! outputs are [`crate::bind`]'s.
+//! [`PolicySpec`] per policy. One file per section holds that section's raw form (its TOML
+//! shape, deserialized with `deny_unknown_fields` and the documented defaults), its checks and
+//! its resolved type: `server.rs`, `access.rs` (`[auth]`, `[tls]`), `engine.rs`,
+//! `bindings.rs` (`[[inputs]]`, `[[outputs]]`), `pacing.rs`, `pipeline.rs` (`[denoise]`,
+//! `[sampler]`), `planner.rs`, `lerobot.rs`; `policies.rs` assembles them (the `[[policies]]`
+//! list) and `raw.rs` is the file's top level. A new key touches its section's file only.
+//! Parsing reads the config file and nothing else: key files, certificates and models are
+//! opened by the layers that use them ([`crate::net`], [`crate::planner`], [`crate::policy`]).
+//! Checks against the engine's real inputs and outputs are [`crate::bind`]'s.
 
-mod check;
+mod access;
+mod bindings;
+mod engine;
+mod lerobot;
+mod pacing;
+mod pipeline;
+mod planner;
+mod policies;
 mod raw;
+mod server;
 
 use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
 use crate::dtype::ElemType;
+use crate::limits::{
+    MAX_ELEMENTS, MAX_LATENCY_WINDOW, MAX_PATH, MAX_POLICIES, MAX_POLICY_NAME,
+    MAX_SIMILARITY_STATE, MAX_SLOTS, element_count,
+};
+use crate::protocol::RESERVED_KEYS;
 use crate::protocol::dialect::ResetReply;
 
-pub use check::check_url;
+pub use access::{AuthConfig, Secret, TlsConfig};
+pub use bindings::{InputConfig, InputKind, Layout, OutputConfig, RelativeConfig, TokenizerConfig};
+pub use engine::{Backend, EngineConfig, ModelSource, Provider, ZeroCopy, external_data_path};
+pub use lerobot::{LerobotConfig, LerobotResize, LerobotServe};
+pub use pacing::PacingConfig;
+pub use pipeline::PipelineConfig;
+pub use planner::{DEFAULT_PLANNER_PROMPT, PlannerConfig, Precedence, check_url};
+pub use server::ServerConfig;
+// The sections' raw forms and checks, for one another (each section file reads `super::*`).
+use access::*;
+use bindings::*;
+use engine::*;
+use lerobot::*;
+use pacing::*;
+use pipeline::*;
+use planner::*;
+use policies::*;
+use raw::*;
+use server::*;
 
 /// A configuration error. The message names the config key and what to fix.
 #[derive(Debug, thiserror::Error)]
@@ -87,576 +122,6 @@ pub struct PolicySpec {
     pub pipeline: Option<PipelineConfig>,
 }
 
-/// `[denoise]` and `[sampler]`.
-#[derive(Clone, Debug, PartialEq)]
-pub struct PipelineConfig {
-    pub denoise: ModelSource,
-    /// (step-graph input, prefix output).
-    pub wire: Vec<(String, String)>,
-    pub kind: crate::sampler::Kind,
-    /// DDPM/DDIM settings.
-    pub diffusion: Option<crate::sampler::Diffusion>,
-    pub steps: usize,
-    pub max_steps: usize,
-    pub x: String,
-    pub time: String,
-    pub output: String,
-    /// The step graph returns the next sample itself (`update = "model"`), fed `dt` here.
-    pub model_update: Option<String>,
-    pub inject_noise: bool,
-    /// Flow: how step i's time is computed.
-    pub flow_time: crate::sampler::FlowTime,
-}
-
-/// `[server]`: the listener and per-connection limits.
-#[derive(Clone, Debug, PartialEq)]
-pub struct ServerConfig {
-    pub host: String,
-    pub port: u16,
-    /// WebSocket connections served at once; one more gets HTTP 503 in the handshake.
-    pub max_connections: usize,
-    /// Largest inbound message; a larger frame is rejected before it is buffered.
-    pub max_message_bytes: usize,
-    /// Server ping interval (0 = no pings).
-    pub ping_interval_s: f64,
-    /// Close a connection whose pong is this late.
-    pub ping_timeout_s: f64,
-    /// Close a connection idle this long (0 = off: openpi-client never reconnects).
-    pub idle_timeout_s: f64,
-    /// Time a client gets to complete the HTTP upgrade.
-    pub handshake_timeout_s: f64,
-    /// Time one WebSocket frame may take to arrive, first byte to last (0 = no limit).
-    pub frame_timeout_s: f64,
-    /// Sessions (`session_id`) tracked per connection; the least recently used is evicted.
-    pub max_sessions: usize,
-    /// How `endpoint: reset` is answered (older vllm-omni and RoboArena clients want text).
-    pub reset_reply: ResetReply,
-    /// Deepest map/list nesting accepted in a request.
-    pub max_depth: usize,
-    /// Most entries accepted in any map or list of a request.
-    pub max_map_entries: usize,
-    /// Memory the policies may allocate at start-up, in MiB (0 = unchecked).
-    pub memory_budget_mb: u64,
-}
-
-/// `[auth]`: who may open a WebSocket. With no key configured, anyone on the network can.
-#[derive(Clone, PartialEq)]
-pub struct AuthConfig {
-    /// Keys written into the config.
-    pub api_keys: Vec<String>,
-    /// A file of keys, one a line (resolved against the config's folder; read by
-    /// [`crate::net::auth::ApiKeys::load`]).
-    pub key_file: Option<PathBuf>,
-    /// Whether `/metrics` needs a key too (when keys are configured).
-    pub protect_metrics: bool,
-}
-
-impl std::fmt::Debug for AuthConfig {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("AuthConfig")
-            .field(
-                "api_keys",
-                &format_args!("[{} redacted]", self.api_keys.len()),
-            )
-            .field("key_file", &self.key_file)
-            .field("protect_metrics", &self.protect_metrics)
-            .finish()
-    }
-}
-
-/// `[lerobot]`: LeRobot's `AsyncInference` gRPC service (docs/lerobot.md).
-#[derive(Clone, Debug, PartialEq)]
-pub struct LerobotConfig {
-    /// `listen`: its own address (LeRobot's clients default to port 8080).
-    pub listen: std::net::SocketAddr,
-    /// `allow`: peers that may connect (addresses or CIDR networks); empty allows all.
-    pub allow: Vec<ipnet::IpNet>,
-    /// `long_poll_ms`: how long `GetActions` waits for a chunk before answering "none yet"
-    /// (LeRobot's server: 2000).
-    pub long_poll: std::time::Duration,
-    /// `max_payload_bytes`: the largest reassembled observation or config accepted.
-    pub max_payload_bytes: usize,
-    /// `resize`: what a camera frame of another size than the policy's input gets.
-    pub resize: LerobotResize,
-    /// `max_connections`: gRPC connections open at once; more are closed as they arrive.
-    pub max_connections: usize,
-    /// `handshake_timeout_s`: time from accept to the HTTP/2 connection preface.
-    pub handshake_timeout: std::time::Duration,
-    /// `idle_timeout_s`: a connection with no call in progress for this long is closed.
-    pub idle_timeout: std::time::Duration,
-    /// `chunk_timeout_s`: the longest wait for an observation's next chunk (the first included).
-    pub chunk_timeout: std::time::Duration,
-    /// `observation_timeout_s`: the longest one observation may take to arrive whole.
-    pub observation_timeout: std::time::Duration,
-    /// `takeover_after_s`: how long the session's owner must be silent before another
-    /// connection may take the session over.
-    pub takeover_after: std::time::Duration,
-    /// `[[lerobot.serve]]`: the names a client may ask for, and the policy each means.
-    pub serve: Vec<LerobotServe>,
-}
-
-/// How camera frames whose size differs from the policy's input are handled.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum LerobotResize {
-    /// Bilinear, half-pixel centres, no antialiasing, on uint8: what LeRobot 0.6.1's server
-    /// does (`F.interpolate(mode="bilinear", align_corners=False)`).
-    Bilinear,
-    /// Refuse the policy setup: the client must send frames at the policy's resolution
-    /// (the upstream resize is disputed: lerobot#2475, #2980).
-    Refuse,
-}
-
-/// One `[[lerobot.serve]]` entry.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct LerobotServe {
-    /// The client's `pretrained_name_or_path`.
-    pub pretrained: String,
-    /// The served policy's name.
-    pub policy: String,
-    /// The client's `policy_type` must equal it, if given.
-    pub policy_type: Option<String>,
-}
-
-/// `[tls]`: serve `wss://` (and `https://` health) with this certificate and key (PEM).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct TlsConfig {
-    pub cert: PathBuf,
-    pub key: PathBuf,
-}
-
-/// `[planner]`: a vision-language model behind an OpenAI-compatible chat-completions API that
-/// names the policy's next subtask (see docs/planner.md). Its values are checked only when
-/// `enabled`.
-#[derive(Clone, Debug, PartialEq)]
-pub struct PlannerConfig {
-    pub enabled: bool,
-    /// Base URLs (`http://host:port`), used round-robin.
-    pub endpoints: Vec<String>,
-    /// The `model` field of each request.
-    pub model: String,
-    /// Sent as `Authorization: Bearer …`, when written into the config.
-    pub api_key: Option<Secret>,
-    /// A file holding the API key (resolved; read by [`crate::planner::api_key`]).
-    pub api_key_file: Option<PathBuf>,
-    /// The system message; `{instruction}` and `{subtask}` are replaced.
-    pub system_prompt: String,
-    /// The high-level instruction.
-    pub instruction: String,
-    /// Planner calls per second (at most).
-    pub rate_hz: f64,
-    /// The image input binding (its `key`) whose latest frame is sent, or none for text only.
-    pub camera: Option<String>,
-    /// The text input binding the subtask fills.
-    pub prompt_key: String,
-    /// Whose prompt wins when both the client and the planner give one.
-    pub precedence: Precedence,
-    pub max_tokens: u32,
-    pub temperature: f64,
-    /// Ask for JSON output (`response_format: {"type": "json_object"}`).
-    pub json_mode: bool,
-    /// Longest a planner call may take, connection included.
-    pub request_timeout_s: f64,
-    /// Longest wait between readiness probes of a failing endpoint.
-    pub max_backoff_s: f64,
-    /// A local model server to start and supervise (argv; empty: none).
-    pub serve_command: Vec<String>,
-    /// A line of the server's output that says it is ready (else: the readiness probe).
-    pub ready_marker: Option<String>,
-    /// Longest wait for `serve_command` to become ready.
-    pub ready_timeout_s: f64,
-    /// On shutdown the server gets SIGINT, then SIGKILL after this many seconds.
-    pub stop_grace_s: f64,
-}
-
-impl Default for PlannerConfig {
-    /// The planner of a file without `[planner]`: off, with the documented defaults.
-    fn default() -> Self {
-        check::planner(&raw::RawPlanner::default(), None).expect("the default planner is valid")
-    }
-}
-
-/// `planner.precedence`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Precedence {
-    /// A prompt the client sends wins; the subtask fills in when it sends none.
-    Client,
-    /// The subtask wins once there is one; the client's prompt becomes the instruction.
-    Planner,
-}
-
-impl std::fmt::Display for Precedence {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            Precedence::Client => "client",
-            Precedence::Planner => "planner",
-        })
-    }
-}
-
-/// A secret from the config: kept out of `Debug` output and logs.
-#[derive(Clone, Deserialize, PartialEq, Eq)]
-#[serde(transparent)]
-pub struct Secret(pub String);
-
-impl std::fmt::Debug for Secret {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("\"[redacted]\"")
-    }
-}
-
-/// The planner's default system message.
-pub const DEFAULT_PLANNER_PROMPT: &str = "You plan the next step of a robot arm. The overall \
-instruction is: {instruction}. Look at the camera image and name the single next subtask the \
-robot should do now, as a short imperative phrase. The current subtask is: {subtask}. Answer with \
-only a JSON object: {\"subtask\": \"<next subtask>\", \"done\": <true when the instruction is \
-complete>}.";
-
-/// `[pacing]`: the latency budget, timed actions and the `observe` filters.
-#[derive(Clone, Debug, PartialEq, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct PacingConfig {
-    /// Control rate of the robot: action step i is `timestamp + i / fps`, and `delay_steps`
-    /// counts steps of `1 / fps`.
-    pub fps: f64,
-    /// Release every reply at `receive time + budget`, never earlier (0 = as soon as ready).
-    pub latency_budget_ms: f64,
-    /// Keep at most this many actions of each chunk (0 = all).
-    pub actions_per_chunk: usize,
-    /// Drop the first `delay_steps` actions of each chunk: they are stale on arrival.
-    pub skip_stale_actions: bool,
-    /// Add `delay_steps` to every dict reply (openpi replies and `observe` pushes).
-    pub reply_delay_steps: bool,
-    /// End-to-end latencies kept per session for `delay_steps` (its p95).
-    pub latency_window: usize,
-    /// Answer a skipped `observe` observation with `{"type": "skipped", …}`.
-    pub report_skipped: bool,
-    /// `observe`: skip an observation whose timestep was already predicted (or is running).
-    pub skip_predicted_timesteps: bool,
-    /// `observe`: skip an observation whose state is within this L2 distance (raw units) of
-    /// the last accepted one (0 = off, the default: LeRobot's filter starves clients).
-    pub similarity_atol: f64,
-    /// The observation key whose value the similarity filter compares (an input binding).
-    pub similarity_key: String,
-    /// How long before a release time the pacing clock stops sleeping and busy-waits, in µs.
-    /// More costs CPU and absorbs a noisier scheduler's wake-up delays.
-    pub spin_us: u64,
-}
-
-impl Default for PacingConfig {
-    fn default() -> Self {
-        PacingConfig {
-            fps: 30.0,
-            latency_budget_ms: 0.0,
-            actions_per_chunk: 0,
-            skip_stale_actions: false,
-            reply_delay_steps: true,
-            latency_window: 100,
-            report_skipped: false,
-            skip_predicted_timesteps: true,
-            similarity_atol: 0.0,
-            similarity_key: String::new(),
-            spin_us: 500,
-        }
-    }
-}
-
-/// `[engine]`: which backend runs the model, resolved (TensorRT options have their defaults).
-#[derive(Clone, Debug, PartialEq)]
-pub struct EngineConfig {
-    pub backend: Backend,
-    /// `tensorrt`, or `ort` with a GPU provider: the CUDA device ordinal.
-    pub device: u32,
-    /// `tensorrt`: run on this DLA core instead of the GPU.
-    pub dla_core: Option<u32>,
-    /// `tensorrt`: replay copy-in → enqueue → copy-out as one CUDA graph after warm-up.
-    pub cuda_graph: bool,
-    /// `tensorrt`: whether engine inputs and outputs live in mapped host memory.
-    pub zero_copy: ZeroCopy,
-    /// `tensorrt`: libnvinfer to open (default: the sonames of TensorRT 11, 10, 8).
-    pub tensorrt_library: Option<PathBuf>,
-    /// Requests in flight at once (each has its own input and output buffers).
-    pub slots: usize,
-    /// Runs before the server reports ready.
-    pub warmup_runs: usize,
-    /// A run taking longer than this counts as a stalled engine (0 = never).
-    pub timeout_ms: u64,
-    /// `cpu` and `ort`: threads one run may use; 1 runs on the engine's own thread only.
-    pub threads: usize,
-    /// `ort`: the onnxruntime library named by the config (resolved against its folder);
-    /// `None`: `ORT_DYLIB_PATH`, then the system's library path.
-    pub ort_library: Option<PathBuf>,
-    /// `ort`: execution providers in order of preference; CPU is always the last resort.
-    pub providers: Vec<Provider>,
-}
-
-/// `engine.providers`: an onnxruntime execution provider policyd knows how to enable.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Provider {
-    Cpu,
-    Cuda,
-    Tensorrt,
-}
-
-impl Provider {
-    pub const ALL: [Provider; 3] = [Provider::Cpu, Provider::Cuda, Provider::Tensorrt];
-    /// The config's name.
-    pub fn name(self) -> &'static str {
-        match self {
-            Provider::Cpu => "cpu",
-            Provider::Cuda => "cuda",
-            Provider::Tensorrt => "tensorrt",
-        }
-    }
-    /// onnxruntime's own name (what `GetAvailableProviders` lists).
-    pub fn ort_name(self) -> &'static str {
-        match self {
-            Provider::Cpu => "CPUExecutionProvider",
-            Provider::Cuda => "CUDAExecutionProvider",
-            Provider::Tensorrt => "TensorrtExecutionProvider",
-        }
-    }
-}
-
-/// `engine.backend`: the backends this build can have.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Backend {
-    /// tract-onnx, pure Rust.
-    Cpu,
-    /// TensorRT through policyd's C ABI (the `tensorrt` feature).
-    Tensorrt,
-    /// onnxruntime through the `ort` crate, its library loaded at run time (the `ort` feature).
-    Ort,
-}
-
-impl Backend {
-    pub fn name(self) -> &'static str {
-        match self {
-            Backend::Cpu => "cpu",
-            Backend::Tensorrt => "tensorrt",
-            Backend::Ort => "ort",
-        }
-    }
-}
-
-/// `engine.zero_copy`: whether a GPU backend keeps engine inputs and outputs in mapped host
-/// memory.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum ZeroCopy {
-    /// On for integrated GPUs (Jetson: CPU and GPU share DRAM), off for discrete ones.
-    Auto,
-    On,
-    Off,
-}
-
-/// Where a model comes from.
-#[derive(Clone, PartialEq)]
-pub enum ModelSource {
-    /// A file on disk (`[engine] model`, resolved against the config's folder).
-    File(PathBuf),
-    /// Bytes built into the binary (the embedded demo policy, a firmware image), with the
-    /// graph's external data (`<graph>.data`: weights past ONNX's 2 GB protobuf limit), empty
-    /// when it has none.
-    Embedded {
-        name: &'static str,
-        bytes: &'static [u8],
-        data: &'static [u8],
-    },
-}
-
-/// The path, or the built-in file's name and size (not its bytes).
-impl std::fmt::Debug for ModelSource {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            ModelSource::File(p) => f.debug_tuple("File").field(p).finish(),
-            ModelSource::Embedded { name, bytes, data } => {
-                write!(
-                    f,
-                    "Embedded({name}, {} + {} bytes)",
-                    bytes.len(),
-                    data.len()
-                )
-            }
-        }
-    }
-}
-
-impl ModelSource {
-    pub fn describe(&self) -> String {
-        match self {
-            ModelSource::File(p) => p.display().to_string(),
-            ModelSource::Embedded { name, .. } => format!("<embedded {name}>"),
-        }
-    }
-
-    /// Size of the model's weights as stored, for the memory budget: with the external data
-    /// `policyd-export` writes beside a large graph (`<graph>.data`).
-    pub fn size(&self) -> u64 {
-        let len = |p: &Path| std::fs::metadata(p).map(|m| m.len()).unwrap_or(0);
-        match self {
-            ModelSource::File(p) => len(p) + len(&external_data_path(p)),
-            ModelSource::Embedded { bytes, data, .. } => (bytes.len() + data.len()) as u64,
-        }
-    }
-}
-
-/// Where `policyd-export` puts a graph's external data: `<graph>.data` beside it (ONNX names
-/// the file inside the graph; a firmware image bakes this one).
-pub fn external_data_path(model: &Path) -> PathBuf {
-    let mut name = model.as_os_str().to_owned();
-    name.push(".data");
-    PathBuf::from(name)
-}
-
-impl ModelSource {
-    /// The embedded model's external data (empty for a file or a graph without any).
-    pub fn embedded_data(&self) -> &'static [u8] {
-        match self {
-            ModelSource::Embedded { data, .. } => data,
-            ModelSource::File(_) => &[],
-        }
-    }
-}
-
-/// `[[inputs]]`: one observation key bound to one engine input.
-#[derive(Clone, Debug, PartialEq)]
-pub struct InputConfig {
-    /// Observation key; nested maps are joined with `/` (`images/cam_high`).
-    pub key: String,
-    /// Engine input name; `None` only for a pi0.5 state the engine does not take (its
-    /// normalised values then live in a host buffer, for the prompt alone).
-    pub tensor: Option<String>,
-    /// Numbers in the accepted wire dtypes, text, or a tokenized prompt.
-    pub kind: InputKind,
-    /// Expected wire shape.
-    pub shape: Vec<usize>,
-    pub layout: Layout,
-    /// `y = ((x·scale + offset) − mean) / (std + eps)`.
-    pub scale: f64,
-    pub offset: f64,
-    /// Per-feature (length of the wire shape's last axis), per-element, or one value. A
-    /// LeRobot `min`/`max` binding is resolved into these (`mean` the midpoint, `std` half
-    /// the range, `eps` 0): the same map, written once.
-    pub mean: Vec<f64>,
-    pub std: Vec<f64>,
-    pub eps: f64,
-    /// Frames the engine input holds: this one and the session's `history − 1` before it.
-    pub history: usize,
-    /// May be absent from a request; the engine input is then filled with `fill`.
-    pub optional: bool,
-    pub fill: f64,
-    /// Fixed engine shape, for models whose input has symbolic dimensions.
-    pub engine_shape: Option<Vec<usize>>,
-    /// Serve NaN and infinity instead of refusing the request (`inputs[i].allow_non_finite`).
-    pub allow_non_finite: bool,
-}
-
-/// What an input binding accepts.
-#[derive(Clone, Debug, PartialEq)]
-pub enum InputKind {
-    /// Arrays in these wire dtypes, converted to the engine's.
-    Numeric(Vec<ElemType>),
-    /// A string (`dtypes = ["text"]`) whose UTF-8 bytes fill a `[max_bytes]` input.
-    Text,
-    /// A string tokenized into ids (`tensor`) and a mask (`[inputs.tokenizer]`).
-    Tokens(Box<TokenizerConfig>),
-}
-
-/// `[inputs.tokenizer]`: a prompt tokenized as openpi's `PaligemmaTokenizer` does.
-#[derive(Clone, Debug, PartialEq)]
-pub struct TokenizerConfig {
-    /// The SentencePiece `.model` or `tokenizer.json`.
-    pub file: ModelSource,
-    pub format: crate::tokenizer::Format,
-    /// Length of the ids and the mask.
-    pub max_tokens: usize,
-    pub mask_tensor: String,
-    pub pad_id: i64,
-    /// Refuse a prompt past `max_tokens` instead of truncating it.
-    pub refuse_overflow: bool,
-    /// `pi05`: the binding whose normalised values are discretised.
-    pub state_key: Option<String>,
-    /// A tokenizer.json's BOS token.
-    pub bos: Option<String>,
-    /// The most prompt bytes read (`None`: sized from the tokenizer when it is loaded).
-    pub max_prompt_bytes: Option<usize>,
-}
-
-impl InputConfig {
-    /// A binding that takes a string on the wire: text or a tokenized prompt.
-    pub fn is_text(&self) -> bool {
-        matches!(self.kind, InputKind::Text | InputKind::Tokens(_))
-    }
-
-    /// The tokenizer of a tokenized prompt.
-    pub fn tokenizer(&self) -> Option<&TokenizerConfig> {
-        match &self.kind {
-            InputKind::Tokens(t) => Some(t),
-            _ => None,
-        }
-    }
-
-    /// The accepted wire dtypes (none for text).
-    pub fn dtypes(&self) -> &[ElemType] {
-        match &self.kind {
-            InputKind::Numeric(d) => d,
-            InputKind::Text | InputKind::Tokens(_) => &[],
-        }
-    }
-}
-
-/// `[[outputs]]`: one engine output sent under one reply key.
-#[derive(Clone, Debug, PartialEq)]
-pub struct OutputConfig {
-    /// Engine output name.
-    pub tensor: String,
-    /// Reply key.
-    pub key: String,
-    /// Wire dtype of the reply array (`float32` or `float64`).
-    pub dtype: ElemType,
-    /// Keep only the first N entries of the last axis (openpi's `actions[:, :14]`).
-    pub columns: Option<usize>,
-    /// Un-normalisation `x·(std + eps) + mean`, per action dimension (or one value); LeRobot's
-    /// `min`/`max` resolved as for inputs.
-    pub mean: Vec<f64>,
-    pub std: Vec<f64>,
-    pub eps: f64,
-    /// Rows `[start, end)` of the first axis kept (the whole axis when `None`).
-    pub rows: Option<(usize, usize)>,
-    /// Relative actions: absolute = un-normalised output + the input's values as sent.
-    pub relative: Option<RelativeConfig>,
-}
-
-/// `[[outputs]] relative_to`/`relative_mask`: the model predicts actions relative to the state,
-/// and the reply carries absolute ones. Column `j` of every kept row gets the input's value
-/// `j` as the request sent it, for each `j` with `mask[j]`; the mask is checked against both
-/// lengths once the bindings are compiled.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct RelativeConfig {
-    /// The input binding's key (`observation.state`).
-    pub key: String,
-    /// `None`: every kept column.
-    pub mask: Option<Vec<bool>>,
-}
-
-/// How an input's axes are rearranged on the way to the engine.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Layout {
-    None,
-    HwcToChw,
-    ChwToHwc,
-}
-
-impl Layout {
-    /// Destination axis k is source axis `perm[k]` (over the last three axes).
-    pub fn perm(self) -> Option<[usize; 3]> {
-        match self {
-            Layout::None => None,
-            Layout::HwcToChw => Some([2, 0, 1]),
-            Layout::ChwToHwc => Some([1, 2, 0]),
-        }
-    }
-}
-
 impl Config {
     /// Reads and checks a config file; paths in it are resolved against its folder.
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
@@ -675,7 +140,7 @@ impl Config {
             path: origin.to_string(),
             message: e.to_string(),
         })?;
-        check::resolve(raw, base)
+        resolve(raw, base)
     }
 
     /// The policy served to clients that name none.
@@ -700,6 +165,110 @@ impl Config {
         }
         Ok(())
     }
+}
+
+/// How a section's errors name their keys: a policy's under `policies[i].`, with its name.
+struct Keys {
+    prefix: String,
+    suffix: String,
+}
+
+impl Keys {
+    /// Top-level keys, as written.
+    fn top() -> Keys {
+        Keys {
+            prefix: String::new(),
+            suffix: String::new(),
+        }
+    }
+
+    /// The keys of `policies[i]`, named `name`.
+    fn policy(i: usize, name: &str) -> Keys {
+        Keys {
+            prefix: format!("policies[{i}]."),
+            suffix: format!(" (policy \"{name}\")"),
+        }
+    }
+
+    /// An integer setting within `lo..=hi`, or an error naming `key`.
+    /// A closed set's value, by name: a key left out (`None`) takes `default` if it has one;
+    /// anything not among `choices` is an error listing them. The one place every
+    /// string-valued option is read.
+    fn one_of<T: Copy>(
+        &self,
+        key: &str,
+        value: Option<&str>,
+        default: Option<T>,
+        choices: &[(&str, T)],
+    ) -> Result<T, ConfigError> {
+        match (value, default) {
+            (None, Some(d)) => return Ok(d),
+            (Some(v), _) => {
+                if let Some(&(_, t)) = choices.iter().find(|(name, _)| *name == v) {
+                    return Ok(t);
+                }
+            }
+            (None, None) => {}
+        }
+        let names: Vec<String> = choices.iter().map(|(n, _)| format!("\"{n}\"")).collect();
+        let list = match names.split_last() {
+            Some((last, [])) => last.clone(),
+            Some((last, rest)) => format!("{} or {last}", rest.join(", ")),
+            None => String::new(),
+        };
+        Err(self.invalid(
+            key,
+            format!("must be {list}, got \"{}\"", value.unwrap_or_default()),
+        ))
+    }
+
+    fn between<T>(&self, key: &str, v: T, lo: T, hi: T) -> Result<(), ConfigError>
+    where
+        T: PartialOrd + std::fmt::Display,
+    {
+        if v < lo || v > hi {
+            return Err(self.invalid(key, format!("must be between {lo} and {hi}, got {v}")));
+        }
+        Ok(())
+    }
+
+    fn invalid(&self, key: impl AsRef<str>, message: impl Into<String>) -> ConfigError {
+        invalid(
+            format!("{}{}", self.prefix, key.as_ref()),
+            format!("{}{}", message.into(), self.suffix),
+        )
+    }
+}
+
+/// A path the file names, resolved against its folder.
+fn path(base: Option<&Path>, p: &Path) -> PathBuf {
+    base.map_or_else(|| p.to_path_buf(), |b| b.join(p))
+}
+
+fn check_metadata(cx: &Keys, key: &str, v: &toml::Value) -> Result<(), ConfigError> {
+    match v {
+        toml::Value::Datetime(_) => {
+            Err(cx.invalid(key, "dates cannot be sent as metadata; use a string"))
+        }
+        toml::Value::Array(a) => a
+            .iter()
+            .enumerate()
+            .try_for_each(|(i, x)| check_metadata(cx, &format!("{key}[{i}]"), x)),
+        toml::Value::Table(t) => t
+            .iter()
+            .try_for_each(|(k, x)| check_metadata(cx, &format!("{key}.{k}"), x)),
+        _ => Ok(()),
+    }
+}
+
+/// [`element_count`], or an error naming `key`.
+fn elements(cx: &Keys, key: &str, shape: &[usize]) -> Result<usize, ConfigError> {
+    element_count(shape).ok_or_else(|| {
+        cx.invalid(
+            key,
+            format!("{shape:?} holds more than {MAX_ELEMENTS} elements; check the dimensions"),
+        )
+    })
 }
 
 #[cfg(test)]
@@ -751,6 +320,37 @@ tensor = "actions"
         assert_eq!(p.engine.zero_copy, ZeroCopy::Auto);
         assert_eq!(c.planner.precedence, Precedence::Client);
         assert_eq!(c.server.reset_reply, ResetReply::Msgpack);
+    }
+
+    #[test]
+    fn closed_sets_name_the_key_and_every_choice() {
+        let e = replace(
+            "model = \"m.onnx\"",
+            "model = \"m.onnx\"\nbackend = \"gpu\"",
+        );
+        assert!(
+            e.contains("engine.backend")
+                && e.contains(r#"must be "cpu", "ort" or "tensorrt", got "gpu""#),
+            "{e}"
+        );
+        let e = replace(
+            "model = \"m.onnx\"",
+            "model = \"m.onnx\"\nbackend = \"tensorrt\"\nzero_copy = \"yes\"",
+        );
+        assert!(
+            e.contains(r#"engine.zero_copy`: must be "auto", "on" or "off", got "yes""#),
+            "{e}"
+        );
+        let e = replace("shape = [8]", "shape = [8]\nlayout = \"hwc\"");
+        assert!(
+            e.contains("inputs[0].layout") && e.contains(r#"got "hwc""#),
+            "{e}"
+        );
+        let e = err("[server]\nreset_reply = \"json\"");
+        assert!(
+            e.contains(r#"server.reset_reply`: must be "msgpack" or "text", got "json""#),
+            "{e}"
+        );
     }
 
     #[test]
