@@ -1,5 +1,5 @@
 //! What do the fuzzers run? Fuzzing entry points: what the cargo-fuzz targets in `fuzz/` run, and
-//! what `tests/codec_props.rs` replays over the kept corpus and every crash ever found.
+//! what `tests/codecs/codec_props.rs` replays over the kept corpus and every crash ever found.
 //!
 //! Each takes arbitrary bytes and must return without panicking; a panic is the bug. They go
 //! through the public request path, not a copy of it: [`decode`] decodes a frame against one of

@@ -18,7 +18,7 @@ use tokio::net::TcpStream;
 use tokio_tungstenite::tungstenite::Message;
 use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
 
-mod common;
+use crate::common;
 use common::{Running, Ws};
 
 const VLLM: &str = "/v1/realtime/robot/openpi";

@@ -7,7 +7,7 @@
 //! child process under `RLIMIT_AS`, standing in for the unit's `MemoryMax=`: before the fix
 //! the child aborted, after it the server answers with an error and keeps serving.
 
-mod common;
+use crate::common;
 
 use common::MOTORS;
 
@@ -320,6 +320,11 @@ async fn a_robot_sets_up_observes_and_gets_its_actions() {
     );
 }
 
+/// This file's module in the test binary (`lerobot_grpc`), for a test that re-runs itself.
+fn this_module() -> &'static str {
+    module_path!().split_once("::").map_or("", |(_, m)| m)
+}
+
 /// Bug 1 and 2 (the crashes): run in a child under an address-space limit.
 #[test]
 fn hostile_setups_are_refused_under_a_memory_limit() {
@@ -327,12 +332,12 @@ fn hostile_setups_are_refused_under_a_memory_limit() {
     let cmd = common::command(&exe.to_string_lossy());
     let out = std::process::Command::new(&cmd[0])
         .args(&cmd[1..])
+        // Its name in this binary: the module path without the crate's name.
         .args([
             "--exact",
-            "child_hostile_setups",
-            "--include-ignored",
-            "--nocapture",
+            &format!("{}::child_hostile_setups", this_module()),
         ])
+        .args(["--include-ignored", "--nocapture"])
         .env("POLICYD_GRPC_CHILD", "1")
         .output()
         .expect("runs the child");

@@ -5,7 +5,7 @@
 use std::os::unix::fs::PermissionsExt;
 use std::process::Command;
 
-mod common;
+use crate::common;
 
 /// A stand-in for policyd-bench that prints its arguments and exits with 3.
 fn stand_in() -> std::path::PathBuf {

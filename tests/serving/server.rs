@@ -310,7 +310,7 @@ async fn while_the_engine_loads_every_request_gets_503() {
     }
 }
 
-mod common;
+use crate::common;
 use common::http_get;
 
 /// The value of one sample line (`name{labels} value`) in an exposition.

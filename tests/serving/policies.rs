@@ -22,7 +22,7 @@ use tokio::sync::{mpsc, oneshot};
 use tokio_tungstenite::tungstenite::Message;
 use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
 
-mod common;
+use crate::common;
 use common::Ws;
 
 const VLLM: &str = "/v1/realtime/robot/openpi";

@@ -15,7 +15,7 @@ use policyd::config::{PlannerConfig, Secret};
 use policyd::planner::reply::Answer;
 use policyd::planner::{Geometry, Link, Planner};
 
-mod common;
+use crate::common;
 
 /// What the fake endpoint does with one chat request.
 #[derive(Clone, Debug)]

@@ -4,7 +4,7 @@
 use policyd::config::Config;
 use policyd::demo;
 
-mod common;
+use crate::common;
 
 fn run(threads: usize) -> Vec<Vec<u8>> {
     let cfg = demo::config().unwrap();

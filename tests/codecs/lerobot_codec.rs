@@ -2,7 +2,7 @@
 //! lerobot 0.6.1 with numpy 2, tests/fixtures/lerobot/generate.py) lower to the values they
 //! hold, and hostile or broken ones are refused with an error that names what was wrong.
 
-mod common;
+use crate::common;
 
 use common::MOTORS;
 use policyd::dtype::ElemType;
