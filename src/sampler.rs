@@ -71,6 +71,11 @@ pub enum FlowTime {
     Openpi,
     /// LeRobot's `euler_integrate`: `1.0 + i·dt` in float64 (Python floats), then float32.
     Lerobot,
+    /// GR00T N1.7's loop: time runs upward from noise (0) to data, the denoiser is fed the
+    /// integer bucket `int(i/N · 1000)` computed in float64 as Python does (from float32 time
+    /// it is off by one for 15 step counts up to 32, 5 and 10 among them), and the update is
+    /// `x += (1/N)·v`.
+    Groot,
 }
 
 /// The time fed to the denoiser for one step.
@@ -157,6 +162,7 @@ impl Sampler {
                     (0..i).fold(1.0f32, |t, _| t + dt)
                 }
                 FlowTime::Lerobot => (1.0 + i as f64 * (-1.0 / steps as f64)) as f32,
+                FlowTime::Groot => return Time::Discrete(groot_bucket(i, steps)),
             }),
             Kind::Ddpm | Kind::Ddim => Time::Discrete(self.timestep(i, steps) as i64),
         }
@@ -168,7 +174,7 @@ impl Sampler {
         let dt = -1.0f32 / steps as f32;
         let mut t = 1.0f32;
         (0..steps).map(move |i| match self.kind {
-            Kind::Flow if self.flow_time == FlowTime::Lerobot => self.time(i, steps),
+            Kind::Flow if self.flow_time != FlowTime::Openpi => self.time(i, steps),
             Kind::Flow => {
                 let now = t;
                 t += dt;
@@ -178,7 +184,18 @@ impl Sampler {
         })
     }
 
+    /// Flow's Euler step: downward from noise at t = 1 (openpi, LeRobot); upward from 0 for
+    /// GR00T, whose `1.0 / N` is a Python float that torch applies in float32.
+    fn flow_dt(&self, steps: usize) -> f32 {
+        match self.flow_time {
+            FlowTime::Groot => (1.0 / steps as f64) as f32,
+            FlowTime::Openpi | FlowTime::Lerobot => -1.0f32 / steps as f32,
+        }
+    }
+
     /// `update = "model"`'s `dt` input: openpi's `-1/steps`.
+    ///
+    /// GR00T's time is upward, but its step graph never takes `dt` (policyd integrates).
     pub fn dt(&self, steps: usize) -> f64 {
         f64::from(-1.0f32 / steps as f32)
     }
@@ -202,7 +219,7 @@ impl Sampler {
     ) {
         match self.kind {
             Kind::Flow => {
-                let dt = -1.0f32 / steps as f32;
+                let dt = self.flow_dt(steps);
                 for (x, v) in x.iter_mut().zip(out) {
                     *x += dt * v;
                 }
@@ -275,7 +292,7 @@ impl Sampler {
             hi: f32::MAX,
         };
         let Some(d) = self.diffusion.as_ref().filter(|_| self.kind != Kind::Flow) else {
-            u.c = -1.0f32 / steps as f32;
+            u.c = self.flow_dt(steps);
             return u;
         };
         let (t, a_t, a_prev) = self.alphas(i, steps);
@@ -481,6 +498,12 @@ impl std::fmt::Debug for SeedStream {
     }
 }
 
+/// GR00T's time bucket for step `i` of `steps`: `int(i / steps * 1000)`, the division and the
+/// product in float64 and truncated, exactly as Python computes it.
+pub fn groot_bucket(i: usize, steps: usize) -> i64 {
+    (i as f64 / steps.max(1) as f64 * 1000.0) as i64
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -529,6 +552,40 @@ mod tests {
         let openpi: Vec<Time> = Sampler::flow().times(10).collect();
         let lerobot: Vec<Time> = s.times(10).collect();
         assert_ne!(openpi, lerobot);
+    }
+
+    #[test]
+    fn groot_buckets_are_pythons_and_time_runs_upward() {
+        let mut s = Sampler::flow();
+        s.flow_time = FlowTime::Groot;
+        // Python (GR00T N1.7's loop): [int(i / N * 1000) for i in range(N)].
+        for (n, want) in [
+            (4, vec![0, 250, 500, 750]),
+            (5, vec![0, 200, 400, 600, 800]),
+            (10, vec![0, 100, 200, 300, 400, 500, 600, 700, 800, 900]),
+        ] {
+            let got: Vec<Time> = s.times(n).collect();
+            let want: Vec<Time> = want.into_iter().map(Time::Discrete).collect();
+            assert_eq!(got, want, "{n} steps");
+        }
+        // The bucket taken from LeRobot's float32 flow time instead, floor((1 − t)·1000), is
+        // off by one for N = 5 and 10: why GR00T has a time mode of its own.
+        let from_f32 = |i: usize, n: usize| {
+            let t = (1.0 + i as f64 * (-1.0 / n as f64)) as f32;
+            ((1.0f32 - t) * 1000.0).floor() as i64
+        };
+        assert_eq!((from_f32(1, 5), groot_bucket(1, 5)), (199, 200));
+        assert_eq!((from_f32(2, 10), groot_bucket(2, 10)), (199, 200));
+        // Upward Euler: x += (1/N)·v, the step in float32 as torch applies a Python float.
+        let mut x = [0.0f32, 1.0];
+        let mut want = [0.0f32, 1.0];
+        for i in 0..5 {
+            s.step(i, 5, &mut x, &[1.0, -3.0], || 0.0);
+            want[0] += 0.2f32 * 1.0;
+            want[1] += 0.2f32 * -3.0;
+        }
+        assert_eq!(x, want);
+        assert!(x[0] > 0.99 && x[1] < -1.99, "{x:?}");
     }
 
     #[test]
@@ -664,7 +721,9 @@ mod tests {
     /// DDIM (every prediction type, clipped or not, with and without noise) to float rounding.
     #[test]
     fn the_kernel_form_is_the_same_update() {
-        let mut samplers = vec![Sampler::flow()];
+        let mut groot = Sampler::flow();
+        groot.flow_time = FlowTime::Groot;
+        let mut samplers = vec![Sampler::flow(), groot];
         for kind in [Kind::Ddpm, Kind::Ddim] {
             for prediction in [
                 Prediction::Epsilon,

@@ -244,7 +244,11 @@ pub(super) fn pipeline(
         "sampler.flow_time",
         s.flow_time.as_deref(),
         Some(FlowTime::Openpi),
-        &[("openpi", FlowTime::Openpi), ("lerobot", FlowTime::Lerobot)],
+        &[
+            ("openpi", FlowTime::Openpi),
+            ("lerobot", FlowTime::Lerobot),
+            ("groot", FlowTime::Groot),
+        ],
     )?;
     if s.flow_time.is_some() && kind != Kind::Flow {
         return Err(cx.invalid("sampler.flow_time", "applies to kind = \"flow\" only"));

@@ -395,6 +395,9 @@ pub fn check(cfg: &Config, origin: &str) -> Result<String, PolicyError> {
                     (crate::sampler::Kind::Flow, crate::sampler::FlowTime::Lerobot) => {
                         "flow (LeRobot's euler_integrate times)"
                     }
+                    (crate::sampler::Kind::Flow, crate::sampler::FlowTime::Groot) => {
+                        "flow (GR00T: upward time, integer buckets)"
+                    }
                     (crate::sampler::Kind::Ddpm, _) => "DDPM (diffusers)",
                     (crate::sampler::Kind::Ddim, _) => "DDIM (diffusers)",
                 },
