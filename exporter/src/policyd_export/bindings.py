@@ -10,7 +10,10 @@ LeRobot's server converts a robot's frames.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
+from numpy.typing import NDArray
 
 from .checkpoint import Checkpoint, Feature, Norm
 from .errors import ExportError
@@ -18,7 +21,7 @@ from .errors import ExportError
 RANGE_STATS = {"MIN_MAX": ("min", "max"), "QUANTILES": ("q01", "q99"), "QUANTILE10": ("q10", "q90")}
 
 
-def _values(stat: np.ndarray, feature: Feature) -> list[float]:
+def _values(stat: NDArray[Any], feature: Feature) -> list[float]:
     """A statistic as policyd indexes it: one per vector entry; for an image one per channel
     (LeRobot keeps [3, 1, 1]) or, if it varies over pixels, one per element in HWC order."""
     stat = np.asarray(stat, dtype=np.float64)
@@ -45,7 +48,7 @@ def _values(stat: np.ndarray, feature: Feature) -> list[float]:
     return [float(v) for v in full.transpose(1, 2, 0).reshape(-1)]
 
 
-def norm_keys(norm: Norm, feature: Feature, output: bool) -> dict:
+def norm_keys(norm: Norm, feature: Feature, output: bool) -> dict[str, Any]:
     """The binding keys of one feature's normalisation (none for IDENTITY)."""
     if norm.mode == "IDENTITY":
         return {}
@@ -64,9 +67,11 @@ def norm_keys(norm: Norm, feature: Feature, output: bool) -> dict:
     }
 
 
-def input_binding(ckpt: Checkpoint, feature: Feature, tensor: str, history: int = 1) -> dict:
+def input_binding(
+    ckpt: Checkpoint, feature: Feature, tensor: str, history: int = 1
+) -> dict[str, Any]:
     """One `[[inputs]]` table: the client's key, the graph input, wire dtype/shape, transforms."""
-    b: dict = {"key": ckpt.wire_keys.get(feature.key, feature.key), "tensor": tensor}
+    b: dict[str, Any] = {"key": ckpt.wire_keys.get(feature.key, feature.key), "tensor": tensor}
     if feature.type == "VISUAL":
         c, h, w = feature.shape
         b.update(dtypes=["uint8"], shape=[h, w, c], layout="hwc_to_chw", scale=1.0 / 255.0)
@@ -78,17 +83,21 @@ def input_binding(ckpt: Checkpoint, feature: Feature, tensor: str, history: int 
     return b
 
 
-def output_binding(ckpt: Checkpoint, tensor: str, rows: tuple[int, int] | None = None) -> dict:
+def output_binding(
+    ckpt: Checkpoint, tensor: str, rows: tuple[int, int] | None = None
+) -> dict[str, Any]:
     """The `[[outputs]]` table of the action: un-normalised as LeRobot's postprocessor does."""
     action = ckpt.outputs[0]
-    b: dict = {"tensor": tensor, "key": "actions", "dtype": "float32"}
+    b: dict[str, Any] = {"tensor": tensor, "key": "actions", "dtype": "float32"}
     if rows is not None:
         b["rows"] = list(rows)
     b.update(norm_keys(ckpt.output_norm[action.key], action, output=True))
     return b
 
 
-def relative_actions(ckpt: Checkpoint, output: dict, state_key: str, state_dim: int) -> None:
+def relative_actions(
+    ckpt: Checkpoint, output: dict[str, Any], state_key: str, state_dim: int
+) -> None:
     """With LeRobot's relative actions on (`use_relative_actions`), the `[[outputs]]` table gets
     `relative_to` the state binding and the mask LeRobot's own step builds (its
     `exclude_joints` matched against the action names; the gripper stays absolute by default),

@@ -17,20 +17,52 @@ import json
 import math
 import shutil
 import tempfile
-from dataclasses import asdict
 from pathlib import Path
+from typing import Any, TypedDict
 
 import tomli_w
 
 from . import __version__
 from .checkpoint import Checkpoint
 from .errors import ExportError
-from .families import Exported
+from .families import Exported, Signature
 
 MANIFEST = "export.json"
 CONFIG = "policyd.toml"
 TRT_CONFIG = "policyd.tensorrt.toml"
 TRT_SCRIPT = "build-plans.sh"
+
+
+class ManifestInput(TypedDict):
+    """One feature the bundle reads: its LeRobot key, the request key, its type and shape."""
+
+    feature: str
+    key: str
+    type: str
+    shape: list[int]
+
+
+class GraphRecord(TypedDict):
+    """One exported graph (`graphs.Graph`, as written)."""
+
+    file: str
+    inputs: list[str]
+    outputs: list[str]
+    max_abs_diff: float
+    rewrites: list[str]
+    seconds: float
+    run_seconds: float
+
+
+class Manifest(Signature):
+    """`manifest.json`: what `policyd-export verify` needs to rebuild LeRobot's side of the
+    comparison (the checkpoint, its inputs, the graphs) and the family's signature."""
+
+    exporter: str
+    checkpoint: str
+    policy_type: str
+    inputs: list[ManifestInput]
+    graphs: list[GraphRecord]
 
 
 def prepare(out: Path, force: bool) -> Path:
@@ -50,7 +82,7 @@ def commit(tmp: Path, out: Path) -> None:
     out.chmod(0o755)
 
 
-def _toml(header: str, body: dict) -> str:
+def _toml(header: str, body: dict[str, Any]) -> str:
     lines = "".join(f"# {line}\n".replace("# \n", "#\n") for line in header.splitlines())
     return lines + "\n" + tomli_w.dumps(body)
 
@@ -82,7 +114,7 @@ def chunk_seconds(exported: Exported) -> float:
     return sum(g.run_seconds * (steps if g.file == step else 1) for g in exported.graphs)
 
 
-def sized_engine(exported: Exported) -> tuple[dict, str]:
+def sized_engine(exported: Exported) -> tuple[dict[str, Any], str]:
     """`[engine]` with the keys that depend on a chunk's time, and the header lines that say
     so: `timeout_ms` (a run longer marks the engine stalled) at ten measured chunks and at
     least policyd's default; one warm-up run instead of three for a chunk past a second."""
@@ -163,7 +195,7 @@ def write(
     script.append('echo "plans built; serve with: policyd --config policyd.tensorrt.toml"')
     (tmp / TRT_SCRIPT).write_text("\n".join(script) + "\n")
     (tmp / TRT_SCRIPT).chmod(0o755)
-    manifest = {
+    manifest: Manifest = {
         "exporter": __version__,
         "checkpoint": str(ckpt.path.resolve()),
         "policy_type": ckpt.type,
@@ -176,7 +208,18 @@ def write(
             }
             for f in ckpt.inputs
         ],
-        "graphs": [asdict(g) for g in exported.graphs],
+        "graphs": [
+            GraphRecord(
+                file=g.file,
+                inputs=g.inputs,
+                outputs=g.outputs,
+                max_abs_diff=g.max_abs_diff,
+                rewrites=g.rewrites,
+                seconds=g.seconds,
+                run_seconds=g.run_seconds,
+            )
+            for g in exported.graphs
+        ],
         **exported.manifest,
     }
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
@@ -186,8 +229,9 @@ def _plan(onnx_file: str) -> str:
     return onnx_file.removesuffix(".onnx") + ".plan"
 
 
-def read_manifest(bundle: Path) -> dict:
+def read_manifest(bundle: Path) -> Manifest:
     path = bundle / MANIFEST
     if not path.is_file():
         raise ExportError(f"{bundle}: not a policyd-export bundle (no {MANIFEST})")
-    return json.loads(path.read_text())
+    manifest: Manifest = json.loads(path.read_text())
+    return manifest

@@ -12,8 +12,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+from numpy.typing import NDArray
 
 from . import options
 from .errors import ExportError
@@ -62,14 +64,14 @@ class Norm:
     """How LeRobot (un)normalises one feature: the mode and the statistics it reads."""
 
     mode: str  # MEAN_STD, MIN_MAX, QUANTILES, QUANTILE10, IDENTITY
-    stats: dict[str, np.ndarray] = field(default_factory=dict)
+    stats: dict[str, NDArray[Any]] = field(default_factory=dict)
     eps: float = 1e-8
 
 
 @dataclass
 class Checkpoint:
     path: Path
-    config: dict
+    config: dict[str, Any]
     type: str
     inputs: list[Feature]
     outputs: list[Feature]
@@ -80,25 +82,26 @@ class Checkpoint:
     #: renames client keys to feature keys).
     wire_keys: dict[str, str] = field(default_factory=dict)
     #: The preprocessor's tokenizer step config (a language-conditioned policy), if any.
-    tokenizer: dict | None = None
+    tokenizer: dict[str, Any] | None = None
     #: The preprocessor's `relative_actions_processor` config when relative actions are on
     #: (`use_relative_actions`): the model predicts actions relative to the raw state.
-    relative: dict | None = None
+    relative: dict[str, Any] | None = None
 
     def features(self, kind: str) -> list[Feature]:
         return [f for f in self.inputs if f.type == kind]
 
 
-def _read_json(path: Path, what: str) -> dict:
+def _read_json(path: Path, what: str) -> dict[str, Any]:
     try:
-        return json.loads(path.read_text())
+        data: dict[str, Any] = json.loads(path.read_text())
+        return data
     except FileNotFoundError:
         raise ExportError(f"{path}: missing ({what})") from None
     except json.JSONDecodeError as e:
         raise ExportError(f"{path}: not valid JSON ({e})") from None
 
 
-def _features(raw: dict, where: str) -> list[Feature]:
+def _features(raw: dict[str, Any], where: str) -> list[Feature]:
     out = []
     for key, f in (raw or {}).items():
         try:
@@ -108,7 +111,9 @@ def _features(raw: dict, where: str) -> list[Feature]:
     return out
 
 
-def _normaliser(path: Path, pipeline_file: str, registry_name: str) -> tuple[dict, dict]:
+def _normaliser(
+    path: Path, pipeline_file: str, registry_name: str
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """The normaliser step of a processor pipeline: its config and its statistics."""
     pipeline = _read_json(
         path / pipeline_file,
@@ -127,7 +132,7 @@ def _normaliser(path: Path, pipeline_file: str, registry_name: str) -> tuple[dic
     if not steps:
         return {}, {}
     step = steps[0]
-    stats: dict[str, dict[str, np.ndarray]] = {}
+    stats: dict[str, dict[str, NDArray[Any]]] = {}
     state_file = step.get("state_file")
     if state_file:
         from safetensors.numpy import load_file
@@ -144,7 +149,9 @@ def _normaliser(path: Path, pipeline_file: str, registry_name: str) -> tuple[dic
     return step.get("config", {}), stats
 
 
-def _norms(config: dict, stats: dict, features: list[Feature], side: str) -> dict[str, Norm]:
+def _norms(
+    config: dict[str, Any], stats: dict[str, Any], features: list[Feature], side: str
+) -> dict[str, Norm]:
     norm_map = config.get("norm_map", {})
     eps = float(config.get("eps", 1e-8))
     out = {}
@@ -193,14 +200,14 @@ def load(path: str | Path) -> Checkpoint:
     options.check(kind, config, str(path / "config.json"))
     if not (path / "model.safetensors").is_file():
         raise ExportError(f"{path / 'model.safetensors'}: missing (the policy's weights)")
-    inputs = _features(config.get("input_features"), "input_features")
+    inputs = _features(config.get("input_features") or {}, "input_features")
     # pi0's and SmolVLA's `empty_cameras` add features no robot sends: the model fills them
     # (−1, masked out) when they are missing, so they are neither bound nor sent.
     empty = {
         f"observation.images.empty_camera_{i}" for i in range(int(config.get("empty_cameras") or 0))
     }
     inputs = [f for f in inputs if f.key not in empty]
-    outputs = _features(config.get("output_features"), "output_features")
+    outputs = _features(config.get("output_features") or {}, "output_features")
     bindable = {"STATE", "VISUAL", "ENV"}
     for f in inputs:
         if f.type not in bindable:
@@ -244,12 +251,12 @@ def load(path: str | Path) -> Checkpoint:
     )
 
 
-def _relative(path: Path) -> dict | None:
+def _relative(path: Path) -> dict[str, Any] | None:
     """The relative-actions step pair, if enabled: the preprocessor's step (before the
     normaliser, so that it caches the raw state) and the postprocessor's (after the
     un-normaliser). Anything else is refused naming the step."""
 
-    def steps(file: str) -> list[tuple[str, dict]]:
+    def steps(file: str) -> list[tuple[str, dict[str, Any]]]:
         return [
             (s.get("registry_name"), s.get("config", {}))
             for s in _read_json(path / file, "").get("steps", [])

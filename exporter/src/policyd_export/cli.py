@@ -167,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     args = parser().parse_args(argv)
     try:
-        return args.run(args)
+        code: int = args.run(args)
+        return code
     except ExportError as e:
         print(f"policyd-export: error: {e}", file=sys.stderr)
         return 2

@@ -62,6 +62,8 @@ def export(
                 output_names=output_names,
                 verbose=verbose,
             )
+            if program is None:
+                raise ExportError("torch.onnx.export returned no program")
             program.optimize()
             raw = path.with_suffix(".raw.onnx")
             program.save(str(raw))

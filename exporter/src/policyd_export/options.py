@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from .errors import ExportError
 
@@ -297,7 +298,7 @@ TABLES: dict[str, dict[str, Option]] = {
 }
 
 
-def check(kind: str, config: dict, where: str) -> None:
+def check(kind: str, config: dict[str, Any], where: str) -> None:
     """Exit 2 (an ExportError) for the first refused field whose value the bundle cannot
     reproduce, naming it and why."""
     for name, option in TABLES.get(kind, {}).items():

@@ -17,9 +17,11 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
+from numpy.typing import NDArray
 
 from .checkpoint import Checkpoint
 from .checkpoint import load as load_checkpoint
@@ -43,10 +45,11 @@ class Reference:
         """A new episode: LeRobot's `policy.reset()` (empties Diffusion's queues)."""
         self.policy.reset()
 
-    def _observation(self, obs: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+    def _observation(self, obs: dict[str, Any]) -> dict[str, Any]:
         # The task prompt (a string) goes to the preprocessor's tokenizer as sent.
         task = (self.ckpt.tokenizer or {}).get("task_key", "task")
-        out = {task: obs[task]} if self.ckpt.tokenizer and task in obs else {}
+        # The prompt stays a string; every other value becomes a batched tensor.
+        out: dict[str, Any] = {task: obs[task]} if self.ckpt.tokenizer and task in obs else {}
         for f in self.ckpt.inputs:
             key = self.ckpt.wire_keys.get(f.key, f.key)
             v = np.asarray(obs[key])
@@ -60,10 +63,10 @@ class Reference:
     @torch.no_grad()
     def actions(
         self,
-        obs: dict[str, np.ndarray],
-        noise: np.ndarray | None = None,
-        step_noise: np.ndarray | None = None,
-    ) -> np.ndarray:
+        obs: dict[str, NDArray[Any]],
+        noise: NDArray[Any] | None = None,
+        step_noise: NDArray[Any] | None = None,
+    ) -> NDArray[Any]:
         """The un-normalised action chunk, [rows, action_dim], float32."""
         batch = self.pre(self._observation(obs))
         kind = self.ckpt.type
@@ -80,7 +83,7 @@ class Reference:
         rows = [self.post(chunk[:, i, :]) for i in range(chunk.shape[1])]
         return torch.stack(rows, dim=1).squeeze(0).cpu().numpy().astype(np.float32)
 
-    def _diffusion(self, batch: dict, noise: np.ndarray | None) -> torch.Tensor:
+    def _diffusion(self, batch: dict[str, Any], noise: NDArray[Any] | None) -> torch.Tensor:
         from lerobot.policies.utils import populate_queues
 
         policy = self.policy
@@ -93,11 +96,12 @@ class Reference:
             )
         policy._queues = populate_queues(policy._queues, batch)
         x = None if noise is None else torch.from_numpy(np.asarray(noise, np.float32))[None]
-        return policy.predict_action_chunk(batch, noise=x)
+        chunk: torch.Tensor = policy.predict_action_chunk(batch, noise=x)
+        return chunk
 
 
 @contextlib.contextmanager
-def _ddpm_noise(rows: np.ndarray | None) -> Iterator[None]:
+def _ddpm_noise(rows: NDArray[Any] | None) -> Iterator[None]:
     """diffusers' DDPM draws `randn_tensor` once per step but the last; these rows instead."""
     if rows is None:
         yield
@@ -105,13 +109,14 @@ def _ddpm_noise(rows: np.ndarray | None) -> Iterator[None]:
     import diffusers.schedulers.scheduling_ddpm as ddpm
 
     queue = [torch.from_numpy(np.asarray(r, np.float32)) for r in rows]
-    original = ddpm.randn_tensor
+    # diffusers' module global, swapped by name (it re-exports torch_utils' function).
+    original = getattr(ddpm, "randn_tensor")  # noqa: B009
 
-    def injected(shape: tuple, **kwargs: object) -> torch.Tensor:
+    def injected(shape: tuple[int, ...], **kwargs: object) -> torch.Tensor:
         return queue.pop(0).reshape(shape)
 
-    ddpm.randn_tensor = injected
+    setattr(ddpm, "randn_tensor", injected)  # noqa: B010
     try:
         yield
     finally:
-        ddpm.randn_tensor = original
+        setattr(ddpm, "randn_tensor", original)  # noqa: B010

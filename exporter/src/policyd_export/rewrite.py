@@ -17,9 +17,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
+from numpy.typing import NDArray
 from onnx import TensorProto, helper, numpy_helper
 
 
@@ -60,7 +62,7 @@ class _Graph:
                 self.names.add(name)
                 return name
 
-    def constant(self, name: str) -> np.ndarray | None:
+    def constant(self, name: str) -> NDArray[Any] | None:
         if name in self.inits:
             return numpy_helper.to_array(self.inits[name])
         node = self.producer.get(name)
@@ -78,7 +80,7 @@ class _Graph:
 def _attr(node: onnx.NodeProto, name: str, default: int | None = None) -> int | None:
     for a in node.attribute:
         if a.name == name:
-            return a.i
+            return int(a.i)
     return default
 
 
@@ -138,11 +140,17 @@ def rewrite(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Report]:
                 )
             ):
                 parts = list(cat.input)
-                widths = [(shapes.get(p) or [None])[-1] for p in parts]
+                maybe = [(shapes.get(p) or [None])[-1] for p in parts]
+                widths = [w for w in maybe if w is not None]
                 expands = [gr.producer.get(p) for p in parts]
                 has_expand = any(e is not None and e.op_type == "Expand" for e in expands)
                 w = numpy_helper.to_array(gr.inits[node.input[1]])
-                if has_expand and None not in widths and w.ndim == 2 and sum(widths) == w.shape[0]:
+                if (
+                    has_expand
+                    and len(widths) == len(parts)
+                    and w.ndim == 2
+                    and sum(widths) == w.shape[0]
+                ):
                     row = 0
                     acc = None
                     for part, width, exp in zip(parts, widths, expands, strict=True):
@@ -209,7 +217,7 @@ def _cleanup(model: onnx.ModelProto, rewritten: set[str]) -> None:
     g.value_info.extend(infos)
 
 
-def random_feeds(model_path: str | Path, seed: int = 0) -> dict[str, np.ndarray]:
+def random_feeds(model_path: str | Path, seed: int = 0) -> dict[str, NDArray[Any]]:
     """Inputs for a graph with static shapes: floats N(0, 1), integers 0, booleans true."""
     import onnxruntime as ort
 
@@ -228,7 +236,7 @@ def random_feeds(model_path: str | Path, seed: int = 0) -> dict[str, np.ndarray]
     return feeds
 
 
-def check_same(original: str | Path, rewritten: str | Path, feeds: dict) -> float:
+def check_same(original: str | Path, rewritten: str | Path, feeds: dict[str, Any]) -> float:
     """Largest absolute difference between the two graphs' outputs in onnxruntime."""
     import onnxruntime as ort
 

@@ -17,15 +17,19 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
+from numpy.typing import NDArray
 from onnx import TensorProto, helper, numpy_helper
 
 OPSET = [helper.make_opsetid("", 18)]
 
 
-def _model(nodes: list, inputs: list, outputs: list, inits: list) -> onnx.ModelProto:
+def _model(
+    nodes: list[Any], inputs: list[Any], outputs: list[Any], inits: list[Any]
+) -> onnx.ModelProto:
     graph = helper.make_graph(nodes, "repro", inputs, outputs, inits)
     model = helper.make_model(graph, opset_imports=OPSET, producer_name="policyd-export")
     model.ir_version = 9
@@ -33,7 +37,7 @@ def _model(nodes: list, inputs: list, outputs: list, inits: list) -> onnx.ModelP
     return model
 
 
-def cumsum_int64() -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+def cumsum_int64() -> tuple[onnx.ModelProto, dict[str, NDArray[Any]]]:
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8])
     y = helper.make_tensor_value_info("positions", TensorProto.FLOAT, [1, 8])
     nodes = [
@@ -52,7 +56,7 @@ def cumsum_int64() -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
     return _model(nodes, [x], [y], inits), feeds
 
 
-def concat_expand_matmul() -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+def concat_expand_matmul() -> tuple[onnx.ModelProto, dict[str, NDArray[Any]]]:
     rng = np.random.default_rng(0)
     a = helper.make_tensor_value_info("a", TensorProto.FLOAT, [1, 50, 96])
     b = helper.make_tensor_value_info("b", TensorProto.FLOAT, [1, 1, 96])
@@ -73,7 +77,7 @@ def concat_expand_matmul() -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
     return _model(nodes, [a, b], [y], inits), feeds
 
 
-def pow3() -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+def pow3() -> tuple[onnx.ModelProto, dict[str, NDArray[Any]]]:
     rng = np.random.default_rng(1)
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1024, 384])
     y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 1024, 384])
@@ -101,7 +105,7 @@ def main(argv: list[str]) -> int:
     for name, build in ALL.items():
         model, feeds = build()
         onnx.save_model(model, str(out / f"{name}.onnx"))
-        np.savez(out / f"{name}.npz", **feeds)
+        np.savez(out / f"{name}.npz", allow_pickle=False, **feeds)
         print(out / f"{name}.onnx")
     return 0
 

@@ -23,11 +23,12 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import tomli_w
 
-from .bundle import CONFIG, read_manifest
+from .bundle import CONFIG, Manifest, read_manifest
 from .checkpoint import Checkpoint
 from .checkpoint import load as load_checkpoint
 from .errors import ExportError
@@ -66,13 +67,13 @@ PROMPTS = [
 
 def observations(
     ckpt: Checkpoint, n: int, seed: int, prompt_key: str | None = None
-) -> list[dict[str, np.ndarray]]:
+) -> list[dict[str, Any]]:
     """Observations in the range of the checkpoint's statistics (so normalisation matters),
     with a task prompt under `prompt_key` for a language-conditioned policy."""
     rng = np.random.default_rng(seed)
     out = []
     for i in range(n):
-        obs = {}
+        obs: dict[str, Any] = {}
         if prompt_key:
             obs[prompt_key] = PROMPTS[(seed + i) % len(PROMPTS)]
         for f in ckpt.inputs:
@@ -97,7 +98,7 @@ def observations(
     return out
 
 
-def injected_config(bundle: Path, manifest: dict, tmp: Path) -> tuple[Path, bool]:
+def injected_config(bundle: Path, manifest: Manifest, tmp: Path) -> tuple[Path, bool]:
     """A copy of the bundle's config that takes its noise from the request; True when DDPM's
     per-step noise is an input too."""
     config = tomllib.loads((bundle / CONFIG).read_text())
@@ -141,7 +142,8 @@ def injected_config(bundle: Path, manifest: dict, tmp: Path) -> tuple[Path, bool
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
 @contextlib.contextmanager
@@ -222,7 +224,7 @@ def verify(
                     request["noise"] = noise
                     if step_noise:
                         sampler = manifest["sampler"]
-                        count = sampler.get("max_steps", sampler["steps"])
+                        count = int(sampler.get("max_steps") or sampler["steps"])
                         steps = rng.standard_normal((count, noise.size)).astype(np.float32)
                         request["step_noise"] = steps
                 served = np.asarray(client.infer(request)["actions"], dtype=np.float64)

@@ -7,8 +7,10 @@ manifest that `policyd-export verify` reads to drive the comparison.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, NotRequired, TypedDict
 
 import torch
 from torch import nn
@@ -17,13 +19,37 @@ from ..checkpoint import Checkpoint
 from ..errors import ExportError
 from ..graphs import Graph
 
+#: A TOML table as written: the bundle's `policyd.toml` and its sections.
+Table = dict[str, Any]
+
+
+class Noise(TypedDict):
+    """The sampler's starting noise: the step graph's input it feeds, and its shape."""
+
+    tensor: str
+    shape: list[int]
+
+
+class Signature(TypedDict):
+    """What a family tells `verify` about its graphs: the chunk it returns, the observations
+    it stacks, and, for a sampled policy, the noise and the sampler to replay LeRobot's run."""
+
+    family: str
+    horizon: int
+    action_dim: int
+    n_obs_steps: int
+    noise: NotRequired[Noise]
+    sampler: NotRequired[Table]
+    #: The request key of the prompt (a VLA's task).
+    prompt_key: NotRequired[str]
+
 
 @dataclass
 class Exported:
-    config: dict
+    config: Table
     graphs: list[Graph]
-    #: What verify needs: inputs (feature, wire key, type, shape), horizon, sampler, noise.
-    manifest: dict
+    #: What verify needs besides the inputs (see `bundle.Manifest`).
+    manifest: Signature
     #: Per graph file: the trtexec precision flags (the script builds `<name>.plan`).
     trt_flags: dict[str, list[str]] = field(default_factory=dict)
 
@@ -37,7 +63,13 @@ class FlatInputs(nn.Module):
     the batch dict LeRobot's code reads, the cameras (`images`) under `observation.images`,
     as a list (ACT) or stacked on dim −4 (Diffusion: `[B, n_obs, n_cam, C, H, W]`)."""
 
-    def __init__(self, run: object, keys: list[str], images: list[str], stack: bool):
+    def __init__(
+        self,
+        run: Callable[[dict[str, Any]], torch.Tensor],
+        keys: list[str],
+        images: list[str],
+        stack: bool,
+    ):
         super().__init__()
         self.run = run  # a bound method of a LeRobot module (registered through its owner)
         self.keys = keys
@@ -46,7 +78,7 @@ class FlatInputs(nn.Module):
 
     def forward(self, *xs: torch.Tensor) -> torch.Tensor:
         named = dict(zip(self.keys, xs, strict=True))
-        batch = {k: v for k, v in named.items() if k not in self.images}
+        batch: dict[str, Any] = {k: v for k, v in named.items() if k not in self.images}
         if self.images:
             cams = [named[k] for k in self.images]
             batch["observation.images"] = torch.stack(cams, dim=-4) if self.stack else cams
@@ -68,7 +100,7 @@ def local_file(name: str, file: str) -> Path | None:
     return Path(cached) if isinstance(cached, str) and Path(cached).is_file() else None
 
 
-def load_policy(ckpt: Checkpoint):  # noqa: ANN201 (a LeRobot PreTrainedPolicy)
+def load_policy(ckpt: Checkpoint) -> Any:  # a LeRobot PreTrainedPolicy (LeRobot is untyped)
     """The checkpoint's policy through LeRobot's own `from_pretrained`, on the CPU, in eval mode.
 
     Backbone weights named by the config (ImageNet's ResNet18 for a trained ACT) would be
@@ -106,5 +138,6 @@ def export(
         return pi0.export(ckpt, policy, out, verbose, tokenizer)
     if ckpt.type == "smolvla":
         return smolvla.export(ckpt, policy, out, verbose)
-    family = {"act": act, "diffusion": diffusion}[ckpt.type]
-    return family.export(ckpt, policy, out, verbose)
+    if ckpt.type == "act":
+        return act.export(ckpt, policy, out, verbose)
+    return diffusion.export(ckpt, policy, out, verbose)

@@ -9,6 +9,7 @@ async server sends `predict_action_chunk`'s output.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -16,7 +17,7 @@ from torch import nn
 from .. import graphs
 from ..bindings import input_binding, output_binding
 from ..checkpoint import Checkpoint
-from . import OBS_ENV_STATE, OBS_STATE, Exported, FlatInputs
+from . import OBS_ENV_STATE, OBS_STATE, Exported, FlatInputs, Signature, Table
 
 
 class Act(FlatInputs):
@@ -24,10 +25,10 @@ class Act(FlatInputs):
 
     def __init__(self, model: nn.Module, keys: list[str], images: list[str]):
         super().__init__(lambda batch: self.model(batch)[0], keys, images, stack=False)
-        self.model = model
+        self.model: Any = model  # a LeRobot module (untyped)
 
 
-def export(ckpt: Checkpoint, policy: nn.Module, out: Path, verbose: bool) -> Exported:
+def export(ckpt: Checkpoint, policy: Any, out: Path, verbose: bool) -> Exported:
     cfg = policy.config
     images = list(cfg.image_features)
     vectors = [f for f in ckpt.inputs if f.type in ("STATE", "ENV")]
@@ -52,7 +53,7 @@ def export(ckpt: Checkpoint, policy: nn.Module, out: Path, verbose: bool) -> Exp
     graph = graphs.export(
         Act(policy.model, keys, images), args, keys, ["action"], out / "model.onnx", verbose
     )
-    config = {
+    config: Table = {
         "engine": {"backend": "cpu", "model": "model.onnx"},
         "inputs": [input_binding(ckpt, by_key[k], k) for k in keys],
         "outputs": [output_binding(ckpt, "action")],
@@ -63,7 +64,7 @@ def export(ckpt: Checkpoint, policy: nn.Module, out: Path, verbose: bool) -> Exp
             "n_action_steps": cfg.n_action_steps,
         },
     }
-    manifest = {
+    manifest: Signature = {
         "family": "act",
         "horizon": horizon,
         "action_dim": dim,

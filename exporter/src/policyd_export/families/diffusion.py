@@ -15,6 +15,7 @@ with it, an ONNX `Resize` with `antialias = 1` that tract and onnxruntime both h
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -23,7 +24,7 @@ from .. import graphs
 from ..bindings import input_binding, output_binding
 from ..checkpoint import Checkpoint
 from ..errors import ExportError
-from . import OBS_ENV_STATE, OBS_STATE, Exported, FlatInputs
+from . import OBS_ENV_STATE, OBS_STATE, Exported, FlatInputs, Signature, Table
 
 
 class Encoder(FlatInputs):
@@ -33,7 +34,7 @@ class Encoder(FlatInputs):
         super().__init__(
             lambda batch: self.model._prepare_global_conditioning(batch), keys, images, stack=True
         )
-        self.model = model
+        self.model: Any = model  # a LeRobot module (untyped)
 
 
 class Step(nn.Module):
@@ -41,15 +42,16 @@ class Step(nn.Module):
 
     def __init__(self, unet: nn.Module):
         super().__init__()
-        self.unet = unet
+        self.unet: Any = unet  # a LeRobot module (untyped)
 
     def forward(
         self, x: torch.Tensor, timestep: torch.Tensor, global_cond: torch.Tensor
     ) -> torch.Tensor:
-        return self.unet(x, timestep, global_cond=global_cond)
+        eps: torch.Tensor = self.unet(x, timestep, global_cond=global_cond)
+        return eps
 
 
-def sampler(cfg) -> dict:  # noqa: ANN001 (a LeRobot DiffusionConfig)
+def sampler(cfg: Any) -> dict[str, Any]:  # cfg: a LeRobot DiffusionConfig
     """policyd's `[sampler]` from the checkpoint's scheduler settings (diffusers' defaults for
     the rest: set_alpha_to_one, steps_offset 0, "leading" spacing, fixed_small variance)."""
     kind = {"DDPM": "ddpm", "DDIM": "ddim"}.get(cfg.noise_scheduler_type)
@@ -77,7 +79,7 @@ def sampler(cfg) -> dict:  # noqa: ANN001 (a LeRobot DiffusionConfig)
     }
 
 
-def export(ckpt: Checkpoint, policy: nn.Module, out: Path, verbose: bool) -> Exported:
+def export(ckpt: Checkpoint, policy: Any, out: Path, verbose: bool) -> Exported:
     cfg = policy.config
     model = policy.diffusion
     n_obs = int(cfg.n_obs_steps)
@@ -124,7 +126,7 @@ def export(ckpt: Checkpoint, policy: nn.Module, out: Path, verbose: bool) -> Exp
             f"config.json: n_action_steps {cfg.n_action_steps} with n_obs_steps {n_obs} runs "
             f"past horizon {horizon}"
         )
-    config = {
+    config: Table = {
         "engine": {"backend": "cpu", "model": "encoder.onnx"},
         "denoise": {"model": "unet.onnx", "wire": {"global_cond": "global_cond"}},
         "sampler": sampler(cfg),
@@ -137,7 +139,7 @@ def export(ckpt: Checkpoint, policy: nn.Module, out: Path, verbose: bool) -> Exp
             "n_obs_steps": n_obs,
         },
     }
-    manifest = {
+    manifest: Signature = {
         "family": "diffusion",
         "horizon": rows[1] - rows[0],
         "action_dim": dim,

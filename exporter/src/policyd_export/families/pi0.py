@@ -23,15 +23,16 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
 from .. import graphs
 from ..bindings import input_binding, output_binding, relative_actions
-from ..checkpoint import Checkpoint
+from ..checkpoint import Checkpoint, Feature
 from ..errors import ExportError
-from . import Exported, local_file
+from . import Exported, Signature, Table, local_file
 
 OBS_STATE = "observation.state"
 TOKENIZER_FILE = "tokenizer.model"
@@ -50,7 +51,7 @@ class Prefix(nn.Module):
         resolution: tuple[int, int] = (224, 224),
     ):
         super().__init__()
-        self.model = model
+        self.model: Any = model  # a LeRobot module (untyped)
         self.cameras = cameras
         self.empty = empty
         self.max_state = max_state  # None: pi0.5, no state in the graphs
@@ -65,7 +66,7 @@ class Prefix(nn.Module):
             return x
         from lerobot.policies.common.vla_utils import resize_with_pad_torch
 
-        img = resize_with_pad_torch(x.permute(0, 2, 3, 1), *self.resolution)
+        img: torch.Tensor = resize_with_pad_torch(x.permute(0, 2, 3, 1), *self.resolution)
         return (img * 2.0 - 1.0).permute(0, 3, 1, 2)
 
     def forward(self, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -108,7 +109,7 @@ class Step(nn.Module):
 
     def __init__(self, model: nn.Module):
         super().__init__()
-        self.model = model
+        self.model: Any = model  # a LeRobot module (untyped)
 
     def forward(
         self,
@@ -124,12 +125,15 @@ class Step(nn.Module):
         cache = DynamicCache()
         for i in range(keys.shape[0]):
             cache.update(keys[i], values[i], i)
+        v: torch.Tensor
         if state:  # pi0
-            return self.model.denoise_step(state[0], prefix_mask, cache, x_t, time)
-        return self.model.denoise_step(prefix_mask, cache, x_t, time)
+            v = self.model.denoise_step(state[0], prefix_mask, cache, x_t, time)
+        else:
+            v = self.model.denoise_step(prefix_mask, cache, x_t, time)
+        return v
 
 
-def _tokenizer(ckpt: Checkpoint, out: Path, given: Path | None) -> tuple[dict, int]:
+def _tokenizer(ckpt: Checkpoint, out: Path, given: Path | None) -> tuple[dict[str, Any], int]:
     """Copies the SentencePiece model LeRobot's tokenizer step names into the bundle; returns
     the step's config and the pad id."""
     t = ckpt.tokenizer
@@ -147,7 +151,7 @@ def _tokenizer(ckpt: Checkpoint, out: Path, given: Path | None) -> tuple[dict, i
             "max_length on the right"
         )
     name = str(t.get("tokenizer_name") or "")
-    candidates = []
+    candidates: list[Path | None] = []
     if given is not None:
         candidates.append(given / TOKENIZER_FILE if given.is_dir() else given)
     if name:
@@ -171,7 +175,7 @@ def _tokenizer(ckpt: Checkpoint, out: Path, given: Path | None) -> tuple[dict, i
     return t, pad
 
 
-def _image_binding(ckpt: Checkpoint, feature: object, tensor: str) -> dict:
+def _image_binding(ckpt: Checkpoint, feature: Feature, tensor: str) -> dict[str, Any]:
     """LeRobot's image path for PaliGemma: float [0, 1], the normaliser, then `·2 − 1`."""
     b = input_binding(ckpt, feature, tensor)
     norm = ckpt.input_norm[feature.key]
@@ -189,7 +193,7 @@ def _image_binding(ckpt: Checkpoint, feature: object, tensor: str) -> dict:
 
 
 def export(
-    ckpt: Checkpoint, policy: nn.Module, out: Path, verbose: bool, tokenizer: Path | None = None
+    ckpt: Checkpoint, policy: Any, out: Path, verbose: bool, tokenizer: Path | None = None
 ) -> Exported:
     cfg = policy.config
     model = policy.model
@@ -244,7 +248,7 @@ def export(
     if pi05:
         del state_binding["tensor"]  # discretised into the prompt, never an engine input
     inputs.append(state_binding)
-    tokenizer = {
+    tokenizer_table: Table = {
         "file": TOKENIZER_FILE,
         "format": "pi05" if pi05 else "lerobot",
         "max_tokens": length,
@@ -253,13 +257,13 @@ def export(
         "overflow": "truncate" if tok.get("truncation", True) else "refuse",
     }
     if pi05:
-        tokenizer["state_key"] = state_binding["key"]
+        tokenizer_table["state_key"] = state_binding["key"]
     inputs.append(
         {
             "key": tok.get("task_key", "task"),
             "tensor": "tokens",
             "dtypes": ["text"],
-            "tokenizer": tokenizer,
+            "tokenizer": tokenizer_table,
         }
     )
     output = output_binding(ckpt, "x_t")
@@ -274,7 +278,7 @@ def export(
         "output": "v_t",
         "flow_time": "lerobot",
     }
-    config = {
+    config: Table = {
         "engine": {"backend": "cpu", "model": "prefix.onnx"},
         "denoise": {"model": "step.onnx", "wire": {n: n for n in prefix_out}},
         "sampler": sampler,
@@ -287,7 +291,7 @@ def export(
             "n_action_steps": int(cfg.n_action_steps),
         },
     }
-    manifest = {
+    manifest: Signature = {
         "family": ckpt.type,
         "horizon": chunk,
         "action_dim": action_dim,

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -31,7 +32,7 @@ from .. import graphs
 from ..bindings import input_binding, output_binding
 from ..checkpoint import Checkpoint
 from ..errors import ExportError
-from . import OBS_STATE, Exported, local_file
+from . import OBS_STATE, Exported, Signature, Table, local_file
 from .pi0 import Step  # the cache rebuilt from the stacked keys and values, `denoise_step`
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -40,9 +41,9 @@ TOKENIZER_FILE = "tokenizer.json"
 class Prefix(nn.Module):
     """`prepare_images`, `prepare_state`, `embed_prefix` and the VLM's cached pass."""
 
-    def __init__(self, policy: nn.Module, images: list[str]):
+    def __init__(self, policy: Any, images: list[str]):
         super().__init__()
-        self.policy = policy
+        self.policy: Any = policy  # a LeRobot module (untyped)
         self.images = images
 
     def forward(self, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -68,7 +69,7 @@ class Prefix(nn.Module):
         return pad, keys, values
 
 
-def _tokenizer(ckpt: Checkpoint, vlm: str, out: Path) -> tuple[dict, int, str | None]:
+def _tokenizer(ckpt: Checkpoint, vlm: str, out: Path) -> tuple[dict[str, Any], int, str | None]:
     """Copies the VLM's tokenizer.json into the bundle; returns the tokenizer step's config,
     the pad id and the BOS token the tokenizer adds (if any)."""
     t = ckpt.tokenizer or {}
@@ -95,10 +96,10 @@ def _tokenizer(ckpt: Checkpoint, vlm: str, out: Path) -> tuple[dict, int, str | 
             f"{name}'s tokenizer adds tokens other than a BOS ({full} for {plain}); policyd "
             "adds a BOS only"
         )
-    return t, int(tok.pad_token_id or 0), bos
+    return t, int(tok.pad_token_id or 0), None if bos is None else str(bos)
 
 
-def export(ckpt: Checkpoint, policy: nn.Module, out: Path, verbose: bool) -> Exported:
+def export(ckpt: Checkpoint, policy: Any, out: Path, verbose: bool) -> Exported:
     cfg = policy.config
     model = policy.model
     if cfg.adapt_to_pi_aloha:
@@ -167,7 +168,7 @@ def export(ckpt: Checkpoint, policy: nn.Module, out: Path, verbose: bool) -> Exp
         "output": "v_t",
         "flow_time": "lerobot",
     }
-    config = {
+    config: Table = {
         "engine": {"backend": "cpu", "model": "prefix.onnx"},
         "denoise": {"model": "step.onnx", "wire": {n: n for n in prefix_out}},
         "sampler": sampler,
@@ -180,7 +181,7 @@ def export(ckpt: Checkpoint, policy: nn.Module, out: Path, verbose: bool) -> Exp
             "n_action_steps": int(cfg.n_action_steps),
         },
     }
-    manifest = {
+    manifest: Signature = {
         "family": "smolvla",
         "horizon": chunk,
         "action_dim": action_dim,
