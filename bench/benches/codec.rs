@@ -7,7 +7,7 @@ use std::path::Path;
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use policyd::bind::{Plan, ReplyParts};
 use policyd::config::Config;
-use policyd::policy::build::open_engine;
+use policyd::engine::open as open_engine;
 use policyd::protocol::{Dialect, Timing};
 use policyd_bench::profile::Profile;
 
