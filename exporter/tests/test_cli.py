@@ -54,6 +54,24 @@ def test_unsupported_policy_types_list_the_supported(act_bundle: object, tmp_pat
     )
     _edit_config(ckpt, type="pi0_fast")
     _fails(["lerobot", str(ckpt), "--out", str(tmp_path / "b")], "not exported yet")
+    # GR00T: LeRobot 0.6.1's is N1.7; an N1.5 checkpoint gets LeRobot's own advice.
+    _edit_config(ckpt, type="groot", model_version="n1.7")
+    _fails(["lerobot", str(ckpt), "--out", str(tmp_path / "b")], "GR00T N1.7: not exported yet")
+    for n15 in (
+        {"model_version": "n1.5"},
+        {"model_version": "n1.7", "base_model_path": "nvidia/GR00T-N1.5-3B"},
+        {
+            "model_version": "n1.7",
+            "base_model_path": None,
+            "tokenizer_assets_repo": "lerobot/eagle2hg-processor-groot-n1p5",
+        },
+    ):
+        _edit_config(ckpt, type="groot", **n15)
+        _fails(
+            ["lerobot", str(ckpt), "--out", str(tmp_path / "b")],
+            "GR00T N1.5",
+            "pip install 'lerobot==0.5.1'",
+        )
 
 
 @pytest.mark.parametrize(

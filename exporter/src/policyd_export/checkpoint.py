@@ -25,7 +25,11 @@ SUPPORTED = ("act", "diffusion", "pi0", "pi05", "smolvla")
 #: Types LeRobot has that are planned but not exported yet, with what stands in the way.
 PLANNED = {
     "pi0_fast": "autoregressive decoding, no prefix + step split (not exported yet)",
-    "groot": "an Eagle backbone loaded from the Hub, flash-attn (not exported yet)",
+    # LeRobot 0.6.1's `groot` is GR00T N1.7 (an N1.5 config gets LeRobot's own removal advice).
+    "groot": (
+        "GR00T N1.7: not exported yet (its prefix and step graphs, prompt and image processing "
+        'are still to be built; policyd\'s sampler already runs its time, flow_time = "groot")'
+    ),
 }
 
 PREPROCESSOR = "policy_preprocessor.json"
@@ -179,6 +183,31 @@ def _norms(
     return out
 
 
+def _refuse_groot_n15(path: Path, config: dict[str, Any]) -> None:
+    """A GR00T N1.5 checkpoint, told apart as LeRobot 0.6.1 tells it (its `model_version`, an
+    N1.5 base model path, N1.5-only fields), gets LeRobot's own advice."""
+    from lerobot.policies.groot.configuration_groot import (
+        GROOT_N1_5,
+        GROOT_N1_5_REMOVAL_GUIDANCE,
+        infer_groot_model_version,
+        normalize_groot_model_version,
+    )
+
+    where = path / "config.json"
+    try:
+        normalize_groot_model_version(str(config.get("model_version") or "n1.7"))
+    except ValueError as e:
+        raise ExportError(f"{where}: {e}") from e
+    backbone = config.get("backbone_cfg")
+    n15 = (
+        config.get("tokenizer_assets_repo") is not None
+        or (isinstance(backbone, dict) and "eagle_path" in backbone)
+        or infer_groot_model_version(config.get("base_model_path")) == GROOT_N1_5
+    )
+    if n15:
+        raise ExportError(f"{where}: a GR00T N1.5 checkpoint. {GROOT_N1_5_REMOVAL_GUIDANCE}")
+
+
 def load(path: str | Path) -> Checkpoint:
     """Reads and checks a checkpoint directory; every problem is an ExportError naming the file."""
     path = Path(path)
@@ -191,6 +220,8 @@ def load(path: str | Path) -> Checkpoint:
         )
     config = _read_json(path / "config.json", "the policy's config")
     kind = config.get("type")
+    if kind == "groot":
+        _refuse_groot_n15(path, config)
     if kind not in SUPPORTED:
         extra = f" ({kind}: {PLANNED[kind]})" if kind in PLANNED else ""
         raise ExportError(
