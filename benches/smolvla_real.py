@@ -9,20 +9,32 @@ SmolVLA default over it (chunk 50, two 480×640 cameras), with statistics far fr
 
     .venv-export/bin/python benches/smolvla_real.py --policyd target/release/policyd
 
+With `--serve N`, the bundle is then served on `cpu` (tract) and `ort` (the onnxruntime wheel
+of this venv) at 1 and 2 engine threads: the time to ready, the peak RSS while loading (at
+ready) and after N chunks, and per-chunk latency through openpi-client (after one warm-up
+chunk); then LeRobot's own `select_action` path (`Reference.actions`: preprocessor, torch
+`predict_action_chunk`, postprocessor) on the same observations at 1 and 2 torch threads.
+
 Prints what it measured (docs/benchmarks.md, "SmolVLA at its real size").
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
 import importlib
 import json
+import os
+import socket
 import subprocess
 import sys
 import tempfile
 import time
 import tomllib
+import urllib.request
 from pathlib import Path
+
+import tomli_w
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "exporter" / "tests"))
@@ -113,9 +125,110 @@ def timed(cmd: list[str]) -> tuple[float, float, subprocess.CompletedProcess]:
     return time.monotonic() - t0, peak / 1e6, r
 
 
+def _kb(pid: int, field: str) -> int:
+    """A /proc/PID/status field (VmHWM, VmRSS) in kB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    return 0
+
+
+def _percentiles(ms: list[float]) -> str:
+    s = sorted(ms)
+    p50 = s[len(s) // 2]
+    p99 = s[min(len(s) - 1, round(0.99 * (len(s) - 1)))]
+    return f"p50 {p50:.0f} ms, p99 {p99:.0f} ms (n = {len(s)})"
+
+
+def serve_rows(policyd: str, bundle: Path, ckpt: Path, n: int) -> None:
+    """policyd on cpu and ort at 1 and 2 threads, then LeRobot's torch path, same inputs."""
+    import numpy as np
+    import onnxruntime
+    import torch
+    from openpi_client import websocket_client_policy
+    from policyd_export.bundle import read_manifest
+    from policyd_export.checkpoint import load
+    from policyd_export.reference import Reference
+    from policyd_export.verify import observations
+
+    ck = load(ckpt)
+    manifest = read_manifest(bundle)
+    obs = observations(ck, n + 1, seed=0, prompt_key=manifest.get("prompt_key"))
+    base = tomllib.loads((bundle / "policyd.toml").read_text())
+    capi = Path(onnxruntime.__file__).parent / "capi"
+    ort_library = max(glob.glob(str(capi / "libonnxruntime.so.*")))
+    for backend in ("cpu", "ort"):
+        for threads in (1, 2):
+            cfg = json.loads(json.dumps(base))
+            cfg["engine"].update(backend=backend, threads=threads)
+            if backend == "ort":
+                cfg["engine"]["ort_library"] = ort_library
+            path = bundle / f"bench-{backend}-{threads}.toml"
+            path.write_text(tomli_w.dumps(cfg))
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                port = sock.getsockname()[1]
+            t0 = time.monotonic()
+            proc = subprocess.Popen(
+                [policyd, "--config", str(path), "--port", str(port)],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            try:
+                while True:
+                    if proc.poll() is not None:
+                        raise SystemExit(
+                            f"{backend}/{threads}: policyd exited {proc.returncode}"
+                        )
+                    try:
+                        url = f"http://127.0.0.1:{port}/healthz"
+                        with urllib.request.urlopen(url, timeout=1) as r:
+                            if r.status == 200:
+                                break
+                    except OSError:
+                        pass
+                    time.sleep(0.1)
+                ready = time.monotonic() - t0
+                load_peak = _kb(proc.pid, "VmHWM") / 1e6
+                client = websocket_client_policy.WebsocketClientPolicy(port=port)
+                ms = []
+                for i, o in enumerate(obs):
+                    t = time.monotonic()
+                    client.infer(dict(o))
+                    if i:
+                        ms.append((time.monotonic() - t) * 1e3)
+                serve_peak = _kb(proc.pid, "VmHWM") / 1e6
+                print(
+                    f"policyd {backend}, {threads} thread(s): ready in {ready:.1f} s, peak RSS "
+                    f"{load_peak:.2f} GB loading, {serve_peak:.2f} GB serving; per chunk "
+                    f"{_percentiles(ms)}",
+                    flush=True,
+                )
+            finally:
+                proc.terminate()
+                proc.wait(30)
+    ref = Reference(ck)
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        ref.actions(obs[0])
+        ms = []
+        for o in obs[1:]:
+            t = time.monotonic()
+            np.asarray(ref.actions(o))
+            ms.append((time.monotonic() - t) * 1e3)
+        print(
+            f"LeRobot torch, {threads} thread(s): per chunk {_percentiles(ms)}; process peak "
+            f"RSS {_kb(os.getpid(), 'VmHWM') / 1e6:.2f} GB",
+            flush=True,
+        )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--policyd", default=str(ROOT / "target/release/policyd"))
+    ap.add_argument(
+        "--serve", type=int, default=0, help="chunks to time per backend (0: none)"
+    )
     args = ap.parse_args()
     exe = Path(sys.executable).parent / "policyd-export"
     with tempfile.TemporaryDirectory() as d:
@@ -143,6 +256,8 @@ def main() -> None:
         )
         print(f"verify: exit {r.returncode}, {secs:.0f} s")
         print(r.stdout[-1500:])
+        if args.serve:
+            serve_rows(args.policyd, bundle, ckpt, args.serve)
 
 
 if __name__ == "__main__":
