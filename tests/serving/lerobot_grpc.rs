@@ -215,8 +215,9 @@ fn free_port() -> SocketAddr {
 async fn serve(extra: &str) -> (common::Running, SocketAddr) {
     let grpc = free_port();
     let running = common::start_io(config(extra, grpc), io(), Behaviour::default()).await;
-    // The service binds after the WebSocket listener: wait for its port.
-    let deadline = Instant::now() + Duration::from_secs(10);
+    // The service binds after the WebSocket listener: wait for its port (generously: under
+    // qemu, beside the other server tests of this binary, start-up takes seconds).
+    let deadline = Instant::now() + Duration::from_secs(60);
     while tokio::net::TcpStream::connect(grpc).await.is_err() {
         assert!(Instant::now() < deadline, "the gRPC port never opened");
         tokio::time::sleep(Duration::from_millis(20)).await;
