@@ -135,7 +135,8 @@ pub struct Core {
     /// The engine worker's stall flag (`engine.timeout_ms`).
     stalled: watch::Receiver<bool>,
     generation: watch::Receiver<u64>,
-    /// The generation's sender is gone (the server is stopping).
+    /// The generation's or the stall flag's sender is gone (the server is stopping): those
+    /// watches are off, so that a closed channel cannot spin the loop.
     server_gone: bool,
 }
 
@@ -483,9 +484,14 @@ impl Core {
                 }
                 _ = wake.notified(), if self.holding() => {}
                 _ = sleep_until_opt(backstop), if backstop.is_some() => {}
-                changed = self.stalled.changed(), if self.outstanding() > 0 => {
-                    if changed.is_ok() && *self.stalled.borrow_and_update() {
-                        return Event::Failed(self.stall());
+                changed = self.stalled.changed(), if self.outstanding() > 0 && !self.server_gone => {
+                    match changed {
+                        Ok(()) if *self.stalled.borrow_and_update() => {
+                            return Event::Failed(self.stall());
+                        }
+                        Ok(()) => {}
+                        // The worker is gone (the server is stopping): nothing more to watch.
+                        Err(_) => self.server_gone = true,
                     }
                 }
                 changed = self.generation.changed(), if !self.server_gone => {
