@@ -787,8 +787,11 @@ impl Session {
             } => {
                 let result = match claim(desk, &from, false) {
                     Err(status) => Err(Refusal::new("owner", status)),
+                    // With no policy set up there is no session to own (observe refuses it).
                     Ok(c) => {
-                        own(desk, &from, &c);
+                        if self.active.is_some() {
+                            own(desk, &from, &c);
+                        }
                         self.observe(&payload, received)
                     }
                 };
