@@ -1,5 +1,5 @@
 //! How does a log line that any peer can provoke stay out of a flood? Each such line (a refused
-//! peer, a refused API key, a failed accept) goes through [`log_limited!`]: the first is logged,
+//! peer, a refused API key, a failed accept) goes through [`log_limited!`](crate::log_limited): the first is logged,
 //! later ones within a second are only counted, and the next line logged after that says how
 //! many were left out. One limiter per call site, so one reason cannot hide another. The
 //! metrics still count every event; this is only about the journal (66,062 lines in 10 s from
@@ -77,7 +77,7 @@ macro_rules! log_limited {
     }};
 }
 
-/// [`log_limited!`] at warning level.
+/// [`log_limited!`](crate::log_limited) at warning level.
 #[macro_export]
 macro_rules! warn_limited {
     ($($arg:tt)+) => {

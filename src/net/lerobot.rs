@@ -12,7 +12,7 @@
 //! is connected and has made a call within `lerobot.takeover_after_s`, so no other peer can
 //! permute the robot's motors, shrink its chunks or take its actions. A reconnect from the
 //! owner's address carries the session on; after the owner has gone or fallen silent, a new
-//! `Ready` or setup takes it over (see [`claim`]). A session task owns the [`Core`]; the RPC
+//! `Ready` or setup takes it over (see `claim`). A session task owns the [`Core`]; the RPC
 //! handlers talk to it over a bounded channel:
 //! - `SendObservations` reassembles the chunks, the session task decodes the pickle straight
 //!   into a slot's engine buffers (state vector in the client's motor order, camera frames

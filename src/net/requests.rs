@@ -29,7 +29,7 @@ use crate::runtime::worker::{Lease, ReplyPort, Ticket};
 
 /// What [`Core::start`] did with a request.
 pub enum Started {
-    /// Queued for the engine; its result comes back through [`Core::port`].
+    /// Queued for the engine; its result comes back through [`Core::next`].
     Queued,
     /// A reset was done; the front end acknowledges it.
     Reset,

@@ -194,7 +194,7 @@ pub fn check_setup(setup: &PolicySetup) -> Result<(), LerobotError> {
 pub enum Codec {
     /// Pickles (lerobot 0.6.1's client).
     Pickle,
-    /// JSON + safetensors (lerobot PR #3048, [`super::lerobot_json`]).
+    /// JSON + safetensors (lerobot PR #3048, [`json`]).
     Json,
 }
 
