@@ -102,7 +102,8 @@ def test_build_plans_finds_external_data_beside_each_graph(
     r = subprocess.run(
         [policyd, "check-config", str(bundle / "policyd.toml")], capture_output=True, text=True
     )
-    assert r.returncode == 2 and "model.onnx" in r.stderr and "out of bounds" in r.stderr, r
+    assert r.returncode == 2 and "out of bounds" in r.stderr, r
+    assert f"model.onnx.data holds {size // 2} bytes" in r.stderr, r.stderr
     data.unlink()
     r = subprocess.run(
         [policyd, "check-config", str(bundle / "policyd.toml")], capture_output=True, text=True

@@ -66,6 +66,25 @@ fn elem_type(dt: DatumType) -> Option<ElemType> {
     })
 }
 
+/// For a graph that failed to load beside an external data file (`<graph>.onnx.data`, as the
+/// exporter writes past protobuf's 2 GB): that file's name and size, so that a truncated or
+/// stale weights file is named (tract's message gives only the byte range it wanted).
+fn external_data_note(model: &ModelSource) -> String {
+    let ModelSource::File(path) = model else {
+        return String::new();
+    };
+    let data = crate::config::external_data_path(path);
+    match std::fs::metadata(&data) {
+        Ok(m) => format!(
+            "; its external data file {} holds {} bytes (re-copy or re-export it if it is \
+             truncated)",
+            data.display(),
+            m.len()
+        ),
+        Err(_) => String::new(),
+    }
+}
+
 impl CpuEngine {
     /// Loads and optimises a model. `shape_hints` fixes the shapes of inputs whose dims the
     /// model leaves symbolic (from the bindings' `engine_shape`).
@@ -84,6 +103,10 @@ impl CpuEngine {
             (EngineError::Load { model, reason }, Some(h)) => EngineError::Load {
                 model,
                 reason: format!("{reason}\n{h}"),
+            },
+            (EngineError::Load { model: name, reason }, None) => EngineError::Load {
+                reason: format!("{reason}{}", external_data_note(model)),
+                model: name,
             },
             (e, _) => e,
         })?;
