@@ -104,7 +104,13 @@ impl CpuEngine {
                 model,
                 reason: format!("{reason}\n{h}"),
             },
-            (EngineError::Load { model: name, reason }, None) => EngineError::Load {
+            (
+                EngineError::Load {
+                    model: name,
+                    reason,
+                },
+                None,
+            ) => EngineError::Load {
                 reason: format!("{reason}{}", external_data_note(model)),
                 model: name,
             },
