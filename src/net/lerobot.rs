@@ -171,6 +171,15 @@ pub async fn serve(shared: Arc<Shared>, listener: TcpListener) {
     session.abort();
 }
 
+/// Counts a refusal under `reason` and logs it (at most once a second): its message, cut to
+/// [`MAX_STATUS_MESSAGE`], which is returned for the client's status.
+fn record_refusal(shared: &Shared, reason: &'static str, message: String) -> String {
+    shared.stats.metrics.lerobot_refused(reason);
+    let message = cap_message(message, MAX_STATUS_MESSAGE);
+    crate::log_limited!(log::Level::Info, "lerobot: refused ({reason}): {message}");
+    message
+}
+
 /// tonic refuses a message over its size limit before any handler runs (the setup, a unary
 /// call, over [`CHUNK_BYTES`]): its reply is a trailers-only response with `grpc-status`
 /// `OUT_OF_RANGE` in the headers. Counted (`oversize`) and logged here like the handlers'
@@ -184,17 +193,18 @@ fn count_early_refusal<B>(
         .get("grpc-status")
         .is_some_and(|v| v.as_bytes() == b"11");
     if out_of_range {
-        shared.stats.metrics.lerobot_refused("oversize");
         let message = r
             .headers()
             .get("grpc-message")
             .and_then(|v| v.to_str().ok())
             .unwrap_or("");
-        crate::log_limited!(
-            log::Level::Info,
-            "lerobot: refused (oversize): {} (a gRPC message is at most {CHUNK_BYTES} bytes and \
-             a setup is one message)",
-            cap_message(message.to_string(), MAX_STATUS_MESSAGE)
+        record_refusal(
+            shared,
+            "oversize",
+            format!(
+                "{message} (a gRPC message is at most {CHUNK_BYTES} bytes and a setup is one \
+                 message)"
+            ),
         );
     }
     r
@@ -281,9 +291,7 @@ impl Drop for Reassembly<'_> {
 
 impl Service {
     fn refuse(&self, reason: &'static str, status: Status) -> Status {
-        self.shared.stats.metrics.lerobot_refused(reason);
-        let message = cap_message(status.message().to_string(), MAX_STATUS_MESSAGE);
-        crate::log_limited!(log::Level::Info, "lerobot: refused ({reason}): {message}");
+        let message = record_refusal(&self.shared, reason, status.message().to_string());
         Status::new(status.code(), message)
     }
 
