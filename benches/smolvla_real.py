@@ -25,13 +25,11 @@ import glob
 import importlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 import tomllib
-import urllib.request
 from pathlib import Path
 
 import tomli_w
@@ -114,10 +112,8 @@ def timed(cmd: list[str]) -> tuple[float, float, subprocess.CompletedProcess]:
     peak = 0
     while proc.poll() is None:
         try:
-            status = Path(f"/proc/{proc.pid}/status").read_text()
-            hwm = next(x for x in status.splitlines() if x.startswith("VmHWM:"))
-            peak = max(peak, int(hwm.split()[1]))
-        except (OSError, StopIteration):
+            peak = max(peak, _kb(proc.pid, "VmHWM"))
+        except OSError:
             pass
         time.sleep(0.05)
     out, err = proc.communicate()
@@ -149,7 +145,7 @@ def serve_rows(policyd: str, bundle: Path, ckpt: Path, n: int) -> None:
     from policyd_export.bundle import read_manifest
     from policyd_export.checkpoint import load
     from policyd_export.reference import Reference
-    from policyd_export.verify import observations
+    from policyd_export.verify import observations, served
 
     ck = load(ckpt)
     manifest = read_manifest(bundle)
@@ -165,31 +161,10 @@ def serve_rows(policyd: str, bundle: Path, ckpt: Path, n: int) -> None:
                 cfg["engine"]["ort_library"] = ort_library
             path = bundle / f"bench-{backend}-{threads}.toml"
             path.write_text(tomli_w.dumps(cfg))
-            with socket.socket() as sock:
-                sock.bind(("127.0.0.1", 0))
-                port = sock.getsockname()[1]
             t0 = time.monotonic()
-            proc = subprocess.Popen(
-                [policyd, "--config", str(path), "--port", str(port)],
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-            )
-            try:
-                while True:
-                    if proc.poll() is not None:
-                        raise SystemExit(
-                            f"{backend}/{threads}: policyd exited {proc.returncode}"
-                        )
-                    try:
-                        url = f"http://127.0.0.1:{port}/healthz"
-                        with urllib.request.urlopen(url, timeout=1) as r:
-                            if r.status == 200:
-                                break
-                    except OSError:
-                        pass
-                    time.sleep(0.1)
+            with served(policyd, path, timeout=900) as (port, pid):
                 ready = time.monotonic() - t0
-                load_peak = _kb(proc.pid, "VmHWM") / 1e6
+                load_peak = _kb(pid, "VmHWM") / 1e6
                 client = websocket_client_policy.WebsocketClientPolicy(port=port)
                 ms = []
                 for i, o in enumerate(obs):
@@ -197,16 +172,13 @@ def serve_rows(policyd: str, bundle: Path, ckpt: Path, n: int) -> None:
                     client.infer(dict(o))
                     if i:
                         ms.append((time.monotonic() - t) * 1e3)
-                serve_peak = _kb(proc.pid, "VmHWM") / 1e6
+                serve_peak = _kb(pid, "VmHWM") / 1e6
                 print(
                     f"policyd {backend}, {threads} thread(s): ready in {ready:.1f} s, peak RSS "
                     f"{load_peak:.2f} GB loading, {serve_peak:.2f} GB serving; per chunk "
                     f"{_percentiles(ms)}",
                     flush=True,
                 )
-            finally:
-                proc.terminate()
-                proc.wait(30)
     ref = Reference(ck)
     for threads in (1, 2):
         torch.set_num_threads(threads)

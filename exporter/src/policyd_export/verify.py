@@ -150,6 +150,13 @@ def _free_port() -> int:
 def serve(binary: str, config: Path | None, timeout: float = 120.0) -> Iterator[int]:
     """policyd serving `config` (None: the config built into a firmware image) on a free
     loopback port, ready (/healthz 200) when yielded."""
+    with served(binary, config, timeout) as (port, _):
+        yield port
+
+
+@contextlib.contextmanager
+def served(binary: str, config: Path | None, timeout: float = 120.0) -> Iterator[tuple[int, int]]:
+    """`serve`, yielding the process id too (for benchmarks that read its memory)."""
     port = _free_port()
     log = tempfile.TemporaryFile()
     args = [binary, "--port", str(port)] + (["--config", str(config)] if config else [])
@@ -169,7 +176,7 @@ def serve(binary: str, config: Path | None, timeout: float = 120.0) -> Iterator[
             if time.monotonic() > deadline:
                 raise ExportError(f"policyd did not become ready within {timeout:.0f} s")
             time.sleep(0.05)
-        yield port
+        yield port, proc.pid
     finally:
         proc.terminate()
         try:
