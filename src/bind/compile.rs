@@ -118,11 +118,12 @@ impl Plan {
             let (index, spec) = match (&b.tensor, b.tokenizer()) {
                 (Some(name), Some(t)) => {
                     let ids = tensor_index(name)?;
-                    let state = t
-                        .state_key
-                        .as_ref()
-                        .and_then(|key| policy.inputs.iter().position(|s| &s.key == key));
-                    let tb = super::tokens::compile(i, t, &io.inputs, ids, state)?;
+                    let states = t
+                        .state_keys
+                        .iter()
+                        .filter_map(|key| policy.inputs.iter().position(|s| &s.key == key))
+                        .collect();
+                    let tb = super::tokens::compile(i, t, &io.inputs, ids, states)?;
                     let bytes = tb.prompt_bytes;
                     token_binding = Some(tb);
                     tokens = Some(i);

@@ -286,7 +286,10 @@ impl Visitor for SlotWriter<'_> {
                 got: declared.name().into(),
             });
         }
-        if a.shape.as_slice() != b.shape.as_slice() {
+        // A one-value vector may also come as a bare number, as openpi's DROID inputs take the
+        // gripper position (`ndim == 0` gets an axis).
+        let one_value = a.shape.is_empty() && b.shape.as_slice() == [1];
+        if a.shape.as_slice() != b.shape.as_slice() && !one_value {
             return Err(WireError::WrongShape {
                 key: b.key.clone(),
                 expected: b.shape.clone(),

@@ -27,12 +27,23 @@ pub struct TokenBinding {
     pub max_tokens: usize,
     pub pad_id: i64,
     pub refuse_overflow: bool,
-    /// `pi05`: the binding whose normalised values are discretised.
-    pub state: Option<usize>,
+    /// `pi05`: the bindings whose normalised values are discretised, in order (their values
+    /// concatenated); empty for the other formats.
+    pub states: Vec<usize>,
     /// Bytes of prompt text read (the host buffer's size).
     pub prompt_bytes: usize,
     /// The tokenizer file's size (for the memory budget).
     pub file_size: u64,
+}
+
+impl TokenBinding {
+    /// How many state values (pi0.5's bins) the prompt holds: the state bindings' together.
+    pub fn state_values(&self, inputs: &[InputBinding]) -> usize {
+        self.states
+            .iter()
+            .map(|&s| inputs[s].shape.iter().product::<usize>())
+            .sum()
+    }
 }
 
 /// One session's last tokenized prompt.
@@ -77,13 +88,13 @@ fn max_id(t: ElemType) -> Option<i64> {
 }
 
 /// Where a tokenized prompt's ids and mask go, checked against the engine: binding `i`,
-/// whose ids are the engine input `ids`; `state` is the pi0.5 state's binding.
+/// whose ids are the engine input `ids`; `states` are the pi0.5 state's bindings.
 pub(super) fn compile(
     i: usize,
     t: &TokenizerConfig,
     inputs: &[TensorSpec],
     ids: usize,
-    state: Option<usize>,
+    states: Vec<usize>,
 ) -> Result<TokenBinding, ConfigError> {
     let k = |f: &str| format!("inputs[{i}].{f}");
     let mask = inputs
@@ -158,7 +169,7 @@ pub(super) fn compile(
         max_tokens: t.max_tokens,
         pad_id: t.pad_id,
         refuse_overflow: t.refuse_overflow,
-        state,
+        states,
         prompt_bytes,
         file_size: bytes.len() as u64,
     })
@@ -180,18 +191,17 @@ impl Plan {
             return Ok(Tokenized::default());
         };
         let mut bins = [0i16; MAX_PROMPT_STATE];
-        let bins = match t.state {
-            None => &bins[..0],
-            Some(s) => {
-                let s: &InputBinding = &self.inputs[s];
-                let data = bufs[s.index].bytes_mut();
-                let n = (data.len() / s.engine_type.size()).min(MAX_PROMPT_STATE);
-                for (k, bin) in bins[..n].iter_mut().enumerate() {
-                    *bin = state_bin(load_f64(s.engine_type, data, k));
-                }
-                &bins[..n]
+        let mut n = 0;
+        for &s in &t.states {
+            let s: &InputBinding = &self.inputs[s];
+            let data = bufs[s.index].bytes_mut();
+            let count = (data.len() / s.engine_type.size()).min(MAX_PROMPT_STATE - n);
+            for (k, bin) in bins[n..n + count].iter_mut().enumerate() {
+                *bin = state_bin(load_f64(s.engine_type, data, k));
             }
-        };
+            n += count;
+        }
+        let bins = &bins[..n];
         let staged = bufs[b.index].bytes_mut();
         let text = &staged[..staged.iter().position(|&c| c == 0).unwrap_or(staged.len())];
         let mut out = Tokenized::default();

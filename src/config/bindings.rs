@@ -80,9 +80,10 @@ pub(super) struct RawTokenizer {
     /// `truncate` (openpi's behaviour) or `refuse`.
     #[serde(default)]
     pub(super) overflow: Option<String>,
-    /// `pi05`: the input binding whose normalised values are discretised into the prompt.
+    /// `pi05`: the input binding whose normalised values are discretised into the prompt, or
+    /// several, whose values are concatenated in order (openpi's DROID state: joints, gripper).
     #[serde(default)]
-    pub(super) state_key: Option<String>,
+    pub(super) state_key: Option<OneOrMany>,
     /// A tokenizer.json's BOS token, by its text (SentencePiece models name their own).
     #[serde(default)]
     pub(super) bos: Option<String>,
@@ -90,6 +91,23 @@ pub(super) struct RawTokenizer {
     /// tokenizer's longest piece).
     #[serde(default)]
     pub(super) max_prompt_bytes: Option<usize>,
+}
+
+/// A key or a list of keys.
+#[derive(Clone, Deserialize)]
+#[serde(untagged)]
+pub(super) enum OneOrMany {
+    One(String),
+    Many(Vec<String>),
+}
+
+impl OneOrMany {
+    fn keys(&self) -> Vec<String> {
+        match self {
+            OneOrMany::One(k) => vec![k.clone()],
+            OneOrMany::Many(ks) => ks.clone(),
+        }
+    }
 }
 
 pub(super) fn one() -> f64 {
@@ -201,8 +219,9 @@ pub struct TokenizerConfig {
     pub pad_id: i64,
     /// Refuse a prompt past `max_tokens` instead of truncating it.
     pub refuse_overflow: bool,
-    /// `pi05`: the binding whose normalised values are discretised.
-    pub state_key: Option<String>,
+    /// `pi05`: the bindings whose normalised values are discretised, concatenated in order
+    /// (empty for the other formats).
+    pub state_keys: Vec<String>,
     /// A tokenizer.json's BOS token.
     pub bos: Option<String>,
     /// The most prompt bytes read (`None`: sized from the tokenizer when it is loaded).
@@ -313,18 +332,24 @@ pub(super) fn tokenizer(
         Some(false),
         &[("truncate", false), ("refuse", true)],
     )?;
-    match (format, &t.state_key) {
-        (crate::tokenizer::Format::Pi05, None) => {
+    let state_keys = t
+        .state_key
+        .as_ref()
+        .map(OneOrMany::keys)
+        .unwrap_or_default();
+    match (format, state_keys.is_empty()) {
+        (crate::tokenizer::Format::Pi05, true) => {
             return Err(cx.invalid(
                 k("state_key"),
-                "format \"pi05\" puts the discretised state in the prompt: name the state's input key",
+                "format \"pi05\" puts the discretised state in the prompt: name the state's input \
+                 key (or keys, concatenated in order)",
             ));
         }
         (
             crate::tokenizer::Format::Pi0
             | crate::tokenizer::Format::Plain
             | crate::tokenizer::Format::Lerobot,
-            Some(_),
+            false,
         ) => {
             return Err(cx.invalid(
                 k("state_key"),
@@ -332,6 +357,16 @@ pub(super) fn tokenizer(
             ));
         }
         _ => {}
+    }
+    if let Some((j, dup)) = state_keys
+        .iter()
+        .enumerate()
+        .find(|(j, key)| state_keys[..*j].contains(key))
+    {
+        return Err(cx.invalid(
+            k("state_key"),
+            format!("names \"{dup}\" twice (entry {j}); each state input once"),
+        ));
     }
     if let Some(n) = t.max_prompt_bytes {
         cx.between(
@@ -354,7 +389,7 @@ pub(super) fn tokenizer(
         mask_tensor: t.mask_tensor.clone(),
         pad_id: t.pad_id,
         refuse_overflow,
-        state_key: t.state_key.clone(),
+        state_keys,
         bos: t.bos.clone(),
         max_prompt_bytes: t.max_prompt_bytes,
     })
@@ -436,9 +471,11 @@ pub(super) fn inputs(
         };
         if b.tensor.is_none() {
             let is_state = inputs.iter().any(|o| {
-                o.tokenizer
-                    .as_ref()
-                    .is_some_and(|t| t.state_key.as_deref() == Some(b.key.as_str()))
+                o.tokenizer.as_ref().is_some_and(|t| {
+                    t.state_key
+                        .as_ref()
+                        .is_some_and(|s| s.keys().contains(&b.key))
+                })
             });
             if !is_state || tokens.is_some() || is_text(b) {
                 return Err(cx.invalid(
@@ -590,22 +627,27 @@ pub(super) fn inputs(
         ));
     }
     for (i, b) in out.iter().enumerate() {
-        let Some(key) = b.tokenizer().and_then(|t| t.state_key.as_ref()) else {
+        let Some(t) = b.tokenizer() else {
             continue;
         };
         let k = format!("inputs[{i}].tokenizer.state_key");
-        let Some(state) = out.iter().find(|s| &s.key == key) else {
-            return Err(cx.invalid(k, format!("names no [[inputs]] key (got \"{key}\")")));
-        };
-        let n = element_count(&state.shape).unwrap_or(usize::MAX);
-        if state.is_text() || n > crate::limits::MAX_PROMPT_STATE {
-            return Err(cx.invalid(
-                k,
-                format!(
-                    "must name a numeric input of at most {} values; '{key}' has {n}",
-                    crate::limits::MAX_PROMPT_STATE
-                ),
-            ));
+        let mut total = 0usize;
+        for key in &t.state_keys {
+            let Some(state) = out.iter().find(|s| &s.key == key) else {
+                return Err(cx.invalid(k, format!("names no [[inputs]] key (got \"{key}\")")));
+            };
+            let n = element_count(&state.shape).unwrap_or(usize::MAX);
+            total = total.saturating_add(n);
+            if state.is_text() || total > crate::limits::MAX_PROMPT_STATE {
+                return Err(cx.invalid(
+                    k,
+                    format!(
+                        "must name numeric inputs of at most {} values in all; '{key}' has {n} \
+                         ({total} so far)",
+                        crate::limits::MAX_PROMPT_STATE
+                    ),
+                ));
+            }
         }
     }
     Ok(out)

@@ -62,9 +62,7 @@ impl Budget {
             // A session's cache: the prompt's text, its ids before truncation (at most one a
             // byte, plus BOS and the pi0 newline), the state's bins. Allocated at the
             // session's first prompt, never past this.
-            let state = t
-                .state
-                .map_or(0, |s| plan.inputs[s].shape.iter().product::<usize>());
+            let state = t.state_values(&plan.inputs);
             let per_session = (t.prompt_bytes + 4 * (t.prompt_bytes + 16) + 2 * state) as u64;
             let sessions = cfg.server.max_sessions as u64;
             lines.push((

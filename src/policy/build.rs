@@ -259,10 +259,7 @@ pub fn build(
 fn tokenizer_report(plan: &Plan) -> Option<String> {
     let b = &plan.inputs[plan.tokens?];
     let t = b.tokens.as_ref()?;
-    let bins = vec![
-        crate::tokenizer::state_bin(0.0);
-        t.state.map_or(0, |s| plan.inputs[s].shape.iter().product())
-    ];
+    let bins = vec![crate::tokenizer::state_bin(0.0); t.state_values(&plan.inputs)];
     let mut ids = Vec::new();
     let (longest, prompt) = crate::tokenizer::SAMPLE_PROMPTS
         .iter()

@@ -364,6 +364,53 @@ fn pi05_discretises_the_normalised_state_even_without_an_engine_input() {
     assert!(t.encoded);
 }
 
+/// openpi's DROID state is two request keys (joints, then the gripper, which a client may
+/// send as a bare number): `state_key` lists both, and the bins are theirs in that order.
+#[test]
+fn pi05_state_from_several_keys_is_concatenated_in_order() {
+    let text_cfg = config("mean = [1.0]\nstd = [2.0]", "format = \"pi05\"\nstate_key = [\"state\", \"grip\"]")
+        .replace(
+            "[[inputs]]\nkey = \"prompt\"",
+            "[[inputs]]\nkey = \"grip\"\ndtypes = [\"float64\"]\nshape = [1]\nmin = [0.0]\nmax = [2.0]\n[[inputs]]\nkey = \"prompt\"",
+        );
+    let plan = compile(&text_cfg, &io(ElemType::I32, 16, false)).unwrap();
+    let mut bufs = buffers(&plan);
+    let mut cache = PromptCache::default();
+    let mut msg = Vec::new();
+    let mut e = Encoder { buf: &mut msg };
+    e.map(3);
+    e.str("grip");
+    e.f64(1.5);
+    e.str("state");
+    e.ndarray(ElemType::F64, &[4], 32, |d| {
+        for (c, v) in d.chunks_exact_mut(8).zip([1.0f64, 3.0, -1.0, 100.0]) {
+            c.copy_from_slice(&v.to_le_bytes());
+        }
+    });
+    e.str("prompt");
+    msg.extend_from_slice(&text("fold it"));
+    // The state's four bins (as in the test above), then the gripper's: 2·1.5/2 − 1 = 0.5.
+    let bins = [128, 255, 0, 255, state_bin(0.5)];
+    let want = reference(Format::Pi05, "fold it", &bins);
+    let (ids, _, _) = run(&plan, &mut bufs, &mut cache, &msg).unwrap();
+    assert_eq!(ids, laid_out(&want[..want.len().min(16)], 0).0);
+    // Listed twice, or naming no input: refused, naming the key.
+    for (keys, says) in [
+        ("[\"state\", \"grip\", \"state\"]", "twice"),
+        (
+            "[\"state\", \"grip\", \"wrist\"]",
+            "names no [[inputs]] key",
+        ),
+    ] {
+        let bad = text_cfg.replace("[\"state\", \"grip\"]", keys);
+        let e = compile(&bad, &io(ElemType::I32, 16, false)).unwrap_err();
+        assert!(
+            e.contains("inputs[2].tokenizer.state_key") && e.contains(says),
+            "{keys}: {e}"
+        );
+    }
+}
+
 #[test]
 fn the_planners_subtask_is_tokenized_too() {
     let text_cfg = format!(
