@@ -405,3 +405,81 @@ def smolvla(out: Path, vlm: Path, seed: int = 0, empty_cameras: int = 0) -> Path
     pre.save_pretrained(out)
     post.save_pretrained(out)
     return out
+
+
+#: What the tests' openpi checkpoints are, per openpi training config: pi0.5 or pi0, the action
+#: horizon, the asset id, the state's and the actions' sizes. Read from openpi's
+#: `training/config.py` and `policies/{libero,droid}_policy.py` for the tests, apart from the
+#: exporter's table.
+OPENPI = {
+    "pi0_libero": (False, 50, "physical-intelligence/libero", 8, 7),
+    "pi05_libero": (True, 10, "physical-intelligence/libero", 8, 7),
+    "pi0_droid": (False, 10, "droid", 8, 8),
+    "pi05_droid": (True, 15, "droid", 8, 8),
+}
+
+
+def openpi_checkpoint(out: Path, name: str, seed: int = 0, pi05: bool | None = None) -> Path:
+    """A tiny pi0 / pi0.5 (under `tiny_pi0`) as openpi's converter writes it: the PI0Pytorch
+    module saved in bfloat16 with `safetensors.torch.save_model`, `lm_head` tied to the
+    embedding (so only `lm_head` is written), openpi's `config.json`, and
+    `assets/<asset_id>/norm_stats.json` with statistics far from identity. `pi05` overrides
+    the config's model (a checkpoint that does not match its config)."""
+    import json
+
+    from safetensors.torch import save_model
+
+    is_pi05, horizon, asset, state, actions = OPENPI[name]
+    if pi05 is not None:
+        is_pi05 = pi05
+    if is_pi05:
+        from lerobot.policies.pi05.configuration_pi05 import PI05Config as Config
+        from lerobot.policies.pi05.modeling_pi05 import PI05Policy as Policy
+    else:
+        from lerobot.policies.pi0.configuration_pi0 import PI0Config as Config
+        from lerobot.policies.pi0.modeling_pi0 import PI0Policy as Policy
+    torch.manual_seed(seed)
+    cfg = Config(
+        input_features={"observation.state": PolicyFeature(FeatureType.STATE, (state,))},
+        output_features={"action": PolicyFeature(FeatureType.ACTION, (actions,))},
+        device="cpu",
+        dtype="float32",
+        chunk_size=horizon,
+        n_action_steps=horizon,
+    )
+    model = Policy(cfg).model
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        # Every tensor away from its initial value (LeRobot zero-initialises some), so a
+        # tensor loaded wrongly shows in the actions.
+        for p in model.parameters():
+            p.add_(0.02 * torch.randn(p.shape, generator=g))
+    pg = model.paligemma_with_expert.paligemma
+    pg.lm_head.weight = pg.model.language_model.embed_tokens.weight
+    out.mkdir(parents=True)
+    save_model(model.to(torch.bfloat16), str(out / "model.safetensors"))
+    (out / "config.json").write_text(
+        json.dumps(
+            {
+                "action_dim": 32,
+                "action_horizon": horizon,
+                "paligemma_variant": "gemma_2b",
+                "action_expert_variant": "gemma_300m",
+                "precision": "bfloat16",
+            }
+        )
+    )
+
+    def stats(d: int) -> dict[str, list[float]]:
+        mean = 3.0 * torch.randn(d, generator=g)
+        std = 0.2 + 2.0 * torch.rand(d, generator=g)
+        q01 = mean - 2.0 * std * (0.5 + torch.rand(d, generator=g))
+        q99 = mean + 2.0 * std * (0.5 + torch.rand(d, generator=g))
+        return {k: v.tolist() for k, v in dict(mean=mean, std=std, q01=q01, q99=q99).items()}
+
+    assets = out / "assets" / asset
+    assets.mkdir(parents=True)
+    (assets / "norm_stats.json").write_text(
+        json.dumps({"norm_stats": {"state": stats(state), "actions": stats(actions)}})
+    )
+    return out

@@ -17,6 +17,7 @@ import json
 import math
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypedDict
 
@@ -138,35 +139,75 @@ def sized_engine(exported: Exported) -> tuple[dict[str, Any], str]:
     return engine, note
 
 
-def write(
-    tmp: Path, ckpt: Checkpoint, exported: Exported, client_names: list[str] | None = None
-) -> None:
+@dataclass
+class Source:
+    """What a bundle was exported from, as its config header and manifest say it."""
+
+    path: Path
+    #: The manifest's `policy_type` (a LeRobot type, or `openpi/<config>`).
+    policy_type: str
+    #: "the LeRobot pi0 checkpoint", "openpi's pi05_libero checkpoint".
+    describe: str
+    #: Header lines on the request keys and the normalisation.
+    serving: str
+    inputs: list[ManifestInput]
+    #: `[[lerobot.serve]]` entries: LeRobot's robot_client reaches the policy over its gRPC
+    #: service (None: a bundle no LeRobot client can describe, e.g. openpi's).
+    lerobot: list[dict[str, str]] | None
+
+
+def lerobot_source(ckpt: Checkpoint, client_names: list[str] | None = None) -> Source:
+    """A LeRobot checkpoint as a bundle's source: its features, and the names its
+    robot_client may ask for."""
+    return Source(
+        path=ckpt.path,
+        policy_type=ckpt.type,
+        describe=f"the LeRobot {ckpt.type} checkpoint",
+        serving=(
+            "Request keys are the LeRobot observation names, images uint8 HWC at the checkpoint's\n"
+            "resolution. Normalisation is the checkpoint's own (policy_preprocessor /\n"
+            "policy_postprocessor statistics).\n"
+        ),
+        inputs=[
+            {
+                "feature": f.key,
+                "key": ckpt.wire_keys.get(f.key, f.key),
+                "type": f.type,
+                "shape": list(f.shape),
+            }
+            for f in ckpt.inputs
+        ],
+        lerobot=[
+            {"pretrained": n, "policy_type": ckpt.type}
+            for n in lerobot_names(ckpt.path, client_names or [])
+        ],
+    )
+
+
+def write(tmp: Path, source: Source, exported: Exported) -> None:
     """Writes the configs, the TensorRT script and the manifest next to the graphs in `tmp`."""
-    # LeRobot's robot_client reaches the policy over its gRPC service, on LeRobot's port and
-    # only from this machine until the operator opens it (it has no authentication).
-    serve = [
-        {"pretrained": n, "policy_type": ckpt.type}
-        for n in lerobot_names(ckpt.path, client_names or [])
-    ]
     engine, timing = sized_engine(exported)
-    config = {
+    config: dict[str, Any] = {
         "server": {"host": "127.0.0.1", "port": 8000},
         **exported.config,
         "engine": engine,
-        "lerobot": {"listen": "127.0.0.1:8080", "serve": serve},
     }
-    graphs = [g.file for g in exported.graphs]
+    lerobot = ""
+    if source.lerobot is not None:
+        # On LeRobot's port and only from this machine until the operator opens it (the
+        # service has no authentication).
+        config["lerobot"] = {"listen": "127.0.0.1:8080", "serve": source.lerobot}
+        lerobot = (
+            "LeRobot's robot_client connects to [lerobot] listen (127.0.0.1:8080: this machine\n"
+            "only; set 0.0.0.0:8080 and lerobot.allow for a robot on the network) with one of the\n"
+            "[[lerobot.serve]] names as --policy.pretrained_name_or_path (see docs/lerobot.md).\n"
+        )
     header = (
-        f"policyd config written by policyd-export {__version__} from the LeRobot {ckpt.type} "
-        f"checkpoint\n{ckpt.path.resolve()}\n"
-        "Serve it with `policyd --config policyd.toml`; request keys are the LeRobot observation\n"
-        "names, images uint8 HWC at the checkpoint's resolution. Normalisation is the\n"
-        "checkpoint's own (policy_preprocessor / policy_postprocessor statistics).\n"
-        "LeRobot's robot_client connects to [lerobot] listen (127.0.0.1:8080: this machine only;\n"
-        "set 0.0.0.0:8080 and lerobot.allow for a robot on the network) with one of the\n"
-        "[[lerobot.serve]] names as --policy.pretrained_name_or_path (see docs/lerobot.md).\n"
-        + timing
+        f"policyd config written by policyd-export {__version__} from {source.describe}\n"
+        f"{source.path.resolve()}\n"
+        "Serve it with `policyd --config policyd.toml`.\n" + source.serving + lerobot + timing
     )
+    graphs = [g.file for g in exported.graphs]
     (tmp / CONFIG).write_text(_toml(header, config))
     trt = copy.deepcopy(config)
     trt["engine"].update(backend="tensorrt", model=_plan(trt["engine"]["model"]))
@@ -197,17 +238,9 @@ def write(
     (tmp / TRT_SCRIPT).chmod(0o755)
     manifest: Manifest = {
         "exporter": __version__,
-        "checkpoint": str(ckpt.path.resolve()),
-        "policy_type": ckpt.type,
-        "inputs": [
-            {
-                "feature": f.key,
-                "key": ckpt.wire_keys.get(f.key, f.key),
-                "type": f.type,
-                "shape": list(f.shape),
-            }
-            for f in ckpt.inputs
-        ],
+        "checkpoint": str(source.path.resolve()),
+        "policy_type": source.policy_type,
+        "inputs": source.inputs,
         "graphs": [
             GraphRecord(
                 file=g.file,

@@ -1,6 +1,7 @@
 """The `policyd-export` command.
 
     policyd-export lerobot CHECKPOINT_DIR --out BUNDLE_DIR [--force]
+    policyd-export openpi CHECKPOINT_DIR --config NAME --out BUNDLE_DIR [--norm-stats DIR]
     policyd-export verify BUNDLE_DIR CHECKPOINT_DIR [--policyd PATH]
     policyd-export rewrite IN.onnx OUT.onnx
 
@@ -32,7 +33,7 @@ def _lerobot(args: argparse.Namespace) -> int:
     try:
         tokenizer = Path(args.tokenizer) if args.tokenizer else None
         exported = export(ckpt, tmp, verbose=args.verbose, tokenizer=tokenizer)
-        bundle.write(tmp, ckpt, exported, client_names=args.lerobot_name)
+        bundle.write(tmp, bundle.lerobot_source(ckpt, args.lerobot_name), exported)
         bundle.commit(tmp, out)
     except BaseException:
         import shutil
@@ -49,6 +50,36 @@ def _lerobot(args: argparse.Namespace) -> int:
     print(f"  {bundle.CONFIG}, {bundle.TRT_CONFIG}, {bundle.TRT_SCRIPT}, {bundle.MANIFEST}")
     print(f"next: policyd check-config {out / bundle.CONFIG}")
     print(f"      policyd-export verify {out} {args.checkpoint}")
+    return 0
+
+
+def _openpi(args: argparse.Namespace) -> int:
+    from . import bundle, openpi
+
+    start = time.monotonic()
+    ckpt = openpi.load(
+        args.checkpoint, args.config, Path(args.norm_stats) if args.norm_stats else None
+    )
+    out = Path(args.out)
+    tmp = bundle.prepare(out, args.force)
+    try:
+        tokenizer = Path(args.tokenizer) if args.tokenizer else None
+        exported = openpi.export(ckpt, tmp, verbose=args.verbose, tokenizer=tokenizer)
+        bundle.write(tmp, openpi.source(ckpt), exported)
+        bundle.commit(tmp, out)
+    except BaseException:
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    print(
+        f"exported openpi's {ckpt.config.name} checkpoint in {time.monotonic() - start:.1f} s "
+        f"to {out}/ (norm stats: {ckpt.norm_stats})"
+    )
+    for g in exported.graphs:
+        print(f"  {g.file}: onnxruntime vs torch max abs diff {g.max_abs_diff:.2e}")
+    print(f"next: policyd check-config {out / bundle.CONFIG}")
+    print(f"      policyd --config {out / bundle.CONFIG}   (openpi's clients, port 8000)")
     return 0
 
 
@@ -100,7 +131,7 @@ def _rewrite(args: argparse.Namespace) -> int:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="policyd-export",
-        description="Turn LeRobot checkpoints into policyd bundles and check them.",
+        description="Turn LeRobot and openpi checkpoints into policyd bundles and check them.",
     )
     sub = p.add_subparsers(dest="command", required=True)
     e = sub.add_parser(
@@ -131,6 +162,29 @@ def parser() -> argparse.ArgumentParser:
         "path, and its Hub id when it lies in the Hugging Face cache, are always mapped",
     )
     e.set_defaults(run=_lerobot)
+    o = sub.add_parser(
+        "openpi",
+        help="export an openpi PyTorch checkpoint (pi0, pi0.5) into a bundle",
+        description="Export a checkpoint openpi's convert_jax_model_to_pytorch.py wrote, with "
+        "the transforms of the openpi training config that made it (see docs/openpi.md).",
+    )
+    o.add_argument("checkpoint", help="model.safetensors, config.json (and assets/)")
+    o.add_argument(
+        "--config", required=True, help="openpi's training config name, e.g. pi05_libero"
+    )
+    o.add_argument("--out", required=True, help="the bundle directory to write")
+    o.add_argument(
+        "--norm-stats",
+        help="norm_stats.json, or a directory holding it (or <asset_id>/norm_stats.json); "
+        "default: CHECKPOINT/assets/<asset_id>/",
+    )
+    o.add_argument(
+        "--tokenizer",
+        help="paligemma_tokenizer.model (default: openpi's ~/.cache/openpi/big_vision/ copy)",
+    )
+    o.add_argument("--force", action="store_true", help="replace --out if it exists")
+    o.add_argument("--verbose", action="store_true", help="show the ONNX exporter's output")
+    o.set_defaults(run=_openpi)
     v = sub.add_parser(
         "verify",
         help="serve a bundle with policyd and compare its actions with LeRobot's",

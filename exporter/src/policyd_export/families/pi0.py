@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import graphs
+from .. import graphs as graphs_
 from ..bindings import input_binding, output_binding, relative_actions
 from ..checkpoint import Checkpoint, Feature
 from ..errors import ExportError
@@ -77,7 +77,9 @@ class Prefix(nn.Module):
         )
 
         images = [self.image(x, r) for x, r in zip(xs[: self.cameras], self.resize, strict=True)]
-        tokens, token_mask, *state = xs[self.cameras :]
+        tokens, token_mask, *states = xs[self.cameras :]
+        # openpi's DROID state arrives as two inputs (joints, gripper), concatenated first.
+        state = [torch.cat(states, dim=-1)] if len(states) > 1 else states
         present = torch.ones(1, dtype=torch.bool)
         masks = [present] * self.cameras
         # LeRobot's empty cameras: images of −1, masked out.
@@ -192,6 +194,50 @@ def _image_binding(ckpt: Checkpoint, feature: Feature, tensor: str) -> dict[str,
     raise ExportError(f"image feature {feature.key}: normalisation {norm.mode} is not exported")
 
 
+def graphs(
+    model: nn.Module,
+    out: Path,
+    verbose: bool,
+    images: list[str],
+    shapes: list[tuple[int, ...]],
+    resize: list[bool],
+    states: list[tuple[str, int]],
+    length: int,
+    empty: int,
+) -> tuple[graphs_.Graph, graphs_.Graph, list[str]]:
+    """`prefix.onnx` and `step.onnx` of a LeRobot `PI0Pytorch` (pi0 or pi0.5, LeRobot's or
+    openpi's weights): camera inputs named `images` at `shapes` (CHW; `resize`: at another
+    size than the model's, resized in the graph), `length` prompt tokens, the state inputs
+    `states` (name, size; several are concatenated in order, none for pi0.5), `empty` masked
+    cameras after the real ones. Returns the graphs and the prefix outputs the step reads."""
+    cfg: Any = model.config
+    res = tuple(cfg.image_resolution)
+    gen = torch.Generator().manual_seed(0)
+    image_args = [
+        torch.rand((1, *shape), generator=gen)
+        if r
+        else torch.rand((1, *shape), generator=gen) * 2 - 1
+        for shape, r in zip(shapes, resize, strict=True)
+    ]
+    tokens = torch.randint(3, 100, (1, length), generator=gen)
+    token_mask = torch.ones((1, length), dtype=torch.bool)
+    token_mask[:, length // 2 :] = False
+    state_args = [torch.randn((1, n), generator=gen) for _, n in states]
+    prefix_in = [*images, "tokens", "token_mask", *[name for name, _ in states]]
+    prefix_out = ["prefix_mask", "k", "v"] + (["state_padded"] if states else [])
+    max_state = int(cfg.max_state_dim) if states else None
+    prefix = Prefix(model, len(images), empty, max_state, resize, res)
+    args = (*image_args, tokens, token_mask, *state_args)
+    g1 = graphs_.export(prefix, args, prefix_in, prefix_out, out / "prefix.onnx", verbose)
+    with torch.no_grad():
+        cached = prefix(*args)
+    chunk, max_action = int(cfg.chunk_size), int(cfg.max_action_dim)
+    step_args = (torch.randn((1, chunk, max_action), generator=gen), torch.tensor([0.7]), *cached)
+    step_in = ["x_t", "time", *prefix_out]
+    g2 = graphs_.export(Step(model), step_args, step_in, ["v_t"], out / "step.onnx", verbose)
+    return g1, g2, prefix_out
+
+
 def export(
     ckpt: Checkpoint, policy: Any, out: Path, verbose: bool, tokenizer: Path | None = None
 ) -> Exported:
@@ -212,31 +258,14 @@ def export(
     tok, pad_id = _tokenizer(ckpt, out, tokenizer)
     length = int(tok.get("max_length", cfg.tokenizer_max_length))
     state_dim = by_key[OBS_STATE].shape[0]
-    gen = torch.Generator().manual_seed(0)
-    image_args = [
-        torch.rand((1, *by_key[k].shape), generator=gen)
-        if r
-        else torch.rand((1, 3, *res), generator=gen) * 2 - 1
-        for k, r in zip(images, resize, strict=True)
-    ]
-    tokens = torch.randint(3, 100, (1, length), generator=gen)
-    token_mask = torch.ones((1, length), dtype=torch.bool)
-    token_mask[:, length // 2 :] = False
-    state = torch.randn((1, state_dim), generator=gen)
+    shapes = [by_key[k].shape if r else (3, *res) for k, r in zip(images, resize, strict=True)]
     # pi0.5's state reaches the model only through the prompt.
-    with_state = [] if pi05 else [OBS_STATE]
-    prefix_in = [*images, "tokens", "token_mask", *with_state]
-    prefix_out = ["prefix_mask", "k", "v"] + ([] if pi05 else ["state_padded"])
-    max_state = None if pi05 else int(cfg.max_state_dim)
-    prefix = Prefix(model, len(images), int(cfg.empty_cameras), max_state, resize, res)
-    args = (*image_args, tokens, token_mask, *([] if pi05 else [state]))
-    g1 = graphs.export(prefix, args, prefix_in, prefix_out, out / "prefix.onnx", verbose)
-    with torch.no_grad():
-        cached = prefix(*args)
-    chunk, max_action = int(cfg.chunk_size), int(cfg.max_action_dim)
-    step_args = (torch.randn((1, chunk, max_action), generator=gen), torch.tensor([0.7]), *cached)
-    step_in = ["x_t", "time", *prefix_out]
-    g2 = graphs.export(Step(model), step_args, step_in, ["v_t"], out / "step.onnx", verbose)
+    states = [] if pi05 else [(OBS_STATE, state_dim)]
+    g1, g2, prefix_out = graphs(
+        model, out, verbose, images, shapes, resize, states, length, int(cfg.empty_cameras)
+    )
+    chunk = int(cfg.chunk_size)
+    max_action = int(cfg.max_action_dim)
     steps = int(cfg.num_inference_steps)
     action_dim = ckpt.outputs[0].shape[0]
     # A resized camera's binding only normalises: the graph resizes, then maps to [−1, 1].

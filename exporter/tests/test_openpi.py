@@ -1,0 +1,380 @@
+"""openpi's own checkpoints: `policyd-export openpi` on tiny pi0 / pi0.5 checkpoints laid out as
+openpi's converter writes them, served by policyd to openpi-client, equal to openpi's pipeline.
+
+openpi is not installable here, so the reference is its inference re-implemented in this file
+from openpi's source (HEAD 15a9616: `transforms.py`, `policies/{libero,droid}_policy.py`,
+`models/tokenizer.py`, `models_pytorch/pi0_pytorch.py`'s sampling loop), around LeRobot's
+`PI0Pytorch` loaded from the same file by LeRobot's own `from_pretrained`."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+import tempfile
+import tomllib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from checkpoints import OPENPI, gemma_tokenizer, openpi_checkpoint, tiny_pi0
+
+from policyd_export.cli import main
+from policyd_export.verify import injected_config, serve
+
+#: openpi's per-config facts the reference needs besides `OPENPI`: quantile normalisation
+#: (every model but pi0), the state in the prompt (`discrete_state_input`: pi0.5's default,
+#: off for pi05_libero), the delta-action mask, the prompt length.
+DELTA = {"pi0_libero": [True] * 6 + [False]}
+STATE_IN_PROMPT = {"pi05_droid"}
+LIBERO_KEYS = (["observation/image", "observation/wrist_image"], ["observation/state"])
+DROID_KEYS = (
+    ["observation/exterior_image_1_left", "observation/wrist_image_left"],
+    ["observation/joint_position", "observation/gripper_position"],
+)
+
+SIZES = {"observation/state": 8, "observation/joint_position": 7, "observation/gripper_position": 1}
+
+
+def keys(name: str) -> tuple[list[str], list[str]]:
+    return DROID_KEYS if "droid" in name else LIBERO_KEYS
+
+
+@contextlib.contextmanager
+def openpi_loop() -> Iterator[None]:
+    """LeRobot's Euler loop replaced by openpi's (`PI0Pytorch.sample_actions`): float32
+    `dt`, the time accumulated in float32 while `time >= −dt/2`."""
+    import lerobot.policies.pi0.modeling_pi0 as m0
+    import lerobot.policies.pi05.modeling_pi05 as m5
+
+    def loop(denoise: Any, noise: torch.Tensor, num_steps: int, **_: Any) -> torch.Tensor:
+        dt = torch.tensor(-1.0 / num_steps, dtype=torch.float32)
+        x = noise
+        time = torch.tensor(1.0, dtype=torch.float32)
+        while time >= -dt / 2:
+            x = x + dt * denoise(x, time.expand(noise.shape[0]))
+            time = time + dt
+        return x
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(m0, "euler_integrate", loop)
+        mp.setattr(m5, "euler_integrate", loop)
+        yield
+
+
+class Openpi:
+    """openpi's `Policy.infer` for one config, in numpy around LeRobot's model."""
+
+    def __init__(self, checkpoint: Path, name: str, tokenizer: Path):
+        import sentencepiece
+
+        self.name = name
+        pi05, horizon, asset, self.state_dim, self.columns = OPENPI[name]
+        self.pi05 = pi05
+        self.quantile = pi05
+        self.max_len = 200 if pi05 else 48
+        stats = json.loads((checkpoint / "assets" / asset / "norm_stats.json").read_text())
+        self.stats = {
+            k: {s: np.asarray(v, np.float64) for s, v in d.items()}
+            for k, d in stats["norm_stats"].items()
+        }
+        self.sp = sentencepiece.SentencePieceProcessor(model_file=str(tokenizer))
+        if pi05:
+            from lerobot.policies.pi05.configuration_pi05 import PI05Config as Config
+            from lerobot.policies.pi05.modeling_pi05 import PI05Policy as Policy
+        else:
+            from lerobot.policies.pi0.configuration_pi0 import PI0Config as Config
+            from lerobot.policies.pi0.modeling_pi0 import PI0Policy as Policy
+        from lerobot.configs.types import FeatureType, PolicyFeature
+
+        cfg = Config(
+            input_features={
+                "observation.state": PolicyFeature(FeatureType.STATE, (self.state_dim,))
+            },
+            output_features={"action": PolicyFeature(FeatureType.ACTION, (self.columns,))},
+            device="cpu",
+            dtype="float32",
+            chunk_size=horizon,
+            n_action_steps=horizon,
+            tokenizer_max_length=self.max_len,
+        )
+        self.model = Policy.from_pretrained(str(checkpoint), config=cfg).eval().model
+        self._check_loaded(checkpoint)
+
+    def _check_loaded(self, checkpoint: Path) -> None:
+        """LeRobot's loader keeps random weights on a mismatch (and only prints so)."""
+        from safetensors.torch import load_file
+
+        saved = load_file(str(checkpoint / "model.safetensors"))
+        have = self.model.state_dict()
+        for k, v in saved.items():
+            assert torch.equal(have[k], v.to(torch.float32)), k
+
+    def normalize(self, x: np.ndarray, key: str) -> np.ndarray:
+        s = self.stats[key]
+        n = x.shape[-1]
+        if self.quantile:
+            q01, q99 = s["q01"][:n], s["q99"][:n]
+            return (x - q01) / (q99 - q01 + 1e-6) * 2.0 - 1.0
+        return (x - s["mean"][:n]) / (s["std"][:n] + 1e-6)
+
+    def unnormalize(self, x: np.ndarray, key: str) -> np.ndarray:
+        s = self.stats[key]
+        if self.quantile:
+            d = s["q01"].shape[-1]
+            head = (x[..., :d] + 1.0) / 2.0 * (s["q99"] - s["q01"] + 1e-6) + s["q01"]
+            return np.concatenate([head, x[..., d:]], axis=-1)
+        pad = x.shape[-1] - s["mean"].shape[-1]
+        mean = np.pad(s["mean"], (0, pad), constant_values=0.0)
+        std = np.pad(s["std"], (0, pad), constant_values=1.0)
+        return x * (std + 1e-6) + mean
+
+    def tokens(self, prompt: str, state: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+        cleaned = prompt.strip().replace("_", " ").replace("\n", " ")
+        if state is not None:
+            bins = np.digitize(state, bins=np.linspace(-1, 1, 256 + 1)[:-1]) - 1
+            text = f"Task: {cleaned}, State: {' '.join(map(str, bins))};\nAction: "
+            ids = self.sp.encode(text, add_bos=True)
+        else:
+            ids = self.sp.encode(cleaned, add_bos=True) + self.sp.encode("\n")
+        mask = [True] * min(len(ids), self.max_len) + [False] * (self.max_len - len(ids))
+        ids = (ids + [0] * self.max_len)[: self.max_len]
+        return np.asarray(ids), np.asarray(mask)
+
+    @torch.no_grad()
+    def infer(self, obs: dict[str, Any], noise: np.ndarray) -> np.ndarray:
+        cams, state_keys = keys(self.name)
+        # Data transforms: the state (DROID: joints + gripper, a bare gripper given an axis).
+        state = np.concatenate([np.atleast_1d(np.asarray(obs[k], np.float64)) for k in state_keys])
+        # Images in openpi's slots, the missing right wrist a zero image with its mask off.
+        images = [np.asarray(obs[k]) for k in cams]
+        images.append(np.zeros_like(images[0]))
+        masks = [True, True, False]
+        # Normalize (state), then the model transforms: tokenize, pad to 32.
+        state = self.normalize(state, "state")
+        in_prompt = self.name in STATE_IN_PROMPT
+        ids, mask = self.tokens(obs["prompt"], state if in_prompt else None)
+        padded = np.pad(state, (0, 32 - state.size))
+        # `Observation.from_dict`: uint8 → float32 in [−1, 1], CHW for the PyTorch model.
+        tensors = [
+            torch.from_numpy(i.astype(np.float32) / 255.0 * 2.0 - 1.0).permute(2, 0, 1)[None]
+            for i in images
+        ]
+        img_masks = [torch.tensor([m]) for m in masks]
+        tok = torch.from_numpy(ids)[None]
+        tok_mask = torch.from_numpy(mask)[None]
+        x = torch.from_numpy(noise)[None]
+        with openpi_loop():
+            if self.pi05:
+                out = self.model.sample_actions(tensors, img_masks, tok, tok_mask, noise=x)
+            else:
+                st = torch.from_numpy(padded.astype(np.float32))[None]
+                out = self.model.sample_actions(tensors, img_masks, tok, tok_mask, st, noise=x)
+        actions = out[0].numpy().astype(np.float64)
+        # Unnormalize (actions and the state), AbsoluteActions, the data outputs' columns.
+        actions = self.unnormalize(actions, "actions")
+        mask_delta = DELTA.get(self.name)
+        if mask_delta is not None:
+            raw_state = self.unnormalize(padded.astype(np.float32).astype(np.float64), "state")
+            d = len(mask_delta)
+            actions[:, :d] += np.where(mask_delta, raw_state[:d], 0.0)[None]
+        return actions[:, : self.columns]
+
+
+def observations(name: str, n: int, seed: int, stats: dict[str, Any]) -> list[dict[str, Any]]:
+    """Requests as openpi's LIBERO / DROID clients send them: uint8 224×224 frames, the state
+    spread across the statistics (and past q01/q99), a task."""
+    rng = np.random.default_rng(seed)
+    cams, state_keys = keys(name)
+    s = stats["state"]
+    prompts = ["pick up the red cube", "put_the bowl on the stove ", "fold the towel"]
+    out = []
+    for i in range(n):
+        obs: dict[str, Any] = {k: rng.integers(0, 256, (224, 224, 3), np.uint8) for k in cams}
+        d = sum(SIZES[k] for k in state_keys)
+        state = s["mean"][:d] + s["std"][:d] * 2.0 * rng.standard_normal(d)
+        at = 0
+        for k in state_keys:
+            obs[k] = state[at : at + SIZES[k]]
+            at += SIZES[k]
+        if "observation/gripper_position" in obs and i % 2:
+            # openpi's DroidInputs also takes the gripper as a bare number.
+            obs["observation/gripper_position"] = float(obs["observation/gripper_position"][0])
+        obs["prompt"] = prompts[i % len(prompts)]
+        out.append(obs)
+    return out
+
+
+class Case:
+    def __init__(self, root: Path, name: str, tokenizer: Path):
+        self.name = name
+        self.checkpoint = openpi_checkpoint(root / "checkpoint", name)
+        self.bundle = root / "bundle"
+        self.tokenizer = tokenizer / "tokenizer.model"
+        args = ["openpi", str(self.checkpoint), "--config", name, "--out", str(self.bundle)]
+        assert main([*args, "--tokenizer", str(self.tokenizer)]) == 0
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return gemma_tokenizer(tmp_path_factory.mktemp("tokenizer"))
+
+
+@pytest.fixture(scope="module")
+def patched() -> Iterator[None]:
+    with tiny_pi0():
+        yield
+
+
+@pytest.fixture(scope="module", params=sorted(OPENPI))
+def case(
+    request: pytest.FixtureRequest,
+    patched: None,
+    tokenizer: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Case:
+    return Case(tmp_path_factory.mktemp(request.param), request.param, tokenizer)
+
+
+def test_served_actions_equal_openpis_pipeline(case: Case, policyd: str) -> None:
+    from openpi_client import websocket_client_policy
+
+    from policyd_export.bundle import read_manifest
+
+    ref = Openpi(case.checkpoint, case.name, case.tokenizer)
+    manifest = read_manifest(case.bundle)
+    rng = np.random.default_rng(7)
+    diffs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        config, _ = injected_config(case.bundle, manifest, Path(tmp))
+        with serve(policyd, config) as port:
+            client = websocket_client_policy.WebsocketClientPolicy("127.0.0.1", port)
+            # openpi's server sends its config's policy_metadata: {} for LIBERO and DROID.
+            assert client.get_server_metadata() == {}
+            for obs in observations(case.name, 4, seed=3, stats=ref.stats):
+                noise = rng.standard_normal(manifest["noise"]["shape"]).astype(np.float32)
+                served = np.asarray(client.infer({**obs, "noise": noise})["actions"])
+                want = ref.infer(obs, noise)
+                assert served.shape == want.shape == (OPENPI[case.name][1], ref.columns)
+                scale = float(np.abs(want).max())
+                diffs.append(float(np.abs(served - want).max()) / scale)
+    assert max(diffs) <= 1e-4, diffs
+
+
+def test_the_reference_depends_on_what_it_models(case: Case) -> None:
+    """So the parity above checks the prompt, the state (pi0's expert, pi0.5's prompt, or
+    nothing for pi05_libero) and the delta actions."""
+    ref = Openpi(case.checkpoint, case.name, case.tokenizer)
+    obs = observations(case.name, 2, seed=5, stats=ref.stats)
+    noise = np.random.default_rng(0).standard_normal((OPENPI[case.name][1], 32)).astype("f4")
+    a = ref.infer(obs[0], noise)
+    scale = float(np.abs(a).max())
+    b = ref.infer({**obs[0], "prompt": "open the top drawer"}, noise)
+    # Past three times the parity tolerance, so a mistake there would show.
+    assert float(np.abs(a - b).max()) > 3e-4 * scale
+    _, state_keys = keys(case.name)
+    c = ref.infer({**obs[0], **{k: obs[1][k] for k in state_keys}}, noise)
+    moved = float(np.abs(a - c).max()) > 3e-4 * scale
+    assert moved == (case.name != "pi05_libero"), case.name
+
+
+def test_the_bundle_speaks_openpis_keys(case: Case, policyd: str) -> None:
+    config = tomllib.loads((case.bundle / "policyd.toml").read_text())
+    cams, state_keys = keys(case.name)
+    bound = [b["key"] for b in config["inputs"]]
+    state_bound = [] if case.name == "pi05_libero" else state_keys
+    assert bound == [*cams, *state_bound, "prompt"]
+    assert "lerobot" not in config  # no LeRobot client describes an openpi policy
+    assert config["sampler"]["flow_time"] == "openpi" and config["sampler"]["steps"] == 10
+    prompt = config["inputs"][-1]["tokenizer"]
+    assert prompt["format"] == ("pi05" if case.name in STATE_IN_PROMPT else "pi0")
+    assert config["outputs"][0]["columns"] == OPENPI[case.name][4]
+    assert ("relative_to" in config["outputs"][0]) == (case.name in DELTA)
+    r = subprocess.run(
+        [policyd, "check-config", str(case.bundle / "policyd.toml")],
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 0, r.stderr
+    assert "pipeline: flow (openpi Euler)" in r.stdout, r.stdout
+
+
+def export_error(capsys: pytest.CaptureFixture[str], *args: str) -> str:
+    assert main(["openpi", *args]) == 2
+    return capsys.readouterr().err
+
+
+def test_a_checkpoint_that_does_not_match_its_config_is_refused(
+    patched: None, tokenizer: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """LeRobot's loader would keep random weights here; the exporter names the tensors."""
+    pi0 = openpi_checkpoint(tmp_path / "pi0", "pi05_libero", pi05=False)
+    tok = str(tokenizer / "tokenizer.model")
+    out = str(tmp_path / "bundle")
+    err = export_error(
+        capsys, str(pi0), "--config", "pi05_libero", "--out", out, "--tokenizer", tok
+    )
+    assert "do not match a pi0.5 model" in err
+    assert "missing 14: " in err and "layers.0.input_layernorm.dense.bias" in err
+    assert "unexpected 11: action_time_mlp_in.bias" in err
+    assert not Path(out).exists()
+    # One tensor short of a matching checkpoint: named.
+    from safetensors.torch import load_file, save_file
+
+    pi05 = openpi_checkpoint(tmp_path / "pi05", "pi05_libero")
+    tensors = load_file(str(pi05 / "model.safetensors"))
+    del tensors["action_out_proj.bias"]
+    save_file(tensors, str(pi05 / "model.safetensors"))
+    err = export_error(
+        capsys, str(pi05), "--config", "pi05_libero", "--out", out, "--tokenizer", tok
+    )
+    assert (
+        "missing 1: action_out_proj.bias;" not in err and "missing 1: action_out_proj.bias" in err
+    )
+    assert "unexpected" not in err
+
+
+def test_jax_checkpoints_unknown_configs_and_aloha_are_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    jax = tmp_path / "pi05_droid"
+    (jax / "params").mkdir(parents=True)
+    err = export_error(capsys, str(jax), "--config", "pi05_droid", "--out", str(tmp_path / "b"))
+    assert "Orbax" in err and "convert_jax_model_to_pytorch.py" in err
+    assert "--config_name pi05_droid" in err and "assets/droid" in err
+    err = export_error(capsys, str(jax), "--config", "pi0_robot", "--out", str(tmp_path / "b"))
+    assert "not one of openpi's configs" in err and "known: " in err and "pi05_libero" in err
+    err = export_error(capsys, str(jax), "--config", "pi0_aloha_sim", "--out", str(tmp_path / "b"))
+    assert "adapt_to_pi" in err and "gripper" in err
+    err = export_error(capsys, str(jax), "--config", "pi0_fast_droid", "--out", str(tmp_path / "b"))
+    assert "pi0-FAST" in err
+
+
+def test_missing_norm_stats_say_where_they_are(
+    patched: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ckpt = openpi_checkpoint(tmp_path / "ck", "pi0_droid")
+    stats = ckpt / "assets" / "droid" / "norm_stats.json"
+    moved = tmp_path / "jax-assets" / "droid"
+    moved.mkdir(parents=True)
+    stats.rename(moved / "norm_stats.json")
+    err = export_error(capsys, str(ckpt), "--config", "pi0_droid", "--out", str(tmp_path / "b"))
+    assert "no norm_stats.json for asset 'droid'" in err and "--norm-stats" in err
+    # --norm-stats takes the assets directory (or the asset's, or the file); the tokenizer is
+    # looked for next, so the error moves on to it.
+    err = export_error(
+        capsys,
+        str(ckpt),
+        "--config",
+        "pi0_droid",
+        "--out",
+        str(tmp_path / "b"),
+        "--norm-stats",
+        str(tmp_path / "jax-assets"),
+        "--tokenizer",
+        str(tmp_path / "nowhere.model"),
+    )
+    assert "no PaliGemma tokenizer" in err and "nowhere.model" in err
