@@ -378,3 +378,40 @@ def test_missing_norm_stats_say_where_they_are(
         str(tmp_path / "nowhere.model"),
     )
     assert "no PaliGemma tokenizer" in err and "nowhere.model" in err
+
+
+def test_openpis_simple_client_loop_runs_against_the_bundle(case: Case, policyd: str) -> None:
+    """What openpi's examples/simple_client does for `--env LIBERO` / `--env DROID` (its file
+    cannot be fetched here: CI reaches package registries only): the metadata, two warm-up
+    requests, then steps timed from `server_timing`, on the bundle as exported (no injected
+    noise), with its random observations (state in [0, 1), prompt "do something")."""
+    from openpi_client import websocket_client_policy
+
+    cams, state_keys = keys(case.name)
+    rng = np.random.default_rng(11)
+
+    def observation() -> dict[str, Any]:
+        obs: dict[str, Any] = {
+            k: rng.integers(256, size=(224, 224, 3), dtype=np.uint8) for k in cams
+        }
+        obs.update({k: rng.random(SIZES[k]) for k in state_keys})
+        obs["prompt"] = "do something"
+        return obs
+
+    with serve(policyd, case.bundle / "policyd.toml") as port:
+        policy = websocket_client_policy.WebsocketClientPolicy(host="127.0.0.1", port=port)
+        assert policy.get_server_metadata() == {}
+        for _ in range(2):
+            policy.infer(observation())
+        for _ in range(3):
+            action = policy.infer(observation())
+            assert action["actions"].shape == (OPENPI[case.name][1], OPENPI[case.name][4])
+            assert np.isfinite(action["actions"]).all()
+            assert action["server_timing"]["infer_ms"] > 0
+
+
+def test_verify_says_it_does_not_cover_openpi_bundles(
+    case: Case, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["verify", str(case.bundle), str(case.checkpoint)]) == 2
+    assert "exported from an openpi checkpoint" in capsys.readouterr().err

@@ -205,6 +205,12 @@ def verify(
     from .reference import Reference
 
     manifest = read_manifest(bundle)
+    if manifest["policy_type"].startswith("openpi/"):
+        raise ExportError(
+            f"{bundle}: exported from an openpi checkpoint; verify compares with LeRobot's own "
+            "processors, which are not openpi's transforms. Drive it with openpi's client "
+            "(docs/openpi.md); the exporter's tests check such bundles against openpi's pipeline"
+        )
     ckpt = load_checkpoint(checkpoint)
     if ckpt.type != manifest["policy_type"]:
         raise ExportError(
