@@ -192,6 +192,12 @@ impl SlotWriter<'_> {
         }
         for (i, (b, seen)) in self.plan.inputs.iter().zip(self.seen.iter()).enumerate() {
             if !*seen {
+                // openpi's `InjectDefaultPrompt`: only a request without a prompt gets it.
+                if let Some(text) = b.tokens.as_ref().and_then(|t| t.default_prompt.as_deref()) {
+                    // Its length was checked against the buffer at start-up.
+                    write_text(b, None, text.as_bytes(), self.bufs[b.index].bytes_mut())?;
+                    continue;
+                }
                 if !b.optional {
                     if self.plan.planner.as_ref().is_some_and(|t| t.prompt == i) {
                         return Err(WireError::NoSubtaskYet { key: b.key.clone() });

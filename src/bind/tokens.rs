@@ -34,6 +34,8 @@ pub struct TokenBinding {
     pub prompt_bytes: usize,
     /// The tokenizer file's size (for the memory budget).
     pub file_size: u64,
+    /// The prompt of a request that sends none (`tokenizer.default_prompt`).
+    pub default_prompt: Option<String>,
 }
 
 impl TokenBinding {
@@ -159,6 +161,17 @@ pub(super) fn compile(
         .max_prompt_bytes
         .unwrap_or_else(|| (t.max_tokens * tokenizer.longest_piece()).saturating_add(256))
         .min(MAX_PROMPT_BYTES);
+    if let Some(d) = &t.default_prompt
+        && d.len() > prompt_bytes
+    {
+        return Err(invalid(
+            k("tokenizer.default_prompt"),
+            format!(
+                "is {} bytes; at most max_prompt_bytes ({prompt_bytes}) are read",
+                d.len()
+            ),
+        ));
+    }
     Ok(TokenBinding {
         tokenizer: Arc::new(tokenizer),
         format: t.format,
@@ -172,6 +185,7 @@ pub(super) fn compile(
         states,
         prompt_bytes,
         file_size: bytes.len() as u64,
+        default_prompt: t.default_prompt.clone(),
     })
 }
 

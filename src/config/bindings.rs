@@ -91,6 +91,10 @@ pub(super) struct RawTokenizer {
     /// tokenizer's longest piece).
     #[serde(default)]
     pub(super) max_prompt_bytes: Option<usize>,
+    /// The prompt when a request has none (openpi's `InjectDefaultPrompt`, e.g. ALOHA sim's
+    /// "Transfer cube"); a request's own prompt, even an empty one, wins.
+    #[serde(default)]
+    pub(super) default_prompt: Option<String>,
 }
 
 /// A key or a list of keys.
@@ -226,6 +230,8 @@ pub struct TokenizerConfig {
     pub bos: Option<String>,
     /// The most prompt bytes read (`None`: sized from the tokenizer when it is loaded).
     pub max_prompt_bytes: Option<usize>,
+    /// The prompt of a request that sends none.
+    pub default_prompt: Option<String>,
 }
 
 impl InputConfig {
@@ -392,6 +398,7 @@ pub(super) fn tokenizer(
         state_keys,
         bos: t.bos.clone(),
         max_prompt_bytes: t.max_prompt_bytes,
+        default_prompt: t.default_prompt.clone(),
     })
 }
 

@@ -411,6 +411,46 @@ fn pi05_state_from_several_keys_is_concatenated_in_order() {
     }
 }
 
+/// openpi's `InjectDefaultPrompt` (ALOHA sim's "Transfer cube"): a request without a prompt
+/// gets the default, one with a prompt (even an empty one) keeps its own.
+#[test]
+fn a_request_without_a_prompt_gets_the_default_prompt() {
+    let text_cfg = config(
+        "tensor = \"state\"",
+        "format = \"pi0\"\ndefault_prompt = \"Transfer cube\"",
+    );
+    let plan = compile(&text_cfg, &io(ElemType::I64, 16, true)).unwrap();
+    let mut bufs = buffers(&plan);
+    let mut cache = PromptCache::default();
+    let mut no_prompt = Vec::new();
+    let mut e = Encoder {
+        buf: &mut no_prompt,
+    };
+    e.map(1);
+    e.str("state");
+    e.ndarray(ElemType::F64, &[4], 32, |d| d.fill(0));
+    let (ids, _, _) = run(&plan, &mut bufs, &mut cache, &no_prompt).unwrap();
+    assert_eq!(
+        ids,
+        laid_out(&reference(Format::Pi0, "Transfer cube", &[]), 0).0
+    );
+    for own in ["", "fold it"] {
+        let (ids, _, _) = run(&plan, &mut bufs, &mut cache, &frame([0.0; 4], &text(own))).unwrap();
+        assert_eq!(
+            ids,
+            laid_out(&reference(Format::Pi0, own, &[]), 0).0,
+            "{own:?}"
+        );
+    }
+    // Longer than the prompt bytes read: refused at start-up, naming the key.
+    let long = text_cfg.replace(
+        "default_prompt = \"Transfer cube\"",
+        "default_prompt = \"Transfer cube\"\nmax_prompt_bytes = 8",
+    );
+    let e = compile(&long, &io(ElemType::I64, 16, true)).unwrap_err();
+    assert!(e.contains("inputs[1].tokenizer.default_prompt"), "{e}");
+}
+
 #[test]
 fn the_planners_subtask_is_tokenized_too() {
     let text_cfg = format!(
