@@ -143,6 +143,12 @@ pub(super) struct RawOutput {
     pub(super) min: Vec<f64>,
     #[serde(default)]
     pub(super) max: Vec<f64>,
+    /// After un-normalising, `y·scale + offset` per action dimension (or one value): a robot's
+    /// own units, such as openpi ALOHA's joint sign flips and its gripper map back.
+    #[serde(default)]
+    pub(super) scale: Vec<f64>,
+    #[serde(default)]
+    pub(super) offset: Vec<f64>,
     /// As for inputs (mean/std default 1e-6; LeRobot un-normalises with 0).
     #[serde(default)]
     pub(super) eps: Option<f64>,
@@ -697,6 +703,7 @@ pub(super) fn outputs(cx: &Keys, outputs: &[RawOutput]) -> Result<Vec<OutputConf
             eps: o.eps,
         };
         let (mean, std, eps) = norm.resolve(cx, i, "outputs", &[])?;
+        let (mean, std, eps) = then_scale(cx, i, o, mean, std, eps)?;
         let rows = match o.rows {
             None => None,
             Some([start, end]) if start < end => Some((start, end)),
@@ -770,6 +777,67 @@ pub(super) fn outputs(cx: &Keys, outputs: &[RawOutput]) -> Result<Vec<OutputConf
         });
     }
     Ok(out)
+}
+
+/// `[[outputs]] scale`/`offset` folded into the un-normalisation: `(x·(std + eps) + mean)·scale
+/// + offset` is `x·std' + mean'` with `std' = (std + eps)·scale` (which may be negative: a sign
+/// flip) and `mean' = mean·scale + offset`. Each of the four is empty, one value, or one per
+/// column; the lengths that are not one must agree.
+fn then_scale(
+    cx: &Keys,
+    i: usize,
+    o: &RawOutput,
+    mean: Vec<f64>,
+    std: Vec<f64>,
+    eps: f64,
+) -> Result<(Vec<f64>, Vec<f64>, f64), ConfigError> {
+    if o.scale.is_empty() && o.offset.is_empty() {
+        return Ok((mean, std, eps));
+    }
+    let k = |f: &str| format!("outputs[{i}].{f}");
+    for (key, v) in [("scale", &o.scale), ("offset", &o.offset)] {
+        if v.iter().any(|x| !x.is_finite()) {
+            return Err(cx.invalid(k(key), "values must be finite"));
+        }
+    }
+    let lengths = [mean.len(), o.scale.len(), o.offset.len()];
+    let n = lengths.iter().copied().max().unwrap_or(0);
+    if let Some((key, len)) = ["mean", "scale", "offset"]
+        .iter()
+        .zip(lengths)
+        .find(|(_, l)| *l > 1 && *l != n)
+    {
+        let key = if *key == "mean" && !o.min.is_empty() {
+            "min"
+        } else {
+            key
+        };
+        return Err(cx.invalid(
+            k(key),
+            format!(
+                "has {len} values where another of mean/std, scale, offset has {n}; give 1 or {n}"
+            ),
+        ));
+    }
+    let at = |v: &[f64], j: usize, none: f64| match v.len() {
+        0 => none,
+        1 => v[0],
+        _ => v[j],
+    };
+    let mut m = Vec::with_capacity(n);
+    let mut s = Vec::with_capacity(n);
+    for j in 0..n {
+        let scale = at(&o.scale, j, 1.0);
+        // No un-normalisation: x·1 + 0 (eps is not added then).
+        let (mj, sj) = if mean.is_empty() {
+            (0.0, 1.0)
+        } else {
+            (at(&mean, j, 0.0), at(&std, j, 0.0) + eps)
+        };
+        m.push(mj * scale + at(&o.offset, j, 0.0));
+        s.push(sj * scale);
+    }
+    Ok((m, s, 0.0))
 }
 
 /// A binding's normalisation keys as written: openpi's mean/std or LeRobot's min/max, and eps.

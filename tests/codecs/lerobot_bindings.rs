@@ -396,6 +396,62 @@ fn relative_actions_add_the_state_as_sent_to_the_masked_columns() {
     );
 }
 
+/// `[[outputs]] scale`/`offset` after un-normalising, before the relative offset: openpi
+/// ALOHA's joint sign flips (a negative scale) and its affine gripper map back.
+#[test]
+fn outputs_scale_and_offset_after_unnormalising() {
+    use policyd::bind::{Chunk, ReplyParts};
+    let io = state_io();
+    let cfg = STATE_IO.replace("NORM", "").replace(
+        "tensor = \"action\"",
+        "tensor = \"action\"\nmean = [10.0, 20.0, 30.0]\nstd = [0.5, 0.5, 0.5]\neps = 1e-6\n\
+         scale = [-1.0, 1.0, 0.5]\noffset = [0.0, 0.0, 3.0]\n\
+         relative_to = \"observation.state\"\nrelative_mask = [true]",
+    );
+    let plan = compile(&cfg, &io).unwrap();
+    let source = plan.relative_source.unwrap();
+    let mut bufs = buffers(&io);
+    for &bytes in &plan.host_buffers {
+        bufs.push(Box::new(HostBuffer(vec![0; bytes])));
+    }
+    let mut seen = vec![false; 1];
+    let x = [1.5, -2.25, 7.125];
+    plan.decode(&frame(&[("observation.state", &x)]), &mut bufs, &mut seen)
+        .unwrap();
+    let engine: Vec<u8> = (0..12)
+        .flat_map(|k| (0.1 * k as f32).to_le_bytes())
+        .collect();
+    let outputs = vec![engine];
+    let mut scratch = vec![0u8; plan.scratch_bytes];
+    let mut parts = ReplyParts {
+        outputs: &outputs,
+        scratch: &mut scratch,
+        chunk: Chunk { start: 0, end: 4 },
+        raw: bufs[source].bytes_mut(),
+    };
+    let mut reply = plan.reply(&mut parts);
+    let got = f32s(reply.rows_f32(0, 4).unwrap().0);
+    for r in 0..4 {
+        for j in 0..3 {
+            let v = f64::from(0.1 * (r * 3 + j) as f32);
+            let y = v * (0.5 + 1e-6) + [10.0, 20.0, 30.0][j];
+            let want =
+                y * [-1.0, 1.0, 0.5][j] + [0.0, 0.0, 3.0][j] + if j == 0 { x[0] } else { 0.0 };
+            assert!(
+                (f64::from(got[r * 3 + j]) - want).abs() < 1e-5,
+                "row {r} column {j}"
+            );
+        }
+    }
+    // Lengths that do not agree are refused, naming the key.
+    let bad = cfg.replace("scale = [-1.0, 1.0, 0.5]", "scale = [-1.0, 1.0]");
+    let e = compile(&bad, &io).unwrap_err();
+    assert!(
+        e.contains("outputs[0].scale") && e.contains("has 2 values"),
+        "{e}"
+    );
+}
+
 #[test]
 fn relative_actions_are_checked_against_the_bindings() {
     let io = state_io();
