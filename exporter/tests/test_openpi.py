@@ -28,19 +28,58 @@ from policyd_export.verify import injected_config, serve
 #: openpi's per-config facts the reference needs besides `OPENPI`: quantile normalisation
 #: (every model but pi0), the state in the prompt (`discrete_state_input`: pi0.5's default,
 #: off for pi05_libero), the delta-action mask, the prompt length.
-DELTA = {"pi0_libero": [True] * 6 + [False]}
+DELTA = {"pi0_libero": [True] * 6 + [False], "pi0_aloha": ([True] * 6 + [False]) * 2}
 STATE_IN_PROMPT = {"pi05_droid"}
+DEFAULT_PROMPT = {"pi0_aloha_sim": "Transfer cube"}
+METADATA = {"pi0_aloha": {"reset_pose": [0, -1.5, 1.5, 0, 0, 0]}}
 LIBERO_KEYS = (["observation/image", "observation/wrist_image"], ["observation/state"])
 DROID_KEYS = (
     ["observation/exterior_image_1_left", "observation/wrist_image_left"],
     ["observation/joint_position", "observation/gripper_position"],
 )
 
-SIZES = {"observation/state": 8, "observation/joint_position": 7, "observation/gripper_position": 1}
+ALOHA_KEYS = (["images/cam_high", "images/cam_left_wrist", "images/cam_right_wrist"], ["state"])
+ALOHA_SIM_KEYS = (["images/cam_high"], ["state"])
+SIZES = {
+    "observation/state": 8,
+    "observation/joint_position": 7,
+    "observation/gripper_position": 1,
+    "state": 14,
+}
 
 
 def keys(name: str) -> tuple[list[str], list[str]]:
+    if "aloha" in name:
+        return ALOHA_SIM_KEYS if name.endswith("sim") else ALOHA_KEYS
     return DROID_KEYS if "droid" in name else LIBERO_KEYS
+
+
+def get(obs: dict[str, Any], key: str) -> Any:
+    """A request value by policyd's key (nested maps joined with `/`)."""
+    if key.startswith("images/"):
+        return obs["images"][key.split("/", 1)[1]]
+    return obs[key]
+
+
+def put(obs: dict[str, Any], key: str, value: Any) -> None:
+    if key.startswith("images/"):
+        obs.setdefault("images", {})[key.split("/", 1)[1]] = value
+    else:
+        obs[key] = value
+
+
+# openpi's `aloha_policy` (adapt_to_pi), in numpy as there.
+FLIP = np.array([1, -1, -1, 1, 1, 1, 1, 1, -1, -1, 1, 1, 1, 1])
+
+
+def gripper_to_angular(v: np.ndarray) -> np.ndarray:
+    v = v * (0.05800 - 0.01844) + 0.01844
+    v = np.arcsin(np.clip((0.022**2 + v**2 - 0.036**2) / (2 * 0.022 * v), -1.0, 1.0))
+    return (v - 0.5476) / (1.6296 - 0.5476)
+
+
+def gripper_from_angular(v: np.ndarray) -> np.ndarray:
+    return (v + 0.5476 - -0.6213) / (1.4910 - -0.6213)
 
 
 @contextlib.contextmanager
@@ -147,16 +186,26 @@ class Openpi:
     @torch.no_grad()
     def infer(self, obs: dict[str, Any], noise: np.ndarray) -> np.ndarray:
         cams, state_keys = keys(self.name)
-        # Data transforms: the state (DROID: joints + gripper, a bare gripper given an axis).
-        state = np.concatenate([np.atleast_1d(np.asarray(obs[k], np.float64)) for k in state_keys])
-        # Images in openpi's slots, the missing right wrist a zero image with its mask off.
-        images = [np.asarray(obs[k]) for k in cams]
-        images.append(np.zeros_like(images[0]))
-        masks = [True, True, False]
+        aloha = "aloha" in self.name
+        # Data transforms: the state (DROID: joints + gripper, a bare gripper given an axis;
+        # ALOHA: `_decode_state`, the sign flips and the gripper to its angle).
+        parts = [np.atleast_1d(np.asarray(obs[k], np.float64)) for k in state_keys]
+        state = np.concatenate(parts)
+        if aloha:
+            state = FLIP * state
+            state[[6, 13]] = gripper_to_angular(state[[6, 13]])
+        # Images in openpi's slots (ALOHA's sent channels first), a missing one a zero image
+        # with its mask off.
+        images = [np.asarray(get(obs, k)) for k in cams]
+        if aloha:
+            images = [i.transpose(1, 2, 0) for i in images]
+        masks = [True] * len(images) + [False] * (3 - len(images))
+        images += [np.zeros_like(images[0])] * (3 - len(images))
         # Normalize (state), then the model transforms: tokenize, pad to 32.
         state = self.normalize(state, "state")
         in_prompt = self.name in STATE_IN_PROMPT
-        ids, mask = self.tokens(obs["prompt"], state if in_prompt else None)
+        prompt = obs.get("prompt", DEFAULT_PROMPT.get(self.name))  # InjectDefaultPrompt
+        ids, mask = self.tokens(prompt, state if in_prompt else None)
         padded = np.pad(state, (0, 32 - state.size))
         # `Observation.from_dict`: uint8 → float32 in [−1, 1], CHW for the PyTorch model.
         tensors = [
@@ -181,7 +230,11 @@ class Openpi:
             raw_state = self.unnormalize(padded.astype(np.float32).astype(np.float64), "state")
             d = len(mask_delta)
             actions[:, :d] += np.where(mask_delta, raw_state[:d], 0.0)[None]
-        return actions[:, : self.columns]
+        actions = actions[:, : self.columns]
+        if aloha:  # `_encode_actions`
+            actions = FLIP * actions
+            actions[:, [6, 13]] = gripper_from_angular(actions[:, [6, 13]])
+        return actions
 
 
 def observations(name: str, n: int, seed: int, stats: dict[str, Any]) -> list[dict[str, Any]]:
@@ -192,10 +245,18 @@ def observations(name: str, n: int, seed: int, stats: dict[str, Any]) -> list[di
     s = stats["state"]
     prompts = ["pick up the red cube", "put_the bowl on the stove ", "fold the towel"]
     out = []
+    aloha = "aloha" in name
     for i in range(n):
-        obs: dict[str, Any] = {k: rng.integers(0, 256, (224, 224, 3), np.uint8) for k in cams}
+        obs: dict[str, Any] = {}
+        for k in [*cams, *(["images/cam_low"] if aloha else [])]:  # cam_low: sent, not read
+            shape = (3, 224, 224) if aloha else (224, 224, 3)
+            put(obs, k, rng.integers(0, 256, shape, np.uint8))
         d = sum(SIZES[k] for k in state_keys)
         state = s["mean"][:d] + s["std"][:d] * 2.0 * rng.standard_normal(d)
+        if aloha:
+            # Raw ALOHA: joints around the (pi-space) statistics, grippers in [0, 1].
+            state = FLIP * state
+            state[[6, 13]] = rng.random(2)
         at = 0
         for k in state_keys:
             obs[k] = state[at : at + SIZES[k]]
@@ -203,7 +264,8 @@ def observations(name: str, n: int, seed: int, stats: dict[str, Any]) -> list[di
         if "observation/gripper_position" in obs and i % 2:
             # openpi's DroidInputs also takes the gripper as a bare number.
             obs["observation/gripper_position"] = float(obs["observation/gripper_position"][0])
-        obs["prompt"] = prompts[i % len(prompts)]
+        if not (name in DEFAULT_PROMPT and i % 2 == 0):  # ALOHA sim's client sends none
+            obs["prompt"] = prompts[i % len(prompts)]
         out.append(obs)
     return out
 
@@ -252,8 +314,8 @@ def test_served_actions_equal_openpis_pipeline(case: Case, policyd: str) -> None
         config, _ = injected_config(case.bundle, manifest, Path(tmp))
         with serve(policyd, config) as port:
             client = websocket_client_policy.WebsocketClientPolicy("127.0.0.1", port)
-            # openpi's server sends its config's policy_metadata: {} for LIBERO and DROID.
-            assert client.get_server_metadata() == {}
+            # openpi's server sends its config's policy_metadata ({} for most).
+            assert client.get_server_metadata() == METADATA.get(case.name, {})
             for obs in observations(case.name, 4, seed=3, stats=ref.stats):
                 noise = rng.standard_normal(manifest["noise"]["shape"]).astype(np.float32)
                 served = np.asarray(client.infer({**obs, "noise": noise})["actions"])
@@ -272,7 +334,7 @@ def test_the_reference_depends_on_what_it_models(case: Case) -> None:
     noise = np.random.default_rng(0).standard_normal((OPENPI[case.name][1], 32)).astype("f4")
     a = ref.infer(obs[0], noise)
     scale = float(np.abs(a).max())
-    b = ref.infer({**obs[0], "prompt": "open the top drawer"}, noise)
+    b = ref.infer({**obs[0], "prompt": "open the top drawer twice"}, noise)
     # Past three times the parity tolerance, so a mistake there would show.
     assert float(np.abs(a - b).max()) > 3e-4 * scale
     _, state_keys = keys(case.name)
@@ -337,7 +399,7 @@ def test_a_checkpoint_that_does_not_match_its_config_is_refused(
     assert "unexpected" not in err
 
 
-def test_jax_checkpoints_unknown_configs_and_aloha_are_refused(
+def test_jax_checkpoints_unknown_configs_and_pi05_on_aloha_are_refused(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     jax = tmp_path / "pi05_droid"
@@ -347,7 +409,7 @@ def test_jax_checkpoints_unknown_configs_and_aloha_are_refused(
     assert "--config_name pi05_droid" in err and "assets/droid" in err
     err = export_error(capsys, str(jax), "--config", "pi0_robot", "--out", str(tmp_path / "b"))
     assert "not one of openpi's configs" in err and "known: " in err and "pi05_libero" in err
-    err = export_error(capsys, str(jax), "--config", "pi0_aloha_sim", "--out", str(tmp_path / "b"))
+    err = export_error(capsys, str(jax), "--config", "pi05_aloha", "--out", str(tmp_path / "b"))
     assert "adapt_to_pi" in err and "gripper" in err
     err = export_error(capsys, str(jax), "--config", "pi0_fast_droid", "--out", str(tmp_path / "b"))
     assert "pi0-FAST" in err
@@ -391,6 +453,13 @@ def test_openpis_simple_client_loop_runs_against_the_bundle(case: Case, policyd:
     rng = np.random.default_rng(11)
 
     def observation() -> dict[str, Any]:
+        if "aloha" in case.name:  # `_random_observation_aloha`, for ALOHA and ALOHA_SIM
+            names = ["cam_high", "cam_low", "cam_left_wrist", "cam_right_wrist"]
+            return {
+                "state": np.ones((14,)),
+                "images": {c: rng.integers(256, size=(3, 224, 224), dtype=np.uint8) for c in names},
+                "prompt": "do something",
+            }
         obs: dict[str, Any] = {
             k: rng.integers(256, size=(224, 224, 3), dtype=np.uint8) for k in cams
         }
@@ -400,7 +469,7 @@ def test_openpis_simple_client_loop_runs_against_the_bundle(case: Case, policyd:
 
     with serve(policyd, case.bundle / "policyd.toml") as port:
         policy = websocket_client_policy.WebsocketClientPolicy(host="127.0.0.1", port=port)
-        assert policy.get_server_metadata() == {}
+        assert policy.get_server_metadata() == METADATA.get(case.name, {})
         for _ in range(2):
             policy.infer(observation())
         for _ in range(3):

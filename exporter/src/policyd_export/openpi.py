@@ -66,6 +66,10 @@ class Robot:
     cameras: tuple[str, ...]
     state: tuple[tuple[str, int], ...]
     columns: int
+    #: Frames sent channels first (ALOHA's clients), not HWC.
+    chw: bool = False
+    #: ALOHA's `adapt_to_pi`: joint sign flips and the gripper maps, on the state and actions.
+    adapt_to_pi: bool = False
 
     @property
     def state_dim(self) -> int:
@@ -84,6 +88,53 @@ DROID = Robot(
     (("observation/joint_position", 7), ("observation/gripper_position", 1)),
     8,
 )
+
+
+#: `AlohaInputs`/`AlohaOutputs`: the top camera and the two wrists (`cam_low`, which openpi's
+#: clients also send, is not read), channels first; the 14 joint and gripper values.
+ALOHA = Robot(
+    "ALOHA",
+    ("images/cam_high", "images/cam_left_wrist", "images/cam_right_wrist"),
+    (("state", 14),),
+    14,
+    chw=True,
+    adapt_to_pi=True,
+)
+#: ALOHA sim (examples/aloha_sim): the top camera only; the wrist slots are masked zero images.
+ALOHA_SIM = Robot("ALOHA sim", ("images/cam_high",), (("state", 14),), 14, True, True)
+#: openpi's `aloha_policy._joint_flip_mask` and gripper constants.
+FLIP = (1, -1, -1, 1, 1, 1, 1, 1, -1, -1, 1, 1, 1, 1)
+GRIPPERS = (6, 13)
+
+
+class AdaptToPi(torch.nn.Module):
+    """`AlohaInputs`' state decode (`_decode_state`: the joint sign flips, each gripper's
+    linear position to the pi runtime's angle through an arcsin) and then openpi's z-score
+    `Normalize`, in the prefix graph: the arcsin is not an affine map, so the bindings cannot
+    do it."""
+
+    def __init__(self, mean: NDArray[np.float64], std: NDArray[np.float64]):
+        super().__init__()
+        self.flip: torch.Tensor
+        self.mean: torch.Tensor
+        self.std: torch.Tensor
+        self.register_buffer("flip", torch.tensor(FLIP, dtype=torch.float32))
+        self.register_buffer("mean", torch.tensor(mean, dtype=torch.float32))
+        self.register_buffer("std", torch.tensor(std, dtype=torch.float32))
+
+    @staticmethod
+    def gripper(x: torch.Tensor) -> torch.Tensor:
+        # `_gripper_to_angular`: to metres, the horn's angle, normalised to pi's range.
+        v = x * (0.05800 - 0.01844) + 0.01844
+        v = (0.022**2 + v * v - 0.036**2) / (2 * 0.022 * v)
+        v = torch.asin(torch.clamp(v, -1.0, 1.0))
+        return (v - 0.5476) / (1.6296 - 0.5476)
+
+    def forward(self, state: torch.Tensor) -> torch.Tensor:
+        s = state * self.flip
+        g = self.gripper
+        s = torch.cat([s[..., :6], g(s[..., 6:7]), s[..., 7:13], g(s[..., 13:14])], dim=-1)
+        return (s - self.mean) / (self.std + EPS)
 
 
 def bool_mask(*dims: int) -> tuple[bool, ...]:
@@ -106,6 +157,8 @@ class TrainConfig:
     discrete_state: bool | None = None
     #: What openpi's server sends as metadata (`policy_metadata`, `{}` when unset).
     metadata: dict[str, Any] = field(default_factory=dict)
+    #: `InjectDefaultPrompt`: the prompt of a request without one.
+    default_prompt: str | None = None
 
     @property
     def max_token_len(self) -> int:
@@ -134,12 +187,39 @@ CONFIGS = {
         TrainConfig("pi05_droid", True, DROID, 15, "droid"),
         TrainConfig("pi05_droid_finetune", True, DROID, 16, "droid"),
         TrainConfig("pi05_full_droid_finetune", True, DROID, 16, "droid", bool_mask(7, -1)),
+        *(
+            TrainConfig(
+                name,
+                False,
+                ALOHA,
+                50,
+                "trossen",
+                bool_mask(6, -1, 6, -1),
+                metadata={"reset_pose": [0, -1.5, 1.5, 0, 0, 0]} if reset else {},
+                default_prompt=prompt,
+            )
+            for name, prompt, reset in [
+                ("pi0_aloha", None, True),
+                ("pi0_aloha_towel", "fold the towel", True),
+                ("pi0_aloha_tupperware", "open the tupperware and put the food on the plate", True),
+                ("pi0_aloha_pen_uncap", "uncap the pen", False),
+            ]
+        ),
+        # `use_delta_joint_actions=False`; the asset id is the dataset's repo id.
+        TrainConfig(
+            "pi0_aloha_sim",
+            False,
+            ALOHA_SIM,
+            50,
+            "lerobot/aloha_sim_transfer_cube_human",
+            default_prompt="Transfer cube",
+        ),
     ]
 }
 _ALOHA = (
-    "ALOHA's adapt_to_pi transform (joint sign flips, and the arcsin map between the linear "
-    "gripper position and its angle, on the state and on the actions) is not reproduced by "
-    "policyd yet"
+    "pi0.5 on ALOHA: its state goes into the prompt after adapt_to_pi's arcsin gripper map, "
+    "and policyd discretises only an affinely normalised state (pi0 on ALOHA is exported: the "
+    "map runs in the prefix graph)"
 )
 _FAST = (
     "pi0-FAST: openpi converts only Pi0Config models to PyTorch, and policyd does not serve "
@@ -147,18 +227,7 @@ _FAST = (
 )
 #: openpi's other published configs, and why each is refused.
 REFUSED = {
-    **{
-        n: _ALOHA
-        for n in [
-            "pi0_aloha",
-            "pi05_aloha",
-            "pi0_aloha_towel",
-            "pi0_aloha_tupperware",
-            "pi0_aloha_pen_uncap",
-            "pi05_aloha_pen_uncap",
-            "pi0_aloha_sim",
-        ]
-    },
+    **{n: _ALOHA for n in ["pi05_aloha", "pi05_aloha_pen_uncap"]},
     **{
         n: _FAST
         for n in [
@@ -409,8 +478,11 @@ def _state_bindings(ckpt: Checkpoint, tensors: bool) -> list[Table]:
         b: Table = {"key": key, "dtypes": ["float32", "float64"], "shape": [n]}
         if tensors:
             b["tensor"] = key.rsplit("/", 1)[-1]
+        out.append(b)
         part = slice(at, at + n)
         at += n
+        if cfg.robot.adapt_to_pi:
+            continue  # raw: the prefix graph decodes and normalises it (`AdaptToPi`)
         if cfg.quantile:
             assert s.q01 is not None and s.q99 is not None
             b.update(
@@ -420,7 +492,6 @@ def _state_bindings(ckpt: Checkpoint, tensors: bool) -> list[Table]:
         else:
             b.update(mean=[float(v) for v in s.mean[part]], std=[float(v) for v in s.std[part]])
             b["eps"] = EPS
-        out.append(b)
     return out
 
 
@@ -442,6 +513,14 @@ def _output(ckpt: Checkpoint) -> Table:
         o.update(min=lo, max=hi)
     else:
         o.update(mean=padded(a.mean, 0.0), std=padded(a.std, 1.0), eps=EPS)
+    if cfg.robot.adapt_to_pi:
+        # `AlohaOutputs`' encode after `AbsoluteActions`: the joints' sign flips, each gripper's
+        # `_gripper_from_angular` (affine: (y + 0.5476 + 0.6213)/(1.4910 + 0.6213)). A flipped
+        # relative joint is flip·(y + flip·state) = flip·y + state: the state as sent is added
+        # after the scale, as policyd does.
+        span = 1.4910 + 0.6213
+        o["scale"] = [1.0 / span if j in GRIPPERS else float(FLIP[j]) for j in range(n)]
+        o["offset"] = [(0.5476 + 0.6213) / span if j in GRIPPERS else 0.0 for j in range(n)]
     if cfg.delta is not None:
         # openpi adds the state (un-normalised back) to the masked columns; the mask covers
         # the first state part (LIBERO's state, DROID's joints).
@@ -467,7 +546,8 @@ def source(ckpt: Checkpoint) -> Any:  # bundle.Source
         serving="\n".join(
             textwrap.wrap(
                 f"Request keys are openpi's {cfg.robot.name} client's: {', '.join(keys)}; "
-                f"images uint8 HWC 224×224. Normalisation is openpi's, from {ckpt.norm_stats}.",
+                f"images uint8 {'CHW' if cfg.robot.chw else 'HWC'} 224×224. Normalisation is "
+                f"openpi's, from {ckpt.norm_stats}.",
                 90,
             )
         )
@@ -497,6 +577,10 @@ def export(
     # pi0's expert reads the state (DROID's two parts concatenated in the graph); pi0.5's
     # reaches the model only through the prompt, or not at all (pi05_libero).
     states = [] if cfg.pi05 else [(key.rsplit("/", 1)[-1], n) for key, n in cfg.robot.state]
+    state_fn = None
+    if cfg.robot.adapt_to_pi:
+        d = cfg.robot.state_dim
+        state_fn = AdaptToPi(ckpt.state.mean[:d], ckpt.state.std[:d])
     g1, g2, prefix_out = pi0.graphs(
         policy.model,
         out,
@@ -507,14 +591,16 @@ def export(
         states,
         cfg.max_token_len,
         len(SLOTS) - len(cams),
+        state_fn,
     )
+    chw = cfg.robot.chw
     inputs: list[Table] = [
         {
             "key": key,
             "tensor": slot,
             "dtypes": ["uint8"],
-            "shape": [*RESOLUTION, 3],
-            "layout": "hwc_to_chw",
+            "shape": [3, *RESOLUTION] if chw else [*RESOLUTION, 3],
+            **({} if chw else {"layout": "hwc_to_chw"}),
             # openpi's `Observation.from_dict`: uint8 / 255 · 2 − 1.
             "scale": 2.0 / 255.0,
             "offset": -1.0,
@@ -531,6 +617,8 @@ def export(
         "pad_id": 0,
         "overflow": "truncate",
     }
+    if cfg.default_prompt is not None:
+        tokenizer_table["default_prompt"] = cfg.default_prompt
     if cfg.state_in_prompt:
         keys = [k for k, _ in cfg.robot.state]
         tokenizer_table["state_key"] = keys[0] if len(keys) == 1 else keys

@@ -49,8 +49,12 @@ class Prefix(nn.Module):
         max_state: int | None,
         resize: list[bool] | None = None,
         resolution: tuple[int, int] = (224, 224),
+        state_fn: nn.Module | None = None,
     ):
         super().__init__()
+        # A map of the raw state into the model's (openpi ALOHA's adapt_to_pi and its
+        # normalisation), before padding; None: the bindings normalised it.
+        self.state_fn = state_fn
         self.model: Any = model  # a LeRobot module (untyped)
         self.cameras = cameras
         self.empty = empty
@@ -80,6 +84,8 @@ class Prefix(nn.Module):
         tokens, token_mask, *states = xs[self.cameras :]
         # openpi's DROID state arrives as two inputs (joints, gripper), concatenated first.
         state = [torch.cat(states, dim=-1)] if len(states) > 1 else states
+        if self.state_fn is not None and state:
+            state = [self.state_fn(state[0])]
         present = torch.ones(1, dtype=torch.bool)
         masks = [present] * self.cameras
         # LeRobot's empty cameras: images of −1, masked out.
@@ -204,12 +210,14 @@ def graphs(
     states: list[tuple[str, int]],
     length: int,
     empty: int,
+    state_fn: nn.Module | None = None,
 ) -> tuple[graphs_.Graph, graphs_.Graph, list[str]]:
     """`prefix.onnx` and `step.onnx` of a LeRobot `PI0Pytorch` (pi0 or pi0.5, LeRobot's or
     openpi's weights): camera inputs named `images` at `shapes` (CHW; `resize`: at another
     size than the model's, resized in the graph), `length` prompt tokens, the state inputs
     `states` (name, size; several are concatenated in order, none for pi0.5), `empty` masked
-    cameras after the real ones. Returns the graphs and the prefix outputs the step reads."""
+    cameras after the real ones; `state_fn` maps the state first (see `Prefix`). Returns the
+    graphs and the prefix outputs the step reads."""
     cfg: Any = model.config
     res = tuple(cfg.image_resolution)
     gen = torch.Generator().manual_seed(0)
@@ -226,7 +234,7 @@ def graphs(
     prefix_in = [*images, "tokens", "token_mask", *[name for name, _ in states]]
     prefix_out = ["prefix_mask", "k", "v"] + (["state_padded"] if states else [])
     max_state = int(cfg.max_state_dim) if states else None
-    prefix = Prefix(model, len(images), empty, max_state, resize, res)
+    prefix = Prefix(model, len(images), empty, max_state, resize, res, state_fn)
     args = (*image_args, tokens, token_mask, *state_args)
     g1 = graphs_.export(prefix, args, prefix_in, prefix_out, out / "prefix.onnx", verbose)
     with torch.no_grad():
