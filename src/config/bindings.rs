@@ -779,9 +779,9 @@ pub(super) fn outputs(cx: &Keys, outputs: &[RawOutput]) -> Result<Vec<OutputConf
     Ok(out)
 }
 
-/// `[[outputs]] scale`/`offset` folded into the un-normalisation: `(x·(std + eps) + mean)·scale
-/// + offset` is `x·std' + mean'` with `std' = (std + eps)·scale` (which may be negative: a sign
-/// flip) and `mean' = mean·scale + offset`. Each of the four is empty, one value, or one per
+/// `[[outputs]] scale`/`offset` folded into the un-normalisation: the map
+/// `(x·(std + eps) + mean)·scale + offset` is `x·std' + mean'` with `std' = (std + eps)·scale`
+/// (which may be negative: a sign flip) and `mean' = mean·scale + offset`. Each of the four is empty, one value, or one per
 /// column; the lengths that are not one must agree.
 fn then_scale(
     cx: &Keys,
