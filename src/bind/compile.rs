@@ -236,6 +236,20 @@ impl Plan {
                 history: b.history,
                 frame_bytes: frame_elements * spec.dtype.size(),
                 raw: None,
+                clip: match (b.clip, spec.dtype) {
+                    (None, _) => None,
+                    (Some(c), ElemType::F32 | ElemType::F64) => Some(c),
+                    (Some(_), t) => {
+                        return Err(invalid(
+                            k("clip"),
+                            format!(
+                                "model input '{}' is {t}; clip applies to float32 or float64 \
+                                 inputs",
+                                spec.name
+                            ),
+                        ));
+                    }
+                },
             });
         }
         for spec in &io.inputs {
@@ -394,6 +408,19 @@ impl Plan {
                 }
             };
             let affine = Affine::unnormalize(&o.mean, &o.std, o.eps);
+            let clamp = o.clip.map(|(lo, hi)| {
+                let (a, b) = match &affine {
+                    Affine::Scalar { a, b } => (vec![*a], vec![*b]),
+                    Affine::Indexed { a, b } => (a.clone(), b.clone()),
+                };
+                a.iter()
+                    .zip(&b)
+                    .map(|(a, b)| {
+                        let (x, y) = (a * lo + b, a * hi + b);
+                        (x.min(y), x.max(y))
+                    })
+                    .collect()
+            });
             let src_shape = if src_shape.is_empty() {
                 vec![1]
             } else {
@@ -414,6 +441,7 @@ impl Plan {
                 shape,
                 offset,
                 relative,
+                clamp,
             });
         }
         check_vllm_metadata(policy, &outputs)?;

@@ -57,6 +57,8 @@ pub struct InputBinding {
     /// The slot buffer that keeps this input's values as sent, as float64, for relative
     /// actions ([`Plan::relative_source`]).
     pub raw: Option<usize>,
+    /// Clamp the normalised values to `[lo, hi]` (`inputs[i].clip`; a float engine input).
+    pub clip: Option<(f64, f64)>,
 }
 
 /// One engine output sent under one reply key.
@@ -74,6 +76,10 @@ pub struct OutputBinding {
     pub offset: usize,
     /// Relative actions: the masked columns get the input's values as sent.
     pub relative: Option<Relative>,
+    /// `outputs[i].clip`, as bounds per column in reply units: the engine's values clamped
+    /// before un-normalising are the un-normalised values clamped to the mapped bounds (the
+    /// map is monotone per column), so the clamp runs on the reply.
+    pub clamp: Option<Vec<(f64, f64)>>,
 }
 
 /// The compiled plan.

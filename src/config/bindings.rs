@@ -57,6 +57,10 @@ pub(super) struct RawInput {
     /// instead of refusing the request.
     #[serde(default)]
     pub(super) allow_non_finite: bool,
+    /// `[lo, hi]`: after normalising, values are clamped to it (GR00T's state, clipped to
+    /// [−1, 1] after its q01/q99 min-max).
+    #[serde(default)]
+    pub(super) clip: Option<[f64; 2]>,
     /// A prompt tokenized into token ids (`tensor`) and a mask.
     #[serde(default)]
     pub(super) tokenizer: Option<RawTokenizer>,
@@ -149,6 +153,10 @@ pub(super) struct RawOutput {
     pub(super) scale: Vec<f64>,
     #[serde(default)]
     pub(super) offset: Vec<f64>,
+    /// `[lo, hi]`: the engine's values are clamped to it before un-normalising (GR00T's
+    /// actions, clipped to [−1, 1] before its q01/q99 min-max back).
+    #[serde(default)]
+    pub(super) clip: Option<[f64; 2]>,
     /// As for inputs (mean/std default 1e-6; LeRobot un-normalises with 0).
     #[serde(default)]
     pub(super) eps: Option<f64>,
@@ -204,6 +212,8 @@ pub struct InputConfig {
     pub engine_shape: Option<Vec<usize>>,
     /// Serve NaN and infinity instead of refusing the request (`inputs[i].allow_non_finite`).
     pub allow_non_finite: bool,
+    /// Clamp the normalised values to `[lo, hi]` (engine units).
+    pub clip: Option<(f64, f64)>,
 }
 
 /// What an input binding accepts.
@@ -283,6 +293,8 @@ pub struct OutputConfig {
     pub rows: Option<(usize, usize)>,
     /// Relative actions: absolute = un-normalised output + the input's values as sent.
     pub relative: Option<RelativeConfig>,
+    /// Clamp the engine's values to `[lo, hi]` before un-normalising.
+    pub clip: Option<(f64, f64)>,
 }
 
 /// `[[outputs]] relative_to`/`relative_mask`: the model predicts actions relative to the state,
@@ -607,6 +619,10 @@ pub(super) fn inputs(
         if history > 1 && (is_text(b) || tokens.is_some()) {
             return Err(cx.invalid(k("history"), "applies to numeric inputs, not text"));
         }
+        if b.clip.is_some() && (is_text(b) || tokens.is_some()) {
+            return Err(cx.invalid(k("clip"), "applies to numeric inputs, not text"));
+        }
+        let clip = check_clip(cx, &k("clip"), b.clip)?;
         out.push(InputConfig {
             key: b.key.clone(),
             tensor: b.tensor.clone(),
@@ -627,6 +643,7 @@ pub(super) fn inputs(
             fill: b.fill,
             engine_shape: b.engine_shape.clone(),
             allow_non_finite: b.allow_non_finite,
+            clip,
         });
     }
     let mut tokenized = out
@@ -774,9 +791,26 @@ pub(super) fn outputs(cx: &Keys, outputs: &[RawOutput]) -> Result<Vec<OutputConf
             eps,
             rows,
             relative,
+            clip: check_clip(cx, &k("clip"), o.clip)?,
         });
     }
     Ok(out)
+}
+
+/// A `clip = [lo, hi]`: finite, `lo < hi`.
+fn check_clip(
+    cx: &Keys,
+    key: &str,
+    clip: Option<[f64; 2]>,
+) -> Result<Option<(f64, f64)>, ConfigError> {
+    match clip {
+        None => Ok(None),
+        Some([lo, hi]) if lo.is_finite() && hi.is_finite() && lo < hi => Ok(Some((lo, hi))),
+        Some([lo, hi]) => Err(cx.invalid(
+            key,
+            format!("[{lo}, {hi}]: give [lo, hi] with finite lo < hi"),
+        )),
+    }
 }
 
 /// `[[outputs]] scale`/`offset` folded into the un-normalisation: the map

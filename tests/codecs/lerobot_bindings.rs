@@ -452,6 +452,65 @@ fn outputs_scale_and_offset_after_unnormalising() {
     );
 }
 
+/// `clip`: GR00T's state is clipped to [−1, 1] after its q01/q99 min-max, and its actions
+/// before the min-max back. Inputs clamp the normalised values; outputs clamp the engine's
+/// values before un-normalising (done on the reply with the bounds mapped through the affine
+/// map, which is the same for a monotone map per column).
+#[test]
+fn clip_clamps_normalised_inputs_and_engine_outputs() {
+    use policyd::bind::{Chunk, ReplyParts};
+    // min/max [0, 2]: x ↦ x − 1; then clamped to [−1, 1].
+    let got = normalised(
+        "min = [0.0, 0.0, 0.0]\nmax = [2.0, 2.0, 2.0]\nclip = [-1.0, 1.0]",
+        [-3.0, 1.5, 7.0],
+    );
+    assert_eq!(got, [-1.0, 0.5, 1.0]);
+    let io = state_io();
+    let cfg = STATE_IO.replace("NORM", "").replace(
+        "tensor = \"action\"",
+        "tensor = \"action\"\nmin = [0.0, 10.0, -4.0]\nmax = [2.0, 20.0, 4.0]\nclip = [-1.0, 1.0]",
+    );
+    let plan = compile(&cfg, &io).unwrap();
+    let engine: Vec<u8> = [-2.0f32, 0.5, 3.0]
+        .iter()
+        .cycle()
+        .take(12)
+        .flat_map(|v| v.to_le_bytes())
+        .collect();
+    let outputs = vec![engine];
+    let mut scratch = vec![0u8; plan.scratch_bytes];
+    let mut parts = ReplyParts {
+        outputs: &outputs,
+        scratch: &mut scratch,
+        chunk: Chunk { start: 0, end: 4 },
+        raw: &mut [],
+    };
+    let mut reply = plan.reply(&mut parts);
+    let got = f32s(reply.rows_f32(0, 4).unwrap().0);
+    // (clip(x) + 1)/2·(max − min) + min: −2 → −1 → min, 0.5 → 17.5, 3 → 1 → max.
+    assert_eq!(&got[..3], [0.0, 17.5, 4.0]);
+    assert_eq!(got[..3], got[9..]);
+    // Refused, naming the key: an empty range, text, an integer engine input.
+    let e = compile(
+        &cfg.replace("clip = [-1.0, 1.0]", "clip = [1.0, -1.0]"),
+        &io,
+    )
+    .unwrap_err();
+    assert!(
+        e.contains("outputs[0].clip") && e.contains("lo < hi"),
+        "{e}"
+    );
+    let int_io = IoSpec {
+        inputs: vec![spec("state", ElemType::I32, &[1, 3])],
+        outputs: state_io().outputs,
+    };
+    let e = compile(&STATE_IO.replace("NORM", "clip = [-1.0, 1.0]"), &int_io).unwrap_err();
+    assert!(
+        e.contains("inputs[0].clip") && e.contains("float32 or float64"),
+        "{e}"
+    );
+}
+
 #[test]
 fn relative_actions_are_checked_against_the_bindings() {
     let io = state_io();
