@@ -56,8 +56,7 @@ def test_build_plans_finds_external_data_beside_each_graph(
     from policyd_export import rewrite
     from policyd_export.cli import main
 
-    save = rewrite.save
-    monkeypatch.setattr(rewrite, "save", lambda m, p: save(m, p, external_over=0))
+    monkeypatch.setattr(rewrite, "EXTERNAL_OVER", 0)
     ckpt = checkpoints.act(tmp_path / "checkpoint")
     bundle = tmp_path / "bundle"
     assert main(["lerobot", str(ckpt), "--out", str(bundle)]) == 0

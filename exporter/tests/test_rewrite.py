@@ -147,3 +147,30 @@ def test_policyd_serves_a_graph_with_external_data(tmp_path: Path, policyd: str)
     (tmp_path / "external.onnx.data").unlink()
     ok, err = _serves(policyd, _config(tmp_path, graph, "concat_expand_matmul"))
     assert not ok and "external.onnx" in err, err
+
+
+def test_a_large_graph_is_rewritten_without_loading_its_weights(
+    tmp_path: Path, policyd: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The exporter's path for graphs past 2 GB (a real pi0's prefix): the traced graph's
+    weights stay in their file, R2 reads the one weight it splits from there, the file becomes
+    the rewritten graph's `<graph>.onnx.data` with the split weights appended, and the result
+    equals the original in onnxruntime and serves in policyd. Forced here on a small graph."""
+    model, _ = tract_bugs.concat_expand_matmul()
+    raw = tmp_path / "g.raw.onnx"
+    onnx.save_model(model, str(raw), save_as_external_data=True, location="g.raw.onnx.data")
+    feeds = rewrite.random_feeds(raw)
+    want = rewrite.run_once(raw, feeds)
+    structure = onnx.load(str(raw), load_external_data=False)
+    weights = [t for t in structure.graph.initializer if t.dims and np.prod(t.dims) > 256]
+    assert weights and all(not t.HasField("raw_data") for t in weights)
+    fixed, report = rewrite.rewrite(structure, base_dir=tmp_path)
+    assert report.concat_expand_matmul
+    monkeypatch.setattr(rewrite, "EXTERNAL_OVER", 0)
+    graph = tmp_path / "g.onnx"
+    rewrite.place(fixed, tmp_path / "g.raw.onnx.data", graph)
+    assert not (tmp_path / "g.raw.onnx.data").exists()
+    onnx.checker.check_model(str(graph), full_check=False)
+    assert rewrite.max_diff(want, rewrite.run_once(graph, feeds)) <= 1e-5
+    ok, err = _serves(policyd, _config(tmp_path, graph, "concat_expand_matmul"))
+    assert ok, err

@@ -66,35 +66,49 @@ def export(
                 raise ExportError("torch.onnx.export returned no program")
             program.optimize()
             raw = path.with_suffix(".raw.onnx")
-            program.save(str(raw))
+            # The weights in a file of their own from the start: nothing after this holds
+            # them all in memory but onnxruntime's session (a real pi0's prefix is 11.6 GB).
+            program.save(str(raw), external_data=True)
+            del program
     except Exception as e:  # the exporter raises many types; all mean the same to a user
         raise ExportError(f"torch.onnx.export failed for {path.name}: {e}") from e
-    model = onnx.load(str(raw))
-    rewritten, report = rewrite.rewrite(model)
-    rewrite.save(rewritten, path)
+    data = raw.parent / (raw.name + ".data")
+    model = onnx.load(str(raw), load_external_data=False)
+    rewritten, report = rewrite.rewrite(model, base_dir=raw.parent)
+    del model
     feeds = {n: a.detach().cpu().numpy() for n, a in zip(input_names, args, strict=True)}
-    if report.total():
-        same = rewrite.check_same(raw, path, feeds)
-        if same > 1e-5:
-            raise ExportError(f"{path.name}: the tract rewrites changed the outputs by {same:.3g}")
+    with torch.no_grad():
+        want = module(*args)
+    want = [want] if isinstance(want, torch.Tensor) else list(want)
+    # The graph as traced, run before its weights move (one session at a time).
+    large = data.stat().st_size > rewrite.EXTERNAL_OVER
+    before = rewrite.run_once(raw, feeds, prepack=not large) if report.total() else None
+    rewrite.place(rewritten, data, path)
+    del rewritten
     raw.unlink()
-    for extra in path.parent.glob(raw.name + "*"):
-        extra.unlink()
+    if report.total():
+        onnx.checker.check_model(str(path), full_check=False)
     import onnxruntime as ort
 
     # One thread, as policyd's engine runs by default (engine.threads = 1): the run timed
-    # below sizes the bundle's engine.timeout_ms.
+    # below sizes the bundle's engine.timeout_ms. A graph with external data is not prepacked
+    # (prepacking copies every MatMul weight once more).
     options = ort.SessionOptions()
     options.intra_op_num_threads = 1
     options.inter_op_num_threads = 1
+    external = (path.parent / (path.name + ".data")).exists()
+    if external:
+        options.add_session_config_entry("session.disable_prepacking", "1")
     sess = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
     got = sess.run(None, feeds)
     timed = time.monotonic()
     sess.run(None, feeds)
     run_seconds = time.monotonic() - timed
-    with torch.no_grad():
-        want = module(*args)
-    want = [want] if isinstance(want, torch.Tensor) else list(want)
+    del sess
+    if before is not None:
+        same = rewrite.max_diff(before, got)
+        if same > 1e-5:
+            raise ExportError(f"{path.name}: the tract rewrites changed the outputs by {same:.3g}")
     diff = max(
         float(np.abs(g.astype(np.float64) - w.detach().cpu().numpy().astype(np.float64)).max())
         for g, w in zip(got, want, strict=True)

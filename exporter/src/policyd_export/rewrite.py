@@ -45,8 +45,10 @@ class Report:
 class _Graph:
     """Producers, consumers and constants of a graph, for pattern matching."""
 
-    def __init__(self, model: onnx.ModelProto):
+    def __init__(self, model: onnx.ModelProto, base_dir: Path | None = None):
         self.model = model
+        # Where the weights of a graph loaded without its external data are read from.
+        self.base_dir = str(base_dir) if base_dir is not None else ""
         self.g = model.graph
         self.producer = {o: n for n in self.g.node for o in n.output}
         self.inits = {i.name: i for i in self.g.initializer}
@@ -64,7 +66,7 @@ class _Graph:
 
     def constant(self, name: str) -> NDArray[Any] | None:
         if name in self.inits:
-            return numpy_helper.to_array(self.inits[name])
+            return numpy_helper.to_array(self.inits[name], self.base_dir)
         node = self.producer.get(name)
         if node is not None and node.op_type == "Constant":
             for a in node.attribute:
@@ -98,12 +100,14 @@ def _shapes(model: onnx.ModelProto) -> dict[str, list[int | None]]:
     return out
 
 
-def rewrite(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Report]:
-    """Applies R1–R3 to a copy of `model`; returns it and what changed (nothing: an equal copy)."""
+def rewrite(model: onnx.ModelProto, base_dir: Path | None = None) -> tuple[onnx.ModelProto, Report]:
+    """Applies R1–R3 to a copy of `model`; returns it and what changed (nothing: an equal copy).
+    A graph loaded without its external data (`onnx.load(..., load_external_data=False)`: a
+    copy is then cheap) reads the few weights a rewrite needs from `base_dir`."""
     model = onnx.ModelProto.FromString(model.SerializeToString())
     report = Report()
     shapes = _shapes(model)
-    gr = _Graph(model)
+    gr = _Graph(model, base_dir)
     new_nodes: list[onnx.NodeProto] = []
     dropped_info: set[str] = set()
     for node in model.graph.node:
@@ -144,7 +148,7 @@ def rewrite(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Report]:
                 widths = [w for w in maybe if w is not None]
                 expands = [gr.producer.get(p) for p in parts]
                 has_expand = any(e is not None and e.op_type == "Expand" for e in expands)
-                w = numpy_helper.to_array(gr.inits[node.input[1]])
+                w = numpy_helper.to_array(gr.inits[node.input[1]], gr.base_dir)
                 if (
                     has_expand
                     and len(widths) == len(parts)
@@ -192,7 +196,10 @@ def rewrite(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Report]:
     model.graph.node.extend(new_nodes)
     dropped_info |= {n.output[0] for n in new_nodes}
     _cleanup(model, dropped_info)
-    onnx.checker.check_model(model, full_check=False)
+    if base_dir is None:
+        # A graph whose weights lie elsewhere is checked once written (`graphs.export`): the
+        # checker looks for its data file from the working directory.
+        onnx.checker.check_model(model, full_check=False)
     return model, report
 
 
@@ -236,20 +243,65 @@ def random_feeds(model_path: str | Path, seed: int = 0) -> dict[str, NDArray[Any
     return feeds
 
 
-def check_same(original: str | Path, rewritten: str | Path, feeds: dict[str, Any]) -> float:
-    """Largest absolute difference between the two graphs' outputs in onnxruntime."""
+def run_once(path: str | Path, feeds: dict[str, Any], prepack: bool = True) -> list[NDArray[Any]]:
+    """One onnxruntime run of a graph; the session (a copy of its weights) is gone after.
+    `prepack=False` spares the copy of every MatMul weight onnxruntime's CPU kernels make."""
     import onnxruntime as ort
 
-    a = ort.InferenceSession(str(original), providers=["CPUExecutionProvider"])
-    b = ort.InferenceSession(str(rewritten), providers=["CPUExecutionProvider"])
+    options = ort.SessionOptions()
+    if not prepack:
+        options.add_session_config_entry("session.disable_prepacking", "1")
+    sess = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    return [np.asarray(x) for x in sess.run(None, feeds)]
+
+
+def max_diff(a: list[NDArray[Any]], b: list[NDArray[Any]]) -> float:
     worst = 0.0
-    for x, y in zip(a.run(None, feeds), b.run(None, feeds), strict=True):
+    for x, y in zip(a, b, strict=True):
         diff = np.abs(np.asarray(x, dtype=np.float64) - np.asarray(y, dtype=np.float64))
         worst = max(worst, float(diff.max()) if diff.size else 0.0)
     return worst
 
 
-def save(model: onnx.ModelProto, path: Path, external_over: int = 1_800_000_000) -> None:
+def check_same(original: str | Path, rewritten: str | Path, feeds: dict[str, Any]) -> float:
+    """Largest absolute difference between the two graphs' outputs in onnxruntime (one session
+    at a time: a large graph's weights are held once)."""
+    return max_diff(run_once(original, feeds), run_once(rewritten, feeds))
+
+
+#: Past this many bytes a graph's weights go to `<graph>.onnx.data` (ONNX's protobuf limit is
+#: 2 GB); below it a graph is one file, which a firmware image can embed.
+EXTERNAL_OVER = 1_800_000_000
+
+
+def place(model: onnx.ModelProto, data: Path, path: Path) -> None:
+    """Writes `model`, loaded without its external data (which lies in `data`, beside it), to
+    `path`. A large graph keeps its weights where they are: `data` becomes `<path>.data`, and
+    what the rewrites added is appended to it, so the weights are never all in memory; a small
+    one is read back in and written whole, as one file. `data` is gone after."""
+    size = data.stat().st_size + model.ByteSize()
+    if size <= EXTERNAL_OVER:
+        onnx.load_external_data_for_model(model, str(data.parent))
+        onnx.save_model(model, str(path))
+        data.unlink()
+        return
+    target = path.parent / (path.name + ".data")
+    data.rename(target)
+    for t in model.graph.initializer:
+        for entry in t.external_data:
+            if entry.key == "location" and entry.value == data.name:
+                entry.value = target.name
+    # Only tensors that carry their bytes (the rewrites' new ones) are written: appended.
+    onnx.save_model(
+        model,
+        str(path),
+        save_as_external_data=True,
+        all_tensors_to_one_file=True,
+        location=target.name,
+    )
+
+
+def save(model: onnx.ModelProto, path: Path, external_over: int = EXTERNAL_OVER) -> None:
     """Saves a graph; over `external_over` bytes its weights go to `<name>.data` beside it
     (ONNX's protobuf limit is 2 GB; tract reads external data inside the model's directory)."""
     if model.ByteSize() > external_over:
