@@ -39,7 +39,7 @@ import torch
 from numpy.typing import NDArray
 
 from .errors import ExportError
-from .families import Exported, Signature, Table
+from .families import Exported, Table, flow_pipeline
 
 #: The PaliGemma SentencePiece model, where openpi's `maybe_download` keeps it.
 TOKENIZER_FILE = "paligemma_tokenizer.model"
@@ -625,32 +625,17 @@ def export(
     inputs.append(
         {"key": "prompt", "tensor": "tokens", "dtypes": ["text"], "tokenizer": tokenizer_table}
     )
-    horizon, dim = int(lcfg.chunk_size), int(lcfg.max_action_dim)
-    sampler = {
-        "kind": "flow",
-        "steps": 10,
-        "max_steps": 40,
-        "x": "x_t",
-        "time": "time",
-        "output": "v_t",
-        "flow_time": "openpi",
-    }
-    table: Table = {
-        "engine": {"backend": "cpu", "model": "prefix.onnx"},
-        "denoise": {"model": "step.onnx", "wire": {n: n for n in prefix_out}},
-        "sampler": sampler,
-        "inputs": inputs,
-        "outputs": [_output(ckpt)],
-        "metadata": dict(cfg.metadata),
-    }
-    manifest: Signature = {
-        "family": "pi05" if cfg.pi05 else "pi0",
-        "horizon": horizon,
-        "action_dim": cfg.robot.columns,
-        "n_obs_steps": 1,
-        "noise": {"tensor": "x_t", "shape": [horizon, dim]},
-        "sampler": sampler,
-        "prompt_key": "prompt",
-    }
-    flags = {"prefix.onnx": ["--bf16"], "step.onnx": ["--bf16"]}
-    return Exported(table, [g1, g2], manifest, flags)
+    return flow_pipeline(
+        "pi05" if cfg.pi05 else "pi0",
+        [g1, g2],
+        prefix_out,
+        inputs,
+        _output(ckpt),
+        dict(cfg.metadata),
+        steps=10,
+        flow_time="openpi",
+        horizon=int(lcfg.chunk_size),
+        max_action=int(lcfg.max_action_dim),
+        action_dim=cfg.robot.columns,
+        prompt_key="prompt",
+    )

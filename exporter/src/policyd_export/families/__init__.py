@@ -54,6 +54,55 @@ class Exported:
     trt_flags: dict[str, list[str]] = field(default_factory=dict)
 
 
+def flow_pipeline(
+    family: str,
+    graphs: list[Graph],
+    prefix_out: list[str],
+    inputs: list[Table],
+    output: Table,
+    metadata: Table,
+    *,
+    steps: int,
+    flow_time: str,
+    horizon: int,
+    max_action: int,
+    action_dim: int,
+    prompt_key: str,
+) -> Exported:
+    """A VLA's `prefix.onnx` and `step.onnx` under policyd's flow sampler (pi0, pi0.5, SmolVLA,
+    openpi's pi0 and pi0.5): the step graph reads `x_t`, `time` and the prefix's outputs and
+    returns `v_t`; a request may ask for up to four times the default steps. TensorRT in BF16:
+    Gemma's attention overflows in plain FP16 (pi0.5 above all, docs/export.md)."""
+    sampler = {
+        "kind": "flow",
+        "steps": steps,
+        "max_steps": max(steps, 4 * steps),
+        "x": "x_t",
+        "time": "time",
+        "output": "v_t",
+        "flow_time": flow_time,
+    }
+    config: Table = {
+        "engine": {"backend": "cpu", "model": "prefix.onnx"},
+        "denoise": {"model": "step.onnx", "wire": {n: n for n in prefix_out}},
+        "sampler": sampler,
+        "inputs": inputs,
+        "outputs": [output],
+        "metadata": metadata,
+    }
+    manifest: Signature = {
+        "family": family,
+        "horizon": horizon,
+        "action_dim": action_dim,
+        "n_obs_steps": 1,
+        "noise": {"tensor": "x_t", "shape": [horizon, max_action]},
+        "sampler": sampler,
+        "prompt_key": prompt_key,
+    }
+    flags = {"prefix.onnx": ["--bf16"], "step.onnx": ["--bf16"]}
+    return Exported(config, graphs, manifest, flags)
+
+
 OBS_STATE = "observation.state"
 OBS_ENV_STATE = "observation.environment_state"
 

@@ -32,7 +32,7 @@ from .. import graphs as graphs_
 from ..bindings import input_binding, output_binding, relative_actions
 from ..checkpoint import Checkpoint, Feature
 from ..errors import ExportError
-from . import Exported, Signature, Table, local_file
+from . import Exported, Table, flow_pipeline, local_file
 
 OBS_STATE = "observation.state"
 TOKENIZER_FILE = "tokenizer.model"
@@ -306,37 +306,23 @@ def export(
     output = output_binding(ckpt, "x_t")
     output["columns"] = action_dim
     relative_actions(ckpt, output, state_binding["key"], state_dim)
-    sampler = {
-        "kind": "flow",
-        "steps": steps,
-        "max_steps": max(steps, 4 * steps),
-        "x": "x_t",
-        "time": "time",
-        "output": "v_t",
-        "flow_time": "lerobot",
-    }
-    config: Table = {
-        "engine": {"backend": "cpu", "model": "prefix.onnx"},
-        "denoise": {"model": "step.onnx", "wire": {n: n for n in prefix_out}},
-        "sampler": sampler,
-        "inputs": inputs,
-        "outputs": [output],
-        "metadata": {
-            "policy_type": ckpt.type,
-            "action_horizon": chunk,
-            "action_dim": action_dim,
-            "n_action_steps": int(cfg.n_action_steps),
-        },
-    }
-    manifest: Signature = {
-        "family": ckpt.type,
-        "horizon": chunk,
+    metadata = {
+        "policy_type": ckpt.type,
+        "action_horizon": chunk,
         "action_dim": action_dim,
-        "n_obs_steps": 1,
-        "noise": {"tensor": "x_t", "shape": [chunk, max_action]},
-        "sampler": sampler,
-        "prompt_key": tok.get("task_key", "task"),
+        "n_action_steps": int(cfg.n_action_steps),
     }
-    # Gemma's attention overflows in plain FP16 (pi0.5 above all, docs/export.md): BF16.
-    flags = {"prefix.onnx": ["--bf16"], "step.onnx": ["--bf16"]}
-    return Exported(config, [g1, g2], manifest, flags)
+    return flow_pipeline(
+        ckpt.type,
+        [g1, g2],
+        prefix_out,
+        inputs,
+        output,
+        metadata,
+        steps=steps,
+        flow_time="lerobot",
+        horizon=chunk,
+        max_action=max_action,
+        action_dim=action_dim,
+        prompt_key=tok.get("task_key", "task"),
+    )

@@ -32,7 +32,7 @@ from .. import graphs
 from ..bindings import input_binding, output_binding
 from ..checkpoint import Checkpoint
 from ..errors import ExportError
-from . import OBS_STATE, Exported, Signature, Table, local_file
+from . import OBS_STATE, Exported, flow_pipeline, local_file
 from .pi0 import Step  # the cache rebuilt from the stacked keys and values, `denoise_step`
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -159,36 +159,23 @@ def export(ckpt: Checkpoint, policy: Any, out: Path, verbose: bool) -> Exported:
     )
     output = output_binding(ckpt, "x_t")
     output["columns"] = action_dim
-    sampler = {
-        "kind": "flow",
-        "steps": steps,
-        "max_steps": 4 * steps,
-        "x": "x_t",
-        "time": "time",
-        "output": "v_t",
-        "flow_time": "lerobot",
-    }
-    config: Table = {
-        "engine": {"backend": "cpu", "model": "prefix.onnx"},
-        "denoise": {"model": "step.onnx", "wire": {n: n for n in prefix_out}},
-        "sampler": sampler,
-        "inputs": inputs,
-        "outputs": [output],
-        "metadata": {
-            "policy_type": "smolvla",
-            "action_horizon": chunk,
-            "action_dim": action_dim,
-            "n_action_steps": int(cfg.n_action_steps),
-        },
-    }
-    manifest: Signature = {
-        "family": "smolvla",
-        "horizon": chunk,
+    metadata = {
+        "policy_type": "smolvla",
+        "action_horizon": chunk,
         "action_dim": action_dim,
-        "n_obs_steps": 1,
-        "noise": {"tensor": "x_t", "shape": [chunk, max_action]},
-        "sampler": sampler,
-        "prompt_key": tok.get("task_key", "task"),
+        "n_action_steps": int(cfg.n_action_steps),
     }
-    flags = {"prefix.onnx": ["--bf16"], "step.onnx": ["--bf16"]}
-    return Exported(config, [g1, g2], manifest, flags)
+    return flow_pipeline(
+        "smolvla",
+        [g1, g2],
+        prefix_out,
+        inputs,
+        output,
+        metadata,
+        steps=steps,
+        flow_time="lerobot",
+        horizon=chunk,
+        max_action=max_action,
+        action_dim=action_dim,
+        prompt_key=tok.get("task_key", "task"),
+    )
