@@ -9,6 +9,7 @@ peak of anonymous memory alone (RssAnon, polled every 50 ms: onnxruntime and saf
 their files, and those clean file pages count in RSS but the kernel can drop them).
 
     .venv-export/bin/python benches/pi0_real.py --policyd target/debug/policyd [--keep DIR]
+        [--pi05] [--serve N]
     .venv-export/bin/python benches/pi0_real.py --policyd target/debug/policyd --parity DIR
 
 Needs about 30 GB of disk (the checkpoint and the bundle, 13 GB each). Prints what it measured
@@ -29,10 +30,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "exporter" / "tests"))
 
 
-def build(out: Path) -> None:
+def build(out: Path, pi05: bool) -> None:
     checkpoints = importlib.import_module("checkpoints")
     tokenizer = checkpoints.gemma_tokenizer(out.parent / "tokenizer")
-    checkpoints.pi0(out, tokenizer, cameras=2, chunk=50)
+    checkpoints.pi0(out, tokenizer, cameras=2, chunk=50, pi05=pi05)
     import json
 
     params = json.loads((out / "config.json").read_text())
@@ -121,9 +122,17 @@ def main() -> None:
         "--parity",
         help="a kept directory: serve its bundle for one observation, then LeRobot on the same",
     )
+    ap.add_argument("--pi05", action="store_true", help="pi0.5 instead of pi0")
+    ap.add_argument(
+        "--serve",
+        type=int,
+        default=0,
+        help="then serve on cpu and ort at 1 and 2 threads and run LeRobot's torch: N chunks "
+        "each (benches/smolvla_real.py's rows)",
+    )
     args = ap.parse_args()
     if args.build:
-        build(Path(args.build))
+        build(Path(args.build), args.pi05)
         return
     if args.parity:
         parity(Path(args.parity), args.policyd)
@@ -131,7 +140,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(args.keep or d)
         ckpt = tmp / "checkpoint"
-        secs, peak, anon, r = timed([sys.executable, __file__, "--build", str(ckpt)])
+        child = [sys.executable, __file__, "--build", str(ckpt)] + (["--pi05"] if args.pi05 else [])
+        secs, peak, anon, r = timed(child)
         print(
             f"build: exit {r.returncode}, {secs:.0f} s, peak RSS {peak:.2f} GB, anon {anon:.2f} GB"
         )
@@ -158,6 +168,10 @@ def main() -> None:
         print(
             "\n".join(line for line in r.stdout.splitlines() if "total" in line or "model" in line)
         )
+        if args.serve:
+            sys.path.insert(0, str(ROOT / "benches"))
+            rows = importlib.import_module("smolvla_real").serve_rows
+            rows(args.policyd, bundle, ckpt, args.serve)
 
 
 if __name__ == "__main__":
