@@ -10,10 +10,11 @@ the delta actions, the columns sent back. So the user names it (`--config pi05_l
 
 openpi's order (`policy_config.create_trained_policy`) and where each step lands:
 
-- data transforms (`LiberoInputs`, `DroidInputs`): the request keys of the bindings; a missing
-  camera slot (the right wrist) is LeRobot's `empty_cameras` (−1, masked out), which is what
-  openpi's zero uint8 image becomes after its `/255·2 − 1`; DROID's state is two keys, which
-  the prefix graph (pi0) or the prompt (pi0.5) concatenates;
+- data transforms (`LiberoInputs`, `DroidInputs`, `AlohaInputs`): the request keys of the
+  bindings; a missing camera slot (the right wrist) is LeRobot's `empty_cameras` (−1, masked
+  out), which is what openpi's zero uint8 image becomes after its `/255·2 − 1`; DROID's state
+  is two keys, which the prefix graph (pi0) or the prompt (pi0.5) concatenates; ALOHA's
+  `adapt_to_pi` state decode runs in the prefix graph (`AdaptToPi`);
 - `Normalize`: the bindings' `mean`/`std` with `eps = 1e-6` (z-score), or `min`/`max` with
   `max = q99 + 1e-6` (quantile: `(x − q01)/(q99 − q01 + 1e-6)·2 − 1`);
 - model transforms: frames must be 224×224 (openpi's `ResizeImages` is jax's antialiased
@@ -22,12 +23,13 @@ openpi's order (`policy_config.create_trained_policy`) and where each step lands
   `PadStatesAndActions` is the graph's `pad_vector`;
 - the model: openpi's 10 Euler steps, `flow_time = "openpi"`;
 - `Unnormalize`, `AbsoluteActions` (`[[outputs]] relative_to` with the config's mask), and the
-  data outputs' columns.
+  data outputs' columns (ALOHA's encode: `[[outputs]] scale`/`offset`).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import textwrap
 from dataclasses import dataclass, field
@@ -41,9 +43,9 @@ from numpy.typing import NDArray
 from .errors import ExportError
 from .families import Exported, Table, flow_pipeline
 
-#: The PaliGemma SentencePiece model, where openpi's `maybe_download` keeps it.
+#: The PaliGemma SentencePiece model (openpi's `maybe_download` keeps it in its cache,
+#: `$OPENPI_DATA_HOME` or ~/.cache/openpi, under big_vision/).
 TOKENIZER_FILE = "paligemma_tokenizer.model"
-OPENPI_TOKENIZER = "~/.cache/openpi/big_vision/paligemma_tokenizer.model"
 #: openpi's normalisation epsilon (`transforms.Normalize`/`Unnormalize`).
 EPS = 1e-6
 #: openpi's camera slots, in the model's order (`model.IMAGE_KEYS`).
@@ -458,13 +460,15 @@ def _tokenizer(out: Path, given: Path | None) -> None:
         candidates += (
             [given / TOKENIZER_FILE, given / "tokenizer.model"] if given.is_dir() else [given]
         )
-    candidates.append(Path(OPENPI_TOKENIZER).expanduser())
+    cache = Path(os.environ.get("OPENPI_DATA_HOME", "~/.cache/openpi")).expanduser()
+    candidates.append(cache / "big_vision" / TOKENIZER_FILE)
     found = next((c for c in candidates if c.is_file()), None)
     if found is None:
         raise ExportError(
             f"no PaliGemma tokenizer (looked at {', '.join(map(str, candidates))}): pass "
             f"--tokenizer PATH to {TOKENIZER_FILE} (openpi downloads it from "
-            f"gs://big_vision/{TOKENIZER_FILE} into ~/.cache/openpi/big_vision/)"
+            f"gs://big_vision/{TOKENIZER_FILE} into $OPENPI_DATA_HOME/big_vision/, by default "
+            "~/.cache/openpi/big_vision/)"
         )
     shutil.copy(found, out / TOKENIZER_FILE)
 
