@@ -80,9 +80,11 @@ def export(
     with torch.no_grad():
         want = module(*args)
     want = [want] if isinstance(want, torch.Tensor) else list(want)
+    # A graph whose weights stay in their file is not prepacked by onnxruntime (prepacking
+    # copies every MatMul weight once more).
+    external = rewrite.stays_external(rewritten, data)
     # The graph as traced, run before its weights move (one session at a time).
-    large = data.stat().st_size > rewrite.EXTERNAL_OVER
-    before = rewrite.run_once(raw, feeds, prepack=not large) if report.total() else None
+    before = rewrite.run_once(raw, feeds, prepack=not external) if report.total() else None
     rewrite.place(rewritten, data, path)
     del rewritten
     raw.unlink()
@@ -91,12 +93,10 @@ def export(
     import onnxruntime as ort
 
     # One thread, as policyd's engine runs by default (engine.threads = 1): the run timed
-    # below sizes the bundle's engine.timeout_ms. A graph with external data is not prepacked
-    # (prepacking copies every MatMul weight once more).
+    # below sizes the bundle's engine.timeout_ms.
     options = ort.SessionOptions()
     options.intra_op_num_threads = 1
     options.inter_op_num_threads = 1
-    external = (path.parent / (path.name + ".data")).exists()
     if external:
         options.add_session_config_entry("session.disable_prepacking", "1")
     sess = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])

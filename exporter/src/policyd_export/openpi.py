@@ -40,6 +40,7 @@ import numpy as np
 import torch
 from numpy.typing import NDArray
 
+from .bundle import ManifestInput, Source
 from .errors import ExportError
 from .families import Exported, Table, flow_pipeline
 
@@ -538,9 +539,8 @@ def _output(ckpt: Checkpoint) -> Table:
     return o
 
 
-def source(ckpt: Checkpoint) -> Any:  # bundle.Source
-    from .bundle import ManifestInput, Source
-
+def source(ckpt: Checkpoint) -> Source:
+    """The checkpoint as a bundle's source: openpi's request keys, no LeRobot client."""
     cfg = ckpt.config
     keys = [*cfg.robot.cameras, *(k for k, _ in cfg.robot.state), "prompt"]
     return Source(
@@ -577,7 +577,7 @@ def export(
     lcfg = lerobot_config(ckpt)
     policy = get_policy_class("pi05" if cfg.pi05 else "pi0")(lcfg).eval()
     load_weights(ckpt, policy)
-    cams = [s for s in SLOTS[: len(cfg.robot.cameras)]]
+    cams = list(SLOTS[: len(cfg.robot.cameras)])
     # pi0's expert reads the state (DROID's two parts concatenated in the graph); pi0.5's
     # reaches the model only through the prompt, or not at all (pi05_libero).
     states = [] if cfg.pi05 else [(key.rsplit("/", 1)[-1], n) for key, n in cfg.robot.state]

@@ -274,13 +274,18 @@ def check_same(original: str | Path, rewritten: str | Path, feeds: dict[str, Any
 EXTERNAL_OVER = 1_800_000_000
 
 
+def stays_external(model: onnx.ModelProto, data: Path) -> bool:
+    """Whether `place` keeps the weights of `model` (loaded without them, from `data`) in a
+    file of their own."""
+    return data.stat().st_size + int(model.ByteSize()) > EXTERNAL_OVER
+
+
 def place(model: onnx.ModelProto, data: Path, path: Path) -> None:
     """Writes `model`, loaded without its external data (which lies in `data`, beside it), to
     `path`. A large graph keeps its weights where they are: `data` becomes `<path>.data`, and
     what the rewrites added is appended to it, so the weights are never all in memory; a small
     one is read back in and written whole, as one file. `data` is gone after."""
-    size = data.stat().st_size + model.ByteSize()
-    if size <= EXTERNAL_OVER:
+    if not stays_external(model, data):
         onnx.load_external_data_for_model(model, str(data.parent))
         onnx.save_model(model, str(path))
         data.unlink()

@@ -103,6 +103,42 @@ def flow_pipeline(
     return Exported(config, graphs, manifest, flags)
 
 
+def lerobot_flow(
+    family: str,
+    cfg: Any,  # a LeRobot PreTrainedConfig (untyped)
+    steps: int,
+    graphs: list[Graph],
+    prefix_out: list[str],
+    inputs: list[Table],
+    output: Table,
+    prompt_key: str,
+) -> Exported:
+    """`flow_pipeline` for a LeRobot VLA (pi0, pi0.5, SmolVLA): LeRobot's flow time, its
+    config's chunk, and the metadata LeRobot's clients read."""
+    chunk = int(cfg.chunk_size)
+    action_dim = int(output["columns"])
+    metadata = {
+        "policy_type": family,
+        "action_horizon": chunk,
+        "action_dim": action_dim,
+        "n_action_steps": int(cfg.n_action_steps),
+    }
+    return flow_pipeline(
+        family,
+        graphs,
+        prefix_out,
+        inputs,
+        output,
+        metadata,
+        steps=steps,
+        flow_time="lerobot",
+        horizon=chunk,
+        max_action=int(cfg.max_action_dim),
+        action_dim=action_dim,
+        prompt_key=prompt_key,
+    )
+
+
 OBS_STATE = "observation.state"
 OBS_ENV_STATE = "observation.environment_state"
 

@@ -32,7 +32,7 @@ from .. import graphs as graphs_
 from ..bindings import input_binding, output_binding, relative_actions
 from ..checkpoint import Checkpoint, Feature
 from ..errors import ExportError
-from . import Exported, Table, flow_pipeline, local_file
+from . import Exported, Table, lerobot_flow, local_file
 
 OBS_STATE = "observation.state"
 TOKENIZER_FILE = "tokenizer.model"
@@ -272,8 +272,6 @@ def export(
     g1, g2, prefix_out = graphs(
         model, out, verbose, images, shapes, resize, states, length, int(cfg.empty_cameras)
     )
-    chunk = int(cfg.chunk_size)
-    max_action = int(cfg.max_action_dim)
     steps = int(cfg.num_inference_steps)
     action_dim = ckpt.outputs[0].shape[0]
     # A resized camera's binding only normalises: the graph resizes, then maps to [−1, 1].
@@ -306,23 +304,6 @@ def export(
     output = output_binding(ckpt, "x_t")
     output["columns"] = action_dim
     relative_actions(ckpt, output, state_binding["key"], state_dim)
-    metadata = {
-        "policy_type": ckpt.type,
-        "action_horizon": chunk,
-        "action_dim": action_dim,
-        "n_action_steps": int(cfg.n_action_steps),
-    }
-    return flow_pipeline(
-        ckpt.type,
-        [g1, g2],
-        prefix_out,
-        inputs,
-        output,
-        metadata,
-        steps=steps,
-        flow_time="lerobot",
-        horizon=chunk,
-        max_action=max_action,
-        action_dim=action_dim,
-        prompt_key=tok.get("task_key", "task"),
+    return lerobot_flow(
+        ckpt.type, cfg, steps, [g1, g2], prefix_out, inputs, output, tok.get("task_key", "task")
     )

@@ -32,7 +32,7 @@ from .. import graphs
 from ..bindings import input_binding, output_binding
 from ..checkpoint import Checkpoint
 from ..errors import ExportError
-from . import OBS_STATE, Exported, flow_pipeline, local_file
+from . import OBS_STATE, Exported, lerobot_flow, local_file
 from .pi0 import Step  # the cache rebuilt from the stacked keys and values, `denoise_step`
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -159,23 +159,6 @@ def export(ckpt: Checkpoint, policy: Any, out: Path, verbose: bool) -> Exported:
     )
     output = output_binding(ckpt, "x_t")
     output["columns"] = action_dim
-    metadata = {
-        "policy_type": "smolvla",
-        "action_horizon": chunk,
-        "action_dim": action_dim,
-        "n_action_steps": int(cfg.n_action_steps),
-    }
-    return flow_pipeline(
-        "smolvla",
-        [g1, g2],
-        prefix_out,
-        inputs,
-        output,
-        metadata,
-        steps=steps,
-        flow_time="lerobot",
-        horizon=chunk,
-        max_action=max_action,
-        action_dim=action_dim,
-        prompt_key=tok.get("task_key", "task"),
+    return lerobot_flow(
+        "smolvla", cfg, steps, [g1, g2], prefix_out, inputs, output, tok.get("task_key", "task")
     )
