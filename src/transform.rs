@@ -326,6 +326,31 @@ impl Transform {
     }
 }
 
+/// Clamps element `i` of `dst` (`t` values, little-endian) to `bounds[i % bounds.len()]`.
+pub fn clamp(t: ElemType, dst: &mut [u8], bounds: &[(f64, f64)]) {
+    if bounds.is_empty() {
+        return;
+    }
+    match t {
+        ElemType::F32 => {
+            for (i, e) in dst.chunks_exact_mut(4).enumerate() {
+                let (lo, hi) = bounds[i % bounds.len()];
+                let x = f32::from_le_bytes([e[0], e[1], e[2], e[3]]);
+                e.copy_from_slice(&x.clamp(lo as f32, hi as f32).to_le_bytes());
+            }
+        }
+        ElemType::F64 => {
+            for (i, e) in dst.chunks_exact_mut(8).enumerate() {
+                let (lo, hi) = bounds[i % bounds.len()];
+                let mut b = [0u8; 8];
+                b.copy_from_slice(e);
+                e.copy_from_slice(&f64::from_le_bytes(b).clamp(lo, hi).to_le_bytes());
+            }
+        }
+        _ => {}
+    }
+}
+
 /// Fills a buffer of `ty` elements with `value`.
 pub fn fill_bytes(ty: ElemType, value: f64, dst: &mut [u8]) {
     macro_rules! go {

@@ -341,7 +341,7 @@ impl Visitor for SlotWriter<'_> {
         // `clip`, after the checks: a value that overflowed the engine's type is refused, not
         // clamped.
         if let Some((lo, hi)) = b.clip {
-            super::output::clamp(b.engine_type, &mut dst[..b.frame_bytes], &[(lo, hi)]);
+            crate::transform::clamp(b.engine_type, &mut dst[..b.frame_bytes], &[(lo, hi)]);
         }
         // Relative actions' input: its values as sent, as float64.
         if let Some(raw) = b.raw {

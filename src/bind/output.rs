@@ -53,31 +53,6 @@ impl Relative {
     }
 }
 
-/// Clamps element `i` of `dst` (`t` values, little-endian) to `bounds[i % bounds.len()]`.
-pub(crate) fn clamp(t: ElemType, dst: &mut [u8], bounds: &[(f64, f64)]) {
-    if bounds.is_empty() {
-        return;
-    }
-    match t {
-        ElemType::F32 => {
-            for (i, e) in dst.chunks_exact_mut(4).enumerate() {
-                let (lo, hi) = bounds[i % bounds.len()];
-                let x = f32::from_le_bytes([e[0], e[1], e[2], e[3]]);
-                e.copy_from_slice(&x.clamp(lo as f32, hi as f32).to_le_bytes());
-            }
-        }
-        ElemType::F64 => {
-            for (i, e) in dst.chunks_exact_mut(8).enumerate() {
-                let (lo, hi) = bounds[i % bounds.len()];
-                let mut b = [0u8; 8];
-                b.copy_from_slice(e);
-                e.copy_from_slice(&f64::from_le_bytes(b).clamp(lo, hi).to_le_bytes());
-            }
-        }
-        _ => {}
-    }
-}
-
 impl OutputBinding {
     /// The bytes of an engine output that `tr` reads: its kept rows (`rows`), or the whole
     /// output. A short buffer gives what there is, which `Transform::apply` then refuses.
@@ -90,7 +65,7 @@ impl OutputBinding {
     fn convert(&self, output: &[u8], tr: &Transform, raw: &[u8], dst: &mut [u8]) -> bool {
         let ok = tr.apply(self.source(output, tr), ByteOrder::Little, dst);
         if ok && let Some(bounds) = &self.clamp {
-            clamp(tr.dst_type, dst, bounds);
+            crate::transform::clamp(tr.dst_type, dst, bounds);
         }
         if ok && let Some(r) = &self.relative {
             let cols = self.shape.last().copied().unwrap_or(1);
