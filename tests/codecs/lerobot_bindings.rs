@@ -73,6 +73,38 @@ fn state_io() -> IoSpec {
     }
 }
 
+/// The float32 actions a reply carries for the 4×3 engine output `engine`, after decoding the
+/// state `x` (which relative actions read).
+fn reply_actions(plan: &Plan, io: &IoSpec, x: [f64; 3], engine: &[f32]) -> Vec<f32> {
+    use policyd::bind::{Chunk, ReplyParts};
+    let mut bufs = buffers(io);
+    for &bytes in &plan.host_buffers {
+        bufs.push(Box::new(HostBuffer(vec![0; bytes])));
+    }
+    let mut seen = vec![false; 1];
+    plan.decode(&frame(&[("observation.state", &x)]), &mut bufs, &mut seen)
+        .unwrap();
+    let outputs = vec![
+        engine
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect::<Vec<u8>>(),
+    ];
+    let mut scratch = vec![0u8; plan.scratch_bytes];
+    let mut none: [u8; 0] = [];
+    let raw = match plan.relative_source {
+        Some(source) => bufs[source].bytes_mut(),
+        None => &mut none,
+    };
+    let mut parts = ReplyParts {
+        outputs: &outputs,
+        scratch: &mut scratch,
+        chunk: Chunk { start: 0, end: 4 },
+        raw,
+    };
+    f32s(plan.reply(&mut parts).rows_f32(0, 4).unwrap().0)
+}
+
 fn normalised(norm: &str, x: [f64; 3]) -> Vec<f32> {
     let io = state_io();
     let plan = compile(&STATE_IO.replace("NORM", norm), &io).unwrap();
@@ -400,7 +432,6 @@ fn relative_actions_add_the_state_as_sent_to_the_masked_columns() {
 /// ALOHA's joint sign flips (a negative scale) and its affine gripper map back.
 #[test]
 fn outputs_scale_and_offset_after_unnormalising() {
-    use policyd::bind::{Chunk, ReplyParts};
     let io = state_io();
     let cfg = STATE_IO.replace("NORM", "").replace(
         "tensor = \"action\"",
@@ -409,28 +440,9 @@ fn outputs_scale_and_offset_after_unnormalising() {
          relative_to = \"observation.state\"\nrelative_mask = [true]",
     );
     let plan = compile(&cfg, &io).unwrap();
-    let source = plan.relative_source.unwrap();
-    let mut bufs = buffers(&io);
-    for &bytes in &plan.host_buffers {
-        bufs.push(Box::new(HostBuffer(vec![0; bytes])));
-    }
-    let mut seen = vec![false; 1];
     let x = [1.5, -2.25, 7.125];
-    plan.decode(&frame(&[("observation.state", &x)]), &mut bufs, &mut seen)
-        .unwrap();
-    let engine: Vec<u8> = (0..12)
-        .flat_map(|k| (0.1 * k as f32).to_le_bytes())
-        .collect();
-    let outputs = vec![engine];
-    let mut scratch = vec![0u8; plan.scratch_bytes];
-    let mut parts = ReplyParts {
-        outputs: &outputs,
-        scratch: &mut scratch,
-        chunk: Chunk { start: 0, end: 4 },
-        raw: bufs[source].bytes_mut(),
-    };
-    let mut reply = plan.reply(&mut parts);
-    let got = f32s(reply.rows_f32(0, 4).unwrap().0);
+    let engine: Vec<f32> = (0..12).map(|k| 0.1 * k as f32).collect();
+    let got = reply_actions(&plan, &io, x, &engine);
     for r in 0..4 {
         for j in 0..3 {
             let v = f64::from(0.1 * (r * 3 + j) as f32);
@@ -458,7 +470,6 @@ fn outputs_scale_and_offset_after_unnormalising() {
 /// map, which is the same for a monotone map per column).
 #[test]
 fn clip_clamps_normalised_inputs_and_engine_outputs() {
-    use policyd::bind::{Chunk, ReplyParts};
     // min/max [0, 2]: x ↦ x − 1; then clamped to [−1, 1].
     let got = normalised(
         "min = [0.0, 0.0, 0.0]\nmax = [2.0, 2.0, 2.0]\nclip = [-1.0, 1.0]",
@@ -471,22 +482,13 @@ fn clip_clamps_normalised_inputs_and_engine_outputs() {
         "tensor = \"action\"\nmin = [0.0, 10.0, -4.0]\nmax = [2.0, 20.0, 4.0]\nclip = [-1.0, 1.0]",
     );
     let plan = compile(&cfg, &io).unwrap();
-    let engine: Vec<u8> = [-2.0f32, 0.5, 3.0]
+    let engine: Vec<f32> = [-2.0f32, 0.5, 3.0]
         .iter()
         .cycle()
         .take(12)
-        .flat_map(|v| v.to_le_bytes())
+        .copied()
         .collect();
-    let outputs = vec![engine];
-    let mut scratch = vec![0u8; plan.scratch_bytes];
-    let mut parts = ReplyParts {
-        outputs: &outputs,
-        scratch: &mut scratch,
-        chunk: Chunk { start: 0, end: 4 },
-        raw: &mut [],
-    };
-    let mut reply = plan.reply(&mut parts);
-    let got = f32s(reply.rows_f32(0, 4).unwrap().0);
+    let got = reply_actions(&plan, &io, [0.0; 3], &engine);
     // (clip(x) + 1)/2·(max − min) + min: −2 → −1 → min, 0.5 → 17.5, 3 → 1 → max.
     assert_eq!(&got[..3], [0.0, 17.5, 4.0]);
     assert_eq!(got[..3], got[9..]);

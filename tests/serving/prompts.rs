@@ -102,6 +102,16 @@ fn frame(state: [f64; 4], prompt: &[u8]) -> Vec<u8> {
     buf
 }
 
+/// `{"state": [4 zeros]}`: a request without a prompt.
+fn state_only() -> Vec<u8> {
+    let mut buf = Vec::new();
+    let mut e = Encoder { buf: &mut buf };
+    e.map(1);
+    e.str("state");
+    e.ndarray(ElemType::F64, &[4], 32, |d| d.fill(0));
+    buf
+}
+
 fn text(s: &str) -> Vec<u8> {
     let mut v = Vec::new();
     Encoder { buf: &mut v }.str(s);
@@ -299,13 +309,7 @@ fn bad_prompts_are_refused_naming_the_key() {
         let e = run(&plan, &mut bufs, &mut cache, &frame([0.0; 4], &prompt)).unwrap_err();
         assert!(e.to_string().contains("'prompt'"), "{what}: {e}");
     }
-    let mut no_prompt = Vec::new();
-    let mut e = Encoder {
-        buf: &mut no_prompt,
-    };
-    e.map(1);
-    e.str("state");
-    e.ndarray(ElemType::F64, &[4], 32, |d| d.fill(0));
+    let no_prompt = state_only();
     let e = run(&plan, &mut bufs, &mut cache, &no_prompt).unwrap_err();
     assert!(matches!(e, WireError::MissingKey { .. }), "{e}");
 }
@@ -422,13 +426,7 @@ fn a_request_without_a_prompt_gets_the_default_prompt() {
     let plan = compile(&text_cfg, &io(ElemType::I64, 16, true)).unwrap();
     let mut bufs = buffers(&plan);
     let mut cache = PromptCache::default();
-    let mut no_prompt = Vec::new();
-    let mut e = Encoder {
-        buf: &mut no_prompt,
-    };
-    e.map(1);
-    e.str("state");
-    e.ndarray(ElemType::F64, &[4], 32, |d| d.fill(0));
+    let no_prompt = state_only();
     let (ids, _, _) = run(&plan, &mut bufs, &mut cache, &no_prompt).unwrap();
     assert_eq!(
         ids,
@@ -464,13 +462,7 @@ fn the_planners_subtask_is_tokenized_too() {
         subtask: "grasp the handle".into(),
         done: false,
     });
-    let mut no_prompt = Vec::new();
-    let mut e = Encoder {
-        buf: &mut no_prompt,
-    };
-    e.map(1);
-    e.str("state");
-    e.ndarray(ElemType::F64, &[4], 32, |d| d.fill(0));
+    let no_prompt = state_only();
     let mut bufs = buffers(&plan);
     let mut seen = vec![false; plan.inputs.len()];
     plan.decode_with(&no_prompt, &mut bufs, &mut seen, Some(&link))
