@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,6 +27,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "exporter" / "tests"))
+sys.path.insert(0, str(ROOT / "benches"))
+# Its timing of a child process and its serving rows.
+smolvla_real = importlib.import_module("smolvla_real")
+timed, _kb = smolvla_real.timed, smolvla_real._kb
 
 
 def build(out: Path, pi05: bool) -> None:
@@ -40,32 +43,6 @@ def build(out: Path, pi05: bool) -> None:
     print(
         f"checkpoint: type {params['type']}, {(out / 'model.safetensors').stat().st_size / 1e9:.2f} GB"
     )
-
-
-def _kb(pid: int, field: str) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    return 0
-
-
-def timed(
-    cmd: list[str],
-) -> tuple[float, float, float, subprocess.CompletedProcess[str]]:
-    """Seconds, peak RSS and peak anonymous memory (GB) of `cmd`, polled every 50 ms."""
-    t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    peak = anon = 0
-    while proc.poll() is None:
-        try:
-            peak = max(peak, _kb(proc.pid, "VmHWM"))
-            anon = max(anon, _kb(proc.pid, "RssAnon"))
-        except OSError:
-            pass
-        time.sleep(0.05)
-    out, err = proc.communicate()
-    r = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
-    return time.monotonic() - t0, peak / 1e6, anon / 1e6, r
 
 
 def parity(root: Path, policyd: str) -> None:
@@ -169,9 +146,7 @@ def main() -> None:
             "\n".join(line for line in r.stdout.splitlines() if "total" in line or "model" in line)
         )
         if args.serve:
-            sys.path.insert(0, str(ROOT / "benches"))
-            rows = importlib.import_module("smolvla_real").serve_rows
-            rows(args.policyd, bundle, ckpt, args.serve)
+            smolvla_real.serve_rows(args.policyd, bundle, ckpt, args.serve)
 
 
 if __name__ == "__main__":

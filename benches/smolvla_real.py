@@ -103,22 +103,25 @@ def smolvla(out: Path, vlm: Path) -> Path:
     return out
 
 
-def timed(cmd: list[str]) -> tuple[float, float, subprocess.CompletedProcess]:
-    """Wall seconds and the peak RSS (GB) of `cmd` itself, polled from /proc every 50 ms."""
+def timed(cmd: list[str]) -> tuple[float, float, float, subprocess.CompletedProcess]:
+    """Wall seconds, peak RSS and peak anonymous memory (GB) of `cmd` itself, polled from /proc
+    every 50 ms (anonymous alone: files mapped by onnxruntime or safetensors count in RSS as
+    clean pages the kernel can drop)."""
     t0 = time.monotonic()
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
-    peak = 0
+    peak = anon = 0
     while proc.poll() is None:
         try:
             peak = max(peak, _kb(proc.pid, "VmHWM"))
+            anon = max(anon, _kb(proc.pid, "RssAnon"))
         except OSError:
             pass
         time.sleep(0.05)
     out, err = proc.communicate()
     r = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
-    return time.monotonic() - t0, peak / 1e6, r
+    return time.monotonic() - t0, peak / 1e6, anon / 1e6, r
 
 
 def _kb(pid: int, field: str) -> int:
@@ -208,21 +211,21 @@ def main() -> None:
         vlm = real_smolvlm(tmp / "vlm")
         ckpt = smolvla(tmp / "checkpoint", vlm)
         bundle = tmp / "bundle"
-        secs, peak, r = timed([str(exe), "lerobot", str(ckpt), "--out", str(bundle)])
+        secs, peak, _, r = timed([str(exe), "lerobot", str(ckpt), "--out", str(bundle)])
         print(f"export: exit {r.returncode}, {secs:.0f} s, peak RSS {peak:.2f} GB")
         if r.returncode:
             raise SystemExit(r.stderr)
         size = sum(f.stat().st_size for f in bundle.glob("*.onnx*"))
         engine = tomllib.loads((bundle / "policyd.toml").read_text())["engine"]
         print(f"bundle: graphs {size / 1e9:.2f} GB; [engine] {engine}")
-        secs, peak, r = timed(
+        secs, peak, _, r = timed(
             [args.policyd, "check-config", str(bundle / "policyd.toml")]
         )
         print(
             f"check-config: exit {r.returncode}, {secs:.0f} s, peak RSS {peak:.2f} GB"
         )
         print("\n".join(line for line in r.stdout.splitlines() if "total" in line))
-        secs, peak, r = timed(
+        secs, peak, _, r = timed(
             [str(exe), "verify", str(bundle), str(ckpt), "--policyd", args.policyd]
             + ["--observations", "2"]
         )
