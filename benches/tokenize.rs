@@ -10,7 +10,7 @@ use policyd::config::Config;
 use policyd::dtype::ElemType;
 use policyd::engine::{HostBuffer, InputBuffer, IoSpec, TensorSpec};
 use policyd::protocol::Encoder;
-use policyd::tokenizer::{Format, Tokenizer};
+use policyd::tokenizer::{Around, Format, Tokenizer};
 
 /// A typical LIBERO task (pi0) and the pi0.5 layout of it with a 32-value state.
 const PROMPT: &str = "put both the alphabet soup and the tomato sauce in the basket";
@@ -87,13 +87,13 @@ fn bench(c: &mut Criterion) {
     let mut g = c.benchmark_group("tokenize");
     g.bench_function("cold: pi0 prompt, encode (no cache)", |b| {
         b.iter(|| {
-            tok.tokenize(Format::Pi0, PROMPT, &[], &mut ids)
+            tok.tokenize(Format::Pi0, PROMPT, &[], Around::NONE, &mut ids)
                 .expect("encode")
         })
     });
     g.bench_function("cold: pi05 prompt + 32-value state, encode", |b| {
         b.iter(|| {
-            tok.tokenize(Format::Pi05, PROMPT, &bins, &mut ids)
+            tok.tokenize(Format::Pi05, PROMPT, &bins, Around::NONE, &mut ids)
                 .expect("encode")
         })
     });

@@ -260,12 +260,12 @@ fn tokenize(
     pad_id: i64,
     bos: Option<&str>,
 ) -> Result<(), CliError> {
-    use policyd::tokenizer::{Format, Tokenizer, state_bin};
+    use policyd::tokenizer::{Around, Format, Tokenizer, state_bin};
     use std::io::{BufRead, Write};
     let usage = |m: String| CliError::Tokenize(m);
     let format = Format::from_name(format).ok_or_else(|| {
         usage(format!(
-            "--format must be pi0, pi05, plain or lerobot, got {format}"
+            "--format must be pi0, pi05, plain, lerobot, groot or groot_raw (the last two without their template ids), got {format}"
         ))
     })?;
     let bytes =
@@ -289,7 +289,7 @@ fn tokenize(
                 .collect(),
             None => Vec::new(),
         };
-        tok.tokenize(format, prompt, &bins, &mut ids)
+        tok.tokenize(format, prompt, &bins, Around::NONE, &mut ids)
             .map_err(|e| bad(&e.to_string()))?;
         let padded: Vec<i64> = (0..max_tokens)
             .map(|k| ids.get(k).map_or(pad_id, |&i| i64::from(i)))

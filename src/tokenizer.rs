@@ -34,6 +34,12 @@ pub enum Format {
     /// (unless it has one), then the tokenizer encodes it whole, uncleaned, with BOS if the
     /// tokenizer adds one: `encode(prompt + "\n")`.
     Lerobot,
+    /// GR00T N1.7 (`formalize_language`): the task lowercased and cut to alphanumerics,
+    /// whitespace and `_` ([`groot_task`]), encoded between the chat template's fixed ids
+    /// ([`Around`], the image block included).
+    Groot,
+    /// GR00T N1.7 without `formalize_language`: the task as sent, between the template's ids.
+    GrootRaw,
 }
 
 impl Format {
@@ -43,6 +49,8 @@ impl Format {
             "pi05" => Some(Format::Pi05),
             "plain" => Some(Format::Plain),
             "lerobot" => Some(Format::Lerobot),
+            "groot" => Some(Format::Groot),
+            "groot_raw" => Some(Format::GrootRaw),
             _ => None,
         }
     }
@@ -53,8 +61,31 @@ impl Format {
             Format::Pi05 => "pi05",
             Format::Plain => "plain",
             Format::Lerobot => "lerobot",
+            Format::Groot => "groot",
+            Format::GrootRaw => "groot_raw",
         }
     }
+
+    /// GR00T's formats put the prompt between fixed ids (`prefix_ids`, `suffix_ids`).
+    pub fn is_groot(self) -> bool {
+        matches!(self, Format::Groot | Format::GrootRaw)
+    }
+}
+
+/// Fixed token ids around the encoded prompt: a chat template's, rendered once by the
+/// exporter (GR00T: `<|im_start|>user\n`, one image block per camera, then after the task
+/// `<|im_end|>\n`). Empty for the other formats.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Around<'a> {
+    pub before: &'a [u32],
+    pub after: &'a [u32],
+}
+
+impl Around<'_> {
+    pub const NONE: Around<'static> = Around {
+        before: &[],
+        after: &[],
+    };
 }
 
 /// Why a tokenizer file could not be used, or a prompt not encoded.
@@ -285,10 +316,12 @@ impl Tokenizer {
         format: Format,
         prompt: &str,
         bins: &[i16],
+        around: Around<'_>,
         out: &mut Vec<u32>,
     ) -> Result<(), TokenizerError> {
         out.clear();
         out.extend(self.bos);
+        out.extend_from_slice(around.before);
         let encode = |text: &str, out: &mut Vec<u32>| {
             out.extend_from_slice(&self.encode(text)?);
             Ok::<(), TokenizerError>(())
@@ -312,8 +345,36 @@ impl Tokenizer {
             Format::Plain => encode(prompt, out)?,
             Format::Lerobot if prompt.ends_with('\n') => encode(prompt, out)?,
             Format::Lerobot => encode(&format!("{prompt}\n"), out)?,
+            Format::Groot => encode(&groot_task(prompt, true), out)?,
+            Format::GrootRaw => encode(&groot_task(prompt, false), out)?,
         }
+        out.extend_from_slice(around.after);
         Ok(())
+    }
+}
+
+/// GR00T N1.7's task text (`prepare_n1_7_language_batch`, run twice by LeRobot: formalised by
+/// the pack step, as is by the encode step). An empty task is "Perform the task." (formalised:
+/// "perform the task"); a task that cleans to nothing is "Perform the task.", unformalised.
+/// Formalising is Python's `str.lower()` and a filter on `isalnum() or isspace() or == "_"`;
+/// Rust's `char::is_alphanumeric` also takes the few combining marks Unicode calls alphabetic
+/// (some Indic vowel signs), which Python's `isalpha` does not.
+pub fn groot_task(prompt: &str, formalize: bool) -> String {
+    const DEFAULT: &str = "Perform the task.";
+    let text = if prompt.is_empty() { DEFAULT } else { prompt };
+    if !formalize {
+        return text.to_string();
+    }
+    let space = |c: char| c.is_whitespace() || ('\u{1c}'..='\u{1f}').contains(&c);
+    let cleaned: String = text
+        .to_lowercase()
+        .chars()
+        .filter(|&c| c.is_alphanumeric() || space(c) || c == '_')
+        .collect();
+    if cleaned.is_empty() {
+        DEFAULT.to_string()
+    } else {
+        cleaned
     }
 }
 
@@ -353,6 +414,25 @@ pub fn state_bin(x: f64) -> i16 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Python's `prepare_n1_7_language_batch` on these (formalised, then as is), printed by
+    /// python3: `str.lower()` and the `isalnum/isspace/_` filter, Unicode included.
+    #[test]
+    fn groot_tasks_are_cleaned_as_python_cleans_them() {
+        for (task, want) in [
+            ("Pick up the RED cube!", "pick up the red cube"),
+            ("put_it\tthere, then stop.", "put_it\tthere then stop"),
+            ("ÖFFNE die Tür (bitte)", "öffne die tür bitte"),
+            ("ΟΔΟΣ", "οδος"),
+            ("x\u{1c}y", "x\u{1c}y"),
+            ("", "perform the task"),
+            ("...", "Perform the task."),
+        ] {
+            assert_eq!(groot_task(task, true), want, "{task:?}");
+        }
+        assert_eq!(groot_task("Pick!", false), "Pick!");
+        assert_eq!(groot_task("", false), "Perform the task.");
+    }
 
     #[test]
     fn state_bins_follow_numpy_digitize() {

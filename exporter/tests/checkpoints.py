@@ -485,3 +485,199 @@ def openpi_checkpoint(out: Path, name: str, seed: int = 0, pi05: bool | None = N
         json.dumps({"norm_stats": {"state": stats(state), "actions": stats(actions)}})
     )
     return out
+
+
+#: GR00T's test cameras: two (LeRobot stacks them, so of one size), brought to 64×64 in the graph.
+GROOT_CAMERAS = {"observation.images.front": (3, 48, 64), "observation.images.wrist": (3, 48, 64)}
+
+
+def tiny_qwen3vl(out: Path) -> Path:
+    """A tiny Qwen3-VL as a local directory: a byte-level BPE tokenizer with Qwen's special
+    tokens, a Qwen-style chat template (`<|im_start|>user\\n`, an image block per image, the
+    text, `<|im_end|>\\n`), Qwen's image processor (16-px patches, merge 2, mean/std 0.5) and
+    the model's config: what GR00T's VLM-encode step reads by `model_name`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import (
+        PreTrainedTokenizerFast,
+        Qwen2VLImageProcessor,
+        Qwen3VLConfig,
+        Qwen3VLProcessor,
+        Qwen3VLVideoProcessor,
+    )
+
+    special = [
+        "<|endoftext|>",
+        "<|im_start|>",
+        "<|im_end|>",
+        "<|vision_start|>",
+        "<|vision_end|>",
+        "<|image_pad|>",
+        "<|video_pad|>",
+    ]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tasks = [
+        "pick up the red cube",
+        "put the bowl on the stove",
+        "open the top drawer and put the bowl inside",
+        "fold the towel",
+        "user",
+        "perform the task",
+    ]
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=special, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(tasks * 50, trainer)
+    template = (
+        "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+        "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+        "{% for c in message['content'] %}{% if c['type'] == 'image' %}"
+        "<|vision_start|><|image_pad|><|vision_end|>{% elif c['type'] == 'text' %}"
+        "{{ c['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token="<|endoftext|>",
+        chat_template=template,
+    )
+    images = Qwen2VLImageProcessor(
+        patch_size=16,
+        temporal_patch_size=2,
+        merge_size=2,
+        min_pixels=32 * 32,
+        max_pixels=512 * 512,
+        image_mean=[0.5, 0.5, 0.5],
+        image_std=[0.5, 0.5, 0.5],
+    )
+    video = Qwen3VLVideoProcessor(patch_size=16, temporal_patch_size=2, merge_size=2)
+    Qwen3VLProcessor(
+        image_processor=images, tokenizer=fast, video_processor=video, chat_template=template
+    ).save_pretrained(out)
+    ids = {t: fast.convert_tokens_to_ids(t) for t in special}
+    Qwen3VLConfig(
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        text_config={
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 3,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "vocab_size": 512,
+            "max_position_embeddings": 4096,
+            "rope_theta": 5e6,
+            "rope_scaling": {"mrope_interleaved": True, "mrope_section": [4, 2, 2]},
+        },
+        vision_config={
+            "depth": 2,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_heads": 2,
+            "out_hidden_size": 64,
+            "patch_size": 16,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "deepstack_visual_indexes": [0],
+            "num_position_embeddings": 64,
+        },
+    ).save_pretrained(out)
+    return out
+
+
+def groot(root: Path, vlm: Path, seed: int = 0) -> Path:
+    """A tiny GR00T N1.7 as LeRobot saves a fine-tune: a base model directory (config,
+    weights, a processor_config.json with 64-px images and a 56-px crop) built with LeRobot's
+    own `GR00TN17` over the tiny Qwen3-VL at `vlm`, then `GrootPolicy` over it with dataset
+    statistics far from identity, saved with its processors (the VLM-encode step naming `vlm`).
+    The action head's output layer is scaled down so that most normalised actions fall inside
+    [−1, 1] (the decode clips them) and scaled features up so the cameras and the prompt move
+    the actions."""
+    import json
+
+    from lerobot.policies.groot.configuration_groot import GrootConfig
+    from lerobot.policies.groot.groot_n1_7 import GR00TN17, GR00TN17Config
+    from lerobot.policies.groot.modeling_groot import GrootPolicy
+    from lerobot.policies.groot.processor_groot import make_groot_pre_post_processors
+
+    torch.manual_seed(seed)
+    g = torch.Generator().manual_seed(seed)
+    base = root / "base"
+    cfg = GR00TN17Config(
+        model_name=str(vlm),
+        backbone_model_type="qwen",
+        backbone_embedding_dim=64,
+        select_layer=2,
+        hidden_size=32,
+        input_embedding_dim=32,
+        max_state_dim=8,
+        max_action_dim=8,
+        action_horizon=8,
+        diffusion_model_cfg={
+            "positional_embeddings": None,
+            "num_layers": 4,
+            "num_attention_heads": 2,
+            "attention_head_dim": 16,
+            "norm_type": "ada_norm",
+            "dropout": 0.2,
+            "final_dropout": True,
+            "output_dim": 32,
+            "interleave_self_attention": True,
+        },
+        vl_self_attention_cfg={
+            "positional_embeddings": None,
+            "num_layers": 1,
+            "num_attention_heads": 4,
+            "attention_head_dim": 16,
+            "dropout": 0.2,
+            "final_dropout": True,
+        },
+    )
+    GR00TN17(cfg, load_backbone_weights=False).save_pretrained(base)
+    kwargs = {"image_target_size": [64, 64], "image_crop_size": [56, 56]}
+    (base / "processor_config.json").write_text(json.dumps({"processor_kwargs": kwargs}))
+    features = {k: PolicyFeature(FeatureType.VISUAL, s) for k, s in GROOT_CAMERAS.items()}
+    features["observation.state"] = PolicyFeature(FeatureType.STATE, (STATE,))
+    pc = GrootConfig(
+        base_model_path=str(base),
+        max_state_dim=8,
+        max_action_dim=8,
+        chunk_size=8,
+        n_action_steps=8,
+        use_bf16=False,
+        device="cpu",
+        input_features=features,
+        output_features={"action": PolicyFeature(FeatureType.ACTION, (ACTION,))},
+    )
+    policy = GrootPolicy(pc)
+    head = policy._groot_model.action_head
+    with torch.no_grad():
+        for block in head.vl_self_attention.transformer_blocks:
+            for p in block.parameters():
+                p.mul_(4.0)
+        # LeRobot's initialisation (0.02·randn per embodiment-specific layer) leaves the
+        # velocity near 0 and the state unheard: actions would be the noise itself.
+        for mlp in (head.action_decoder, head.state_encoder):
+            mlp.layer1.W.mul_(10.0)
+            mlp.layer2.W.mul_(10.0)
+        policy._groot_model.backbone.language_model.embed_tokens.weight.mul_(50.0)
+        for block in head.model.transformer_blocks:  # what the VL features and state reach
+            block.attn1.to_v.weight.mul_(8.0)
+            block.attn1.to_out[0].weight.mul_(4.0)
+    pre, post = make_groot_pre_post_processors(
+        pc, dataset_stats=_stats(g, {**features, **pc.output_features})
+    )
+    for step in pre.steps:
+        if hasattr(step, "model_name"):
+            step.model_name = str(vlm)
+    out = root / "checkpoint"
+    policy.save_pretrained(out)
+    pre.save_pretrained(out)
+    post.save_pretrained(out)
+    return out

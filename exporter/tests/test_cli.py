@@ -50,22 +50,20 @@ def test_unsupported_policy_types_list_the_supported(act_bundle: object, tmp_pat
     _fails(
         ["lerobot", str(ckpt), "--out", str(tmp_path / "b")],
         "'vqbet' is not supported",
-        "supported: act, diffusion, pi0, pi05, smolvla",
+        "supported: act, diffusion, groot, pi0, pi05, smolvla",
     )
     _edit_config(ckpt, type="pi0_fast")
     _fails(["lerobot", str(ckpt), "--out", str(tmp_path / "b")], "not exported yet")
 
 
 def test_groot_n15_gets_lerobots_advice(act_bundle: object, tmp_path: Path) -> None:
-    """GR00T: LeRobot 0.6.1's is N1.7 (not exported yet); an N1.5 checkpoint, however it is
-    told apart, gets LeRobot's own advice. In-process: each CLI run would import LeRobot anew."""
+    """GR00T: LeRobot 0.6.1's is N1.7 (exported, test_groot.py); an N1.5 checkpoint, however
+    it is told apart, gets LeRobot's own advice. In-process: each CLI run would import LeRobot
+    anew."""
     from policyd_export.checkpoint import load
     from policyd_export.errors import ExportError
 
     ckpt = _copy(act_bundle.checkpoint, tmp_path / "c")
-    _edit_config(ckpt, type="groot", model_version="n1.7")
-    with pytest.raises(ExportError, match="GR00T N1.7: not exported yet"):
-        load(ckpt)
     for n15 in (
         {"model_version": "n1.5"},
         {"model_version": "n1.7", "base_model_path": "nvidia/GR00T-N1.5-3B"},

@@ -18,6 +18,7 @@ from policyd_export import options
 
 CLASSES = {
     "act": "lerobot.policies.act.configuration_act:ACTConfig",
+    "groot": "lerobot.policies.groot.configuration_groot:GrootConfig",
     "diffusion": "lerobot.policies.diffusion.configuration_diffusion:DiffusionConfig",
     "pi0": "lerobot.policies.pi0.configuration_pi0:PI0Config",
     "pi05": "lerobot.policies.pi05.configuration_pi05:PI05Config",

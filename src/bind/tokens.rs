@@ -11,7 +11,7 @@ use crate::dtype::ElemType;
 use crate::engine::{InputBuffer, TensorSpec};
 use crate::limits::{MAX_PROMPT_BYTES, MAX_PROMPT_STATE};
 use crate::protocol::WireError;
-use crate::tokenizer::{Format, Tokenizer, state_bin};
+use crate::tokenizer::{Around, Format, Tokenizer, state_bin};
 use crate::transform::{fill_bytes, load_f64};
 
 /// A tokenized prompt's engine side.
@@ -36,9 +36,20 @@ pub struct TokenBinding {
     pub file_size: u64,
     /// The prompt of a request that sends none (`tokenizer.default_prompt`).
     pub default_prompt: Option<String>,
+    /// GR00T: the chat template's ids before and after the prompt.
+    pub prefix_ids: Vec<u32>,
+    pub suffix_ids: Vec<u32>,
 }
 
 impl TokenBinding {
+    /// The fixed ids around the prompt (none outside GR00T's formats).
+    pub fn around(&self) -> Around<'_> {
+        Around {
+            before: &self.prefix_ids,
+            after: &self.suffix_ids,
+        }
+    }
+
     /// How many state values (pi0.5's bins) the prompt holds: the state bindings' together.
     pub fn state_values(&self, inputs: &[InputBinding]) -> usize {
         self.states
@@ -172,6 +183,25 @@ pub(super) fn compile(
             ),
         ));
     }
+    for (key, ids) in [
+        ("tokenizer.prefix_ids", &t.prefix_ids),
+        ("tokenizer.suffix_ids", &t.suffix_ids),
+    ] {
+        if let Some((j, &id)) = ids
+            .iter()
+            .enumerate()
+            .find(|(_, id)| **id as usize >= tokenizer.vocab_size())
+        {
+            return Err(invalid(
+                k(key),
+                format!(
+                    "entry {j} is id {id}; {} has {} tokens",
+                    t.file.describe(),
+                    tokenizer.vocab_size()
+                ),
+            ));
+        }
+    }
     Ok(TokenBinding {
         tokenizer: Arc::new(tokenizer),
         format: t.format,
@@ -186,6 +216,8 @@ pub(super) fn compile(
         prompt_bytes,
         file_size: bytes.len() as u64,
         default_prompt: t.default_prompt.clone(),
+        prefix_ids: t.prefix_ids.clone(),
+        suffix_ids: t.suffix_ids.clone(),
     })
 }
 
@@ -226,7 +258,7 @@ impl Plan {
             })?;
             cache.plan = 0;
             t.tokenizer
-                .tokenize(t.format, prompt, bins, &mut cache.ids)
+                .tokenize(t.format, prompt, bins, t.around(), &mut cache.ids)
                 .map_err(|e| WireError::Tokenize {
                     key: b.key.clone(),
                     reason: e.to_string(),

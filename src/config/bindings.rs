@@ -99,6 +99,12 @@ pub(super) struct RawTokenizer {
     /// "Transfer cube"); a request's own prompt, even an empty one, wins.
     #[serde(default)]
     pub(super) default_prompt: Option<String>,
+    /// GR00T's formats: the chat template's token ids before the prompt (its image blocks
+    /// included) and after it, as the exporter rendered them from the checkpoint's processor.
+    #[serde(default)]
+    pub(super) prefix_ids: Option<Vec<u32>>,
+    #[serde(default)]
+    pub(super) suffix_ids: Option<Vec<u32>>,
 }
 
 /// A key or a list of keys.
@@ -248,6 +254,9 @@ pub struct TokenizerConfig {
     pub max_prompt_bytes: Option<usize>,
     /// The prompt of a request that sends none.
     pub default_prompt: Option<String>,
+    /// GR00T's formats: fixed ids before and after the encoded prompt.
+    pub prefix_ids: Vec<u32>,
+    pub suffix_ids: Vec<u32>,
 }
 
 impl InputConfig {
@@ -344,7 +353,8 @@ pub(super) fn tokenizer(
         cx.invalid(
             k("format"),
             format!(
-                "must be \"pi0\", \"pi05\", \"plain\" or \"lerobot\", got \"{}\"",
+                "must be \"pi0\", \"pi05\", \"plain\", \"lerobot\", \"groot\" or \"groot_raw\", \
+                 got \"{}\"",
                 t.format
             ),
         )
@@ -372,7 +382,9 @@ pub(super) fn tokenizer(
         (
             crate::tokenizer::Format::Pi0
             | crate::tokenizer::Format::Plain
-            | crate::tokenizer::Format::Lerobot,
+            | crate::tokenizer::Format::Lerobot
+            | crate::tokenizer::Format::Groot
+            | crate::tokenizer::Format::GrootRaw,
             false,
         ) => {
             return Err(cx.invalid(
@@ -406,6 +418,28 @@ pub(super) fn tokenizer(
     if t.mask_tensor.is_empty() {
         return Err(cx.invalid(k("mask_tensor"), "name the engine input of the mask"));
     }
+    let (prefix_ids, suffix_ids) = (
+        t.prefix_ids.clone().unwrap_or_default(),
+        t.suffix_ids.clone().unwrap_or_default(),
+    );
+    for (key, ids) in [("prefix_ids", &t.prefix_ids), ("suffix_ids", &t.suffix_ids)] {
+        if ids.is_some() && !format.is_groot() {
+            return Err(cx.invalid(
+                k(key),
+                "only formats \"groot\" and \"groot_raw\" put fixed ids around the prompt",
+            ));
+        }
+    }
+    if prefix_ids.len() + suffix_ids.len() >= t.max_tokens {
+        return Err(cx.invalid(
+            k("max_tokens"),
+            format!(
+                "is {}; prefix_ids and suffix_ids alone take {}, leaving no room for a prompt",
+                t.max_tokens,
+                prefix_ids.len() + suffix_ids.len()
+            ),
+        ));
+    }
     Ok(TokenizerConfig {
         file: ModelSource::File(path(base, &t.file)),
         format,
@@ -417,6 +451,8 @@ pub(super) fn tokenizer(
         bos: t.bos.clone(),
         max_prompt_bytes: t.max_prompt_bytes,
         default_prompt: t.default_prompt.clone(),
+        prefix_ids,
+        suffix_ids,
     })
 }
 

@@ -264,7 +264,9 @@ fn tokenizer_report(plan: &Plan) -> Option<String> {
     let (longest, prompt) = crate::tokenizer::SAMPLE_PROMPTS
         .iter()
         .filter_map(|p| {
-            t.tokenizer.tokenize(t.format, p, &bins, &mut ids).ok()?;
+            t.tokenizer
+                .tokenize(t.format, p, &bins, t.around(), &mut ids)
+                .ok()?;
             Some((ids.len(), *p))
         })
         .max()?;

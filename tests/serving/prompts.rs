@@ -9,7 +9,7 @@ use policyd::config::Config;
 use policyd::dtype::ElemType;
 use policyd::engine::{HostBuffer, InputBuffer, IoSpec, TensorSpec};
 use policyd::protocol::{Encoder, WireError};
-use policyd::tokenizer::{Format, Tokenizer, state_bin};
+use policyd::tokenizer::{Around, Format, Tokenizer, state_bin};
 
 const MODEL: &str = "models/tokenizer/bpe.model";
 
@@ -145,7 +145,8 @@ fn run(
 fn reference(format: Format, prompt: &str, bins: &[i16]) -> Vec<u32> {
     let tok = Tokenizer::load(&std::fs::read(MODEL).unwrap(), None).unwrap();
     let mut ids = Vec::new();
-    tok.tokenize(format, prompt, bins, &mut ids).unwrap();
+    tok.tokenize(format, prompt, bins, Around::NONE, &mut ids)
+        .unwrap();
     ids
 }
 
@@ -449,6 +450,59 @@ fn a_request_without_a_prompt_gets_the_default_prompt() {
     assert!(e.contains("inputs[1].tokenizer.default_prompt"), "{e}");
 }
 
+/// GR00T: the prompt cleaned as GR00T's `prepare_n1_7_language_batch` does and encoded between
+/// the chat template's fixed ids; a request without a task gets GR00T's default task.
+#[test]
+fn groot_puts_the_cleaned_task_between_the_template_ids() {
+    let text_cfg = config(
+        "tensor = \"state\"",
+        "format = \"groot\"\nprefix_ids = [3, 4, 5]\nsuffix_ids = [6]\ndefault_prompt = \"\"",
+    );
+    let plan = compile(&text_cfg, &io(ElemType::I64, 16, true)).unwrap();
+    let mut bufs = buffers(&plan);
+    let mut cache = PromptCache::default();
+    let tok = Tokenizer::load(&std::fs::read(MODEL).unwrap(), None).unwrap();
+    let expect = |task: &str| {
+        let mut ids = Vec::new();
+        tok.tokenize(Format::Plain, task, &[], Around::NONE, &mut ids)
+            .unwrap();
+        let bos = usize::from(tok.bos().is_some());
+        let mut all = vec![3, 4, 5];
+        all.extend_from_slice(&ids[bos..]);
+        all.push(6);
+        let mut full = tok.bos().into_iter().collect::<Vec<_>>();
+        full.extend(all);
+        laid_out(&full, 0)
+    };
+    for (sent, cleaned) in [
+        ("Pick UP the cube!", "pick up the cube"),
+        ("fold_the towel, now.", "fold_the towel now"),
+        ("", "perform the task"),
+        ("?!", "Perform the task."),
+    ] {
+        let (ids, mask, _) =
+            run(&plan, &mut bufs, &mut cache, &frame([0.0; 4], &text(sent))).unwrap();
+        assert_eq!((ids, mask), expect(cleaned), "{sent:?}");
+    }
+    let (ids, _, _) = run(&plan, &mut bufs, &mut cache, &state_only()).unwrap();
+    assert_eq!(ids, expect("perform the task").0);
+    // groot_raw keeps the task as sent.
+    let raw = compile(
+        &text_cfg.replace("\"groot\"", "\"groot_raw\""),
+        &io(ElemType::I64, 16, true),
+    )
+    .unwrap();
+    let mut bufs = buffers(&raw);
+    let (ids, _, _) = run(
+        &raw,
+        &mut bufs,
+        &mut cache,
+        &frame([0.0; 4], &text("Pick!")),
+    )
+    .unwrap();
+    assert_eq!(ids, expect("Pick!").0);
+}
+
 #[test]
 fn the_planners_subtask_is_tokenized_too() {
     let text_cfg = format!(
@@ -532,7 +586,29 @@ fn start_up_errors_name_the_key() {
             config(state, "format = \"pi1\""),
             good.clone(),
             "inputs[1].tokenizer.format",
-            "\"pi0\", \"pi05\", \"plain\" or \"lerobot\"",
+            "\"pi0\", \"pi05\", \"plain\", \"lerobot\", \"groot\" or \"groot_raw\"",
+        ),
+        (
+            config(state, "format = \"pi0\"\nprefix_ids = [1, 2]"),
+            good.clone(),
+            "inputs[1].tokenizer.prefix_ids",
+            "only formats \"groot\"",
+        ),
+        (
+            config(state, "format = \"groot\"\nsuffix_ids = [1, 1000000]"),
+            good.clone(),
+            "inputs[1].tokenizer.suffix_ids",
+            "entry 1 is id 1000000",
+        ),
+        (
+            config(
+                state,
+                "format = \"groot\"\nprefix_ids = [1, 2, 3, 4, 5, 6, 7, 8]",
+            )
+            .replace("max_tokens = 16", "max_tokens = 8"),
+            good.clone(),
+            "inputs[1].tokenizer.max_tokens",
+            "leaving no room for a prompt",
         ),
         (
             config(state, "format = \"pi0\"").replace("max_tokens = 16", "max_tokens = 0"),

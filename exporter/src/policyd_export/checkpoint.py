@@ -21,15 +21,10 @@ from . import options
 from .errors import ExportError
 
 #: Policy types this exporter turns into bundles (config.json's "type").
-SUPPORTED = ("act", "diffusion", "pi0", "pi05", "smolvla")
+SUPPORTED = ("act", "diffusion", "groot", "pi0", "pi05", "smolvla")
 #: Types LeRobot has that are planned but not exported yet, with what stands in the way.
 PLANNED = {
     "pi0_fast": "autoregressive decoding, no prefix + step split (not exported yet)",
-    # LeRobot 0.6.1's `groot` is GR00T N1.7 (an N1.5 config gets LeRobot's own removal advice).
-    "groot": (
-        "GR00T N1.7: not exported yet (its prefix and step graphs, prompt and image processing "
-        'are still to be built; policyd\'s sampler already runs its time, flow_time = "groot")'
-    ),
 }
 
 PREPROCESSOR = "policy_preprocessor.json"
@@ -48,8 +43,18 @@ KNOWN_STEPS = {
         "pi05_prepare_state_tokenizer_processor_step",
         "tokenizer_processor",
         "relative_actions_processor",
+        # GR00T N1.7's own steps: packing, normalising and encoding are its prefix graph and
+        # policyd's `groot` tokenizer format (families/groot.py).
+        "groot_n1_7_pack_inputs_v1",
+        "groot_n1_7_vlm_encode_v1",
     },
-    POSTPROCESSOR: {"unnormalizer_processor", "device_processor", "absolute_actions_processor"},
+    POSTPROCESSOR: {
+        "unnormalizer_processor",
+        "device_processor",
+        "absolute_actions_processor",
+        "groot_action_unpack_unnormalize_v2",
+        "groot_n1_7_action_decode_v1",
+    },
 }
 RELATIVE, ABSOLUTE = "relative_actions_processor", "absolute_actions_processor"
 

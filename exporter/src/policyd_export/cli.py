@@ -18,7 +18,7 @@ from pathlib import Path
 
 from .errors import ExportError
 
-SUPPORTED_HELP = "supported policy types: act, diffusion, pi0, pi05, smolvla"
+SUPPORTED_HELP = "supported policy types: act, diffusion, groot, pi0, pi05, smolvla"
 
 
 def _lerobot(args: argparse.Namespace) -> int:
@@ -32,7 +32,14 @@ def _lerobot(args: argparse.Namespace) -> int:
     tmp = bundle.prepare(out, args.force)
     try:
         tokenizer = Path(args.tokenizer) if args.tokenizer else None
-        exported = export(ckpt, tmp, verbose=args.verbose, tokenizer=tokenizer)
+        exported = export(
+            ckpt,
+            tmp,
+            verbose=args.verbose,
+            tokenizer=tokenizer,
+            base=Path(args.base) if args.base else None,
+            vlm=Path(args.vlm) if args.vlm else None,
+        )
         bundle.write(tmp, bundle.lerobot_source(ckpt, args.lerobot_name), exported)
         bundle.commit(tmp, out)
     except BaseException:
@@ -151,6 +158,16 @@ def parser() -> argparse.ArgumentParser:
         "--tokenizer",
         help="pi0: the tokenizer's directory (or its tokenizer.model), when the checkpoint "
         "names one that is neither a local directory nor in the Hugging Face cache",
+    )
+    e.add_argument(
+        "--base",
+        help="groot: the base model's directory (its config.json: the network's sizes; its "
+        "weights are not read), when base_model_path is neither a local directory nor cached",
+    )
+    e.add_argument(
+        "--vlm",
+        help="groot: the VLM's directory (tokenizer.json, chat template, image processor "
+        "config), when the checkpoint's VLM is neither a local directory nor cached",
     )
     e.add_argument(
         "--lerobot-name",

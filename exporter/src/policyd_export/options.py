@@ -289,12 +289,96 @@ SMOLVLA = {
     **{k: v for k, v in _OPTIM.items() if k not in ("optimizer_lr_backbone", "scheduler_name")},
 }
 
+_LEGACY = Option(NONE, "a GR00T N1.5-era or Isaac-GR00T runner field LeRobot 0.6.1 keeps unused")
+
+GROOT = {
+    "chunk_size": Option(EXPORTED, "`[[outputs]] rows` with the model's horizon (`test_groot.py`)"),
+    "n_action_steps": Option(
+        EXPORTED, "`[[outputs]] rows` and `[metadata] n_action_steps` (`test_groot.py`)"
+    ),
+    "max_state_dim": Option(ARCH, "the prefix graph pads the state to it"),
+    "max_action_dim": Option(ARCH, "`[[outputs]] columns` cuts the padding"),
+    "normalization_mapping": Option(
+        NONE,
+        "IDENTITY by design: GR00T's pack and decode steps normalise (the prefix graph, "
+        "`[[outputs]]` min/max and clip)",
+    ),
+    "base_model_path": Option(
+        EXPORTED,
+        "its config.json sizes the network (`--base`); its weights are not read (`test_groot.py`)",
+    ),
+    "action_decode_transform": Option(
+        REFUSED,
+        "LIBERO's gripper map (−sign(2g − 1)) after decoding, which policyd's outputs cannot "
+        "express",
+        refuses=lambda v: v not in (None, "none", "", "auto"),
+    ),
+    "embodiment_tag": Option(
+        EXPORTED, "its embodiment id is baked into both graphs (`test_groot.py`)"
+    ),
+    "tune_llm": TRAIN,
+    "tune_visual": TRAIN,
+    "tune_projector": TRAIN,
+    "tune_diffusion_model": TRAIN,
+    "tune_vlln": TRAIN,
+    "tune_top_llm_layers": TRAIN,
+    "num_inference_timesteps": Option(
+        EXPORTED,
+        "`[sampler] steps`, GR00T's buckets (`test_groot.py::test_served_actions_equal_lerobot`)",
+    ),
+    "rtc_ramp_rate": Option(NONE, "real-time chunking only, which policyd does not run"),
+    "use_flash_attention": Option(NONE, "SDPA computes the same"),
+    "use_relative_actions": Option(
+        REFUSED,
+        "GR00T's relative actions (its per-group decode against the cached state) are not "
+        "reproduced",
+        refuses=bool,
+    ),
+    "relative_exclude_joints": Option(NONE, "read with use_relative_actions only"),
+    "use_bf16": Option(
+        NONE,
+        "LeRobot's bf16 autocast; the bundle computes in fp32 (TensorRT: BF16 engines, see "
+        "docs/export.md)",
+    ),
+    "model_params_fp32": Option(NONE, "the export loads the weights as float32"),
+    "warmup_ratio": TRAIN,
+    "tokenizer_assets_repo": Option(
+        REFUSED, "an N1.5 field: LeRobot 0.6.1 refuses the checkpoint too", refuses=_set
+    ),
+    **{
+        k: _LEGACY
+        for k in (
+            "image_size",
+            "lora_rank",
+            "lora_alpha",
+            "lora_dropout",
+            "lora_full_model",
+            "video_backend",
+            "balance_dataset_weights",
+            "balance_trajectory_weights",
+            "dataset_paths",
+            "output_dir",
+            "save_steps",
+            "max_steps",
+            "batch_size",
+            "dataloader_num_workers",
+            "report_to",
+            "resume",
+        )
+    },
+    **{
+        k: TRAIN
+        for k in ("optimizer_lr", "optimizer_betas", "optimizer_eps", "optimizer_weight_decay")
+    },
+}
+
 TABLES: dict[str, dict[str, Option]] = {
     "act": {**BASE, **ACT},
     "diffusion": {**BASE, **DIFFUSION},
     "pi0": {**BASE, **_PI},
     "pi05": {**BASE, **_PI},
     "smolvla": {**BASE, **SMOLVLA},
+    "groot": {**BASE, **GROOT},
 }
 
 

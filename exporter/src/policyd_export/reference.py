@@ -35,11 +35,22 @@ class Reference:
         self.ckpt = (
             checkpoint if isinstance(checkpoint, Checkpoint) else load_checkpoint(checkpoint)
         )
-        self.policy = load_policy(self.ckpt)
-        self.pre, self.post = make_pre_post_processors(
-            self.policy.config, pretrained_path=str(self.ckpt.path)
-        )
+        if self.ckpt.type == "groot":
+            from .families import groot
+
+            # Built from its base's config and its own processors (the VLM's tokenizer and
+            # image processor from the encode step's directory), as the export does.
+            self.policy, self.pre, self.post, _ = groot.load(self.ckpt, None, None)
+        else:
+            self.policy = load_policy(self.ckpt)
+            self.pre, self.post = make_pre_post_processors(
+                self.policy.config, pretrained_path=str(self.ckpt.path)
+            )
         self.reset()
+
+    def set_steps(self, steps: int) -> None:
+        """GR00T's flow steps (`num_inference_timesteps`) for the next chunks."""
+        self.policy._groot_model.action_head.num_inference_timesteps = steps
 
     def reset(self) -> None:
         """A new episode: LeRobot's `policy.reset()` (empties Diffusion's queues)."""
@@ -49,7 +60,8 @@ class Reference:
         # The task prompt (a string) goes to the preprocessor's tokenizer as sent.
         task = (self.ckpt.tokenizer or {}).get("task_key", "task")
         # The prompt stays a string; every other value becomes a batched tensor.
-        out: dict[str, Any] = {task: obs[task]} if self.ckpt.tokenizer and task in obs else {}
+        prompted = self.ckpt.tokenizer or self.ckpt.type == "groot"
+        out: dict[str, Any] = {task: obs[task]} if prompted and task in obs else {}
         for f in self.ckpt.inputs:
             key = self.ckpt.wire_keys.get(f.key, f.key)
             v = np.asarray(obs[key])
@@ -73,6 +85,9 @@ class Reference:
         with _ddpm_noise(step_noise):
             if kind == "diffusion":
                 chunk = self._diffusion(batch, noise)
+            elif kind == "groot" and noise is not None:
+                with _torch_randn(noise):
+                    chunk = self.policy.predict_action_chunk(batch)
             elif noise is not None:
                 x = torch.from_numpy(np.asarray(noise, np.float32))[None]
                 chunk = self.policy.predict_action_chunk(batch, noise=x)
@@ -98,6 +113,23 @@ class Reference:
         x = None if noise is None else torch.from_numpy(np.asarray(noise, np.float32))[None]
         chunk: torch.Tensor = policy.predict_action_chunk(batch, noise=x)
         return chunk
+
+
+@contextlib.contextmanager
+def _torch_randn(noise: NDArray[Any]) -> Iterator[None]:
+    """GR00T draws its initial sample with `torch.randn` in `get_action_with_features` (no
+    noise argument): this one instead, batched."""
+    x = torch.from_numpy(np.asarray(noise, np.float32))[None]
+    original = torch.randn
+
+    def injected(*args: Any, **kwargs: Any) -> torch.Tensor:
+        return x.clone()
+
+    torch.randn = injected
+    try:
+        yield
+    finally:
+        torch.randn = original
 
 
 @contextlib.contextmanager

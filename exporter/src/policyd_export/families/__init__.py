@@ -209,15 +209,22 @@ def load_policy(ckpt: Checkpoint) -> Any:  # a LeRobot PreTrainedPolicy (LeRobot
 
 
 def export(
-    ckpt: Checkpoint, out: Path, verbose: bool = False, tokenizer: Path | None = None
+    ckpt: Checkpoint,
+    out: Path,
+    verbose: bool = False,
+    tokenizer: Path | None = None,
+    base: Path | None = None,
+    vlm: Path | None = None,
 ) -> Exported:
-    from . import act, diffusion, pi0, smolvla
+    from . import act, diffusion, groot, pi0, smolvla
 
     if ckpt.relative is not None and ckpt.type not in ("pi0", "pi05"):
         raise ExportError(
             f"{ckpt.path}: relative actions (relative_actions_processor) are exported for pi0 "
             f"and pi0.5, whose LeRobot processors apply them; {ckpt.type}'s do not"
         )
+    if ckpt.type == "groot":  # built from its base's config, not through load_policy
+        return groot.export(ckpt, out, verbose, base, vlm)
     policy = load_policy(ckpt)
     if ckpt.type in ("pi0", "pi05"):
         return pi0.export(ckpt, policy, out, verbose, tokenizer)

@@ -1,0 +1,171 @@
+"""GR00T N1.7 over a tiny Qwen3-VL and a tiny base written to local directories: exported as a
+flow pipeline with GR00T's time buckets, the cameras brought through GR00T's resize, crop and
+resize inside the prefix graph, the prompt laid out in policyd between the chat template's ids,
+and served with LeRobot's own `predict_action_chunk` actions (fp32, noise injected)."""
+
+from __future__ import annotations
+
+import subprocess
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from checkpoints import GROOT_CAMERAS, groot, tiny_qwen3vl
+from conftest import Exported, run_cli
+
+from policyd_export.checkpoint import load
+from policyd_export.reference import Reference
+from policyd_export.verify import injected_config, read_manifest, serve
+
+#: Prompts of several lengths (padding must not move the actions), an empty one (GR00T's
+#: default task) and one that cleans to something else.
+PROMPTS = [
+    "pick up the red cube",
+    "Fold the towel!",
+    "open the top drawer and put the bowl inside, then put the red cube on the stove",
+    "",
+]
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory: pytest.TempPathFactory) -> Exported:
+    root = tmp_path_factory.mktemp("groot")
+    vlm = tiny_qwen3vl(root / "vlm")
+    ckpt = groot(root, vlm)
+    r = run_cli("lerobot", str(ckpt), "--out", str(root / "bundle"))
+    assert r.returncode == 0, r.stderr
+    return Exported(ckpt, root / "bundle", r.stdout)
+
+
+@pytest.fixture(scope="module")
+def reference(bundle: Exported) -> Reference:
+    return Reference(load(bundle.checkpoint))
+
+
+def _observation(rng: np.random.Generator, prompt: str) -> dict[str, Any]:
+    """Cameras at their own sizes, and a state half outside the statistics' range (GR00T clips
+    the normalised state to [−1, 1])."""
+    obs: dict[str, Any] = {"task": prompt}
+    for key, (c, h, w) in GROOT_CAMERAS.items():
+        obs[key] = rng.integers(0, 256, (h, w, c), dtype=np.uint8)
+    obs["observation.state"] = (10.0 * rng.standard_normal(6)).astype(np.float32)
+    return obs
+
+
+def test_the_bundle_is_a_groot_flow_pipeline(bundle: Exported, policyd: str) -> None:
+    config = tomllib.loads((bundle.bundle / "policyd.toml").read_text())
+    assert config["sampler"]["flow_time"] == "groot" and config["sampler"]["steps"] == 4
+    cams = [b for b in config["inputs"] if b["key"].startswith("observation.images.")]
+    assert [b["shape"] for b in cams] == [[48, 64, 3]] * 2  # their own size: resized in the graph
+    prompt = config["inputs"][-1]["tokenizer"]
+    assert prompt["format"] == "groot" and prompt["overflow"] == "refuse"
+    assert prompt["prefix_ids"][-1] != prompt["prefix_ids"][0]
+    output = config["outputs"][0]
+    assert output["clip"] == [-1.0, 1.0] and output["columns"] == 6
+    r = subprocess.run(
+        [policyd, "check-config", str(bundle.bundle / "policyd.toml")],
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 0, r.stderr
+    assert "GR00T: upward time, integer buckets" in r.stdout
+
+
+def _served(
+    bundle: Exported, reference: Reference, policyd: str, tmp: Path, steps: list[int]
+) -> list[tuple[str, int, float, float]]:
+    """(prompt, steps, max |policyd − LeRobot|, action scale) for each prompt and step count."""
+    from openpi_client import websocket_client_policy
+
+    manifest = read_manifest(bundle.bundle)
+    config, _ = injected_config(bundle.bundle, manifest, tmp)
+    rng = np.random.default_rng(3)
+    out = []
+    with serve(policyd, config) as port:
+        client = websocket_client_policy.WebsocketClientPolicy("127.0.0.1", port)
+        for n in steps:
+            reference.set_steps(n)
+            for prompt in PROMPTS:
+                obs = _observation(rng, prompt)
+                noise = rng.standard_normal(manifest["noise"]["shape"]).astype(np.float32)
+                request = {**obs, "noise": noise}
+                request["sampling_params"] = {"num_inference_steps": n}
+                got = np.asarray(client.infer(request)["actions"], dtype=np.float64)
+                want = reference.actions(obs, noise).astype(np.float64)
+                assert got.shape == want.shape == (8, 6)
+                out.append((prompt, n, float(np.abs(got - want).max()), float(np.abs(want).max())))
+    reference.set_steps(4)
+    return out
+
+
+def test_served_actions_equal_lerobot(
+    bundle: Exported, reference: Reference, policyd: str, tmp_path: Path
+) -> None:
+    """4, 5 and 10 steps (5 and 10: where a bucket from a float32 time would be off by one),
+    prompts of several lengths (the padding masked), states outside the statistics."""
+    for prompt, n, diff, scale in _served(bundle, reference, policyd, tmp_path, [4, 5, 10]):
+        assert diff <= 1e-4 * scale, (prompt, n, diff, scale)
+
+
+def test_the_inputs_move_the_actions(bundle: Exported, reference: Reference) -> None:
+    """The comparison above can fail: the prompt, each camera and the state each change
+    LeRobot's actions by more than five times its tolerance."""
+    rng = np.random.default_rng(5)
+    noise = rng.standard_normal((8, 8)).astype(np.float32)
+    obs = _observation(rng, PROMPTS[0])
+    base = reference.actions(obs, noise)
+    scale = float(np.abs(base).max())
+    changed = {
+        "prompt": {**obs, "task": "fold the towel"},
+        "front": {**obs, "observation.images.front": 255 - obs["observation.images.front"]},
+        "wrist": {**obs, "observation.images.wrist": 255 - obs["observation.images.wrist"]},
+        "state": {**obs, "observation.state": -obs["observation.state"]},
+    }
+    for what, other in changed.items():
+        diff = float(np.abs(reference.actions(other, noise) - base).max())
+        assert diff > 5e-4 * scale, (what, diff, scale)
+
+
+def _edited(bundle: Exported, tmp_path: Path, **fields: object) -> Path:
+    import json
+    import shutil
+
+    ckpt = tmp_path / "checkpoint"
+    shutil.copytree(bundle.checkpoint, ckpt)
+    config = json.loads((ckpt / "config.json").read_text())
+    config.update(fields)
+    (ckpt / "config.json").write_text(json.dumps(config))
+    return ckpt
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("use_relative_actions", True), ("action_decode_transform", "libero")],
+)
+def test_what_is_not_reproduced_exits_2_naming_it(
+    field: str, value: object, bundle: Exported, tmp_path: Path
+) -> None:
+    ckpt = _edited(bundle, tmp_path, **{field: value})
+    r = run_cli("lerobot", str(ckpt), "--out", str(tmp_path / "b"))
+    assert r.returncode == 2 and field in r.stderr, r.stderr
+
+
+def test_a_base_model_not_on_this_machine_is_named_with_the_command(
+    bundle: Exported, tmp_path: Path
+) -> None:
+    """The base's config.json sizes the network: a Hub name that is not cached stops the export
+    with the download command (config files only) and the option; no weights are fetched."""
+    ckpt = _edited(bundle, tmp_path, base_model_path="nvidia/GR00T-N1.7-3B")
+    r = run_cli("lerobot", str(ckpt), "--out", str(tmp_path / "b"))
+    assert r.returncode == 2, r.stderr
+    assert "huggingface-cli download nvidia/GR00T-N1.7-3B" in r.stderr and "--base" in r.stderr
+    base = bundle.checkpoint.parent / "base"
+    r = run_cli("lerobot", str(ckpt), "--out", str(tmp_path / "b"), "--base", str(base))
+    assert r.returncode == 0, r.stderr
+
+
+def test_verify_passes(bundle: Exported, policyd: str) -> None:
+    r = run_cli("verify", str(bundle.bundle), str(bundle.checkpoint), "--policyd", policyd)
+    assert r.returncode == 0, r.stdout + r.stderr
