@@ -166,6 +166,32 @@ def test_a_base_model_not_on_this_machine_is_named_with_the_command(
     assert r.returncode == 0, r.stderr
 
 
+def test_the_position_ids_patch_fails_loudly_when_transformers_changes(
+    bundle: Exported, reference: Reference
+) -> None:
+    """The M-RoPE ids are computed by LeRobot's backbone code through transformers'
+    `compute_3d_position_ids`; if that stops producing GR00T's 4-row ids, the export stops
+    naming it rather than baking wrong positions. (The image chain is checked against
+    LeRobot's at every export, and the token layout against the processor.)"""
+    from policyd_export.errors import ExportError
+    from policyd_export.families import groot as family
+
+    t = tomllib.loads((bundle.bundle / "policyd.toml").read_text())["inputs"][-1]["tokenizer"]
+    layout = family.Layout(t["prefix_ids"], t["suffix_ids"], [], t["max_tokens"])
+    grids = [(4, 4), (4, 4)]
+    pos = family._position_ids(reference.policy, layout, 0, grids)
+    assert tuple(pos.shape) == (4, 1, t["max_tokens"])
+    backbone = reference.policy._groot_model.backbone
+    qwen = getattr(backbone.model, "model", backbone.model)
+    saved = qwen.compute_3d_position_ids
+    qwen.compute_3d_position_ids = lambda **kw: saved(**kw)[:2]  # not Qwen3-VL's 3 rows
+    try:
+        with pytest.raises(ExportError, match="compute_3d_position_ids"):
+            family._position_ids(reference.policy, layout, 0, grids)
+    finally:
+        qwen.compute_3d_position_ids = saved
+
+
 def test_verify_passes(bundle: Exported, policyd: str) -> None:
     r = run_cli("verify", str(bundle.bundle), str(bundle.checkpoint), "--policyd", policyd)
     assert r.returncode == 0, r.stdout + r.stderr
