@@ -293,10 +293,32 @@ def pi0(
     return out
 
 
+#: The tasks the tiny VLM tokenizers are trained on.
+TASKS = [
+    "pick up the red cube",
+    "put the bowl on the stove",
+    "open the top drawer and put the bowl inside",
+    "fold the towel",
+]
+
+
+def _byte_level_bpe(special: list[str], tasks: list[str]) -> object:
+    """A 400-token byte-level BPE trained on `tasks`, with `special` as its first ids."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=special, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(tasks * 50, trainer)
+    return tok
+
+
 def tiny_smolvlm(out: Path) -> Path:
     """A tiny SmolVLM as a local directory (config, processor, byte-level BPE tokenizer with
     SmolVLM's image tokens): what SmolVLA reads by `vlm_model_name`, which may be a path."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import (
         PreTrainedTokenizerFast,
         SmolVLMConfig,
@@ -313,19 +335,7 @@ def tiny_smolvlm(out: Path) -> Path:
         "<global-img>",
         "<image>",
     ]
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tasks = [
-        "pick up the red cube",
-        "put the bowl on the stove",
-        "open the top drawer and put the bowl inside",
-        "fold the towel",
-    ]
-    trainer = trainers.BpeTrainer(
-        vocab_size=400, special_tokens=special, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    tok.train_from_iterator(tasks * 50, trainer)
+    tok = _byte_level_bpe(special, TASKS)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token="<|im_start|>",
@@ -496,7 +506,6 @@ def tiny_qwen3vl(out: Path) -> Path:
     tokens, a Qwen-style chat template (`<|im_start|>user\\n`, an image block per image, the
     text, `<|im_end|>\\n`), Qwen's image processor (16-px patches, merge 2, mean/std 0.5) and
     the model's config: what GR00T's VLM-encode step reads by `model_name`."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import (
         PreTrainedTokenizerFast,
         Qwen2VLImageProcessor,
@@ -514,21 +523,7 @@ def tiny_qwen3vl(out: Path) -> Path:
         "<|image_pad|>",
         "<|video_pad|>",
     ]
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tasks = [
-        "pick up the red cube",
-        "put the bowl on the stove",
-        "open the top drawer and put the bowl inside",
-        "fold the towel",
-        "user",
-        "perform the task",
-    ]
-    trainer = trainers.BpeTrainer(
-        vocab_size=400, special_tokens=special, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    tok.train_from_iterator(tasks * 50, trainer)
+    tok = _byte_level_bpe(special, [*TASKS, "user", "perform the task"])
     template = (
         "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
         "{% if message['content'] is string %}{{ message['content'] }}{% else %}"

@@ -611,7 +611,10 @@ def export(
     vlm: Path | None = None,
     prompt_tokens: int = PROMPT_TOKENS,
 ) -> Exported:
-    from lerobot.policies.groot.processor_groot import GrootN17PackInputsStep
+    from lerobot.policies.groot.processor_groot import (
+        GrootN17PackInputsStep,
+        _transform_n1_7_image_for_vlm_torch,
+    )
 
     policy, pre, post, vlm_dir = load(ckpt, base, vlm)
     cfg = policy.config
@@ -664,8 +667,6 @@ def export(
         images.append(Images(chain, proc, patch, temporal, merge))
         sample = torch.randint(0, 256, (3, h, w), generator=gen, dtype=torch.uint8)
         samples.append(sample)
-        from lerobot.policies.groot.processor_groot import _transform_n1_7_image_for_vlm_torch
-
         frames.append(
             _transform_n1_7_image_for_vlm_torch(
                 sample,
