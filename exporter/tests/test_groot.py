@@ -6,6 +6,7 @@ and served with LeRobot's own `predict_action_chunk` actions (fp32, noise inject
 from __future__ import annotations
 
 import subprocess
+import time
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -193,3 +194,106 @@ def test_the_position_ids_patch_fails_loudly_when_transformers_changes(
 def test_verify_passes(bundle: Exported, policyd: str) -> None:
     r = run_cli("verify", str(bundle.bundle), str(bundle.checkpoint), "--policyd", policyd)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_lerobots_robot_client_drives_it_over_grpc(
+    bundle: Exported,
+    reference: Reference,
+    policyd: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`robot_client --policy_type=groot`: the unmodified `RobotClient` runs its control loop
+    against the bundle's `[lerobot]` service; and a chunk LeRobot's own stub asks for (robot
+    keys mapped by LeRobot, the task from the observation) equals LeRobot's
+    `predict_action_chunk` on that observation. policyd's initial noise is a binding no robot
+    sends, filled with zeros, as the reference's."""
+    import shutil
+    import threading
+
+    import policyd_test_robot as test_robot
+    import tomli_w
+    from lerobot.async_inference.configs import RobotClientConfig
+    from lerobot.async_inference.helpers import (
+        RemotePolicyConfig,
+        map_robot_keys_to_lerobot_features,
+    )
+    from test_lerobot_client import Stub, observation, served
+
+    monkeypatch.chdir(tmp_path)  # robot_client's logger writes logs/ here when imported
+    from lerobot.async_inference.robot_client import RobotClient
+
+    copy = tmp_path / "bundle"
+    shutil.copytree(bundle.bundle, copy)
+    config = tomllib.loads((copy / "policyd.toml").read_text())
+    config["sampler"]["inject_noise"] = True
+    noise_shape = read_manifest(bundle.bundle)["noise"]["shape"]
+    config["inputs"].append(
+        {
+            "key": "noise",
+            "tensor": "x_t",
+            "dtypes": ["float32"],
+            "shape": noise_shape,
+            "optional": True,
+            "fill": 0.0,
+        }
+    )
+    (copy / "policyd.toml").write_text(tomli_w.dumps(config))
+    exported = Exported(bundle.checkpoint, copy, "")
+    frames = {
+        k.removeprefix("observation.images."): (h, w) for k, (_, h, w) in GROOT_CAMERAS.items()
+    }
+    ckpt = str(bundle.checkpoint.resolve())
+    with served(policyd, exported, tmp_path) as s:
+        robot = test_robot.PolicydTestRobot(
+            test_robot.PolicydTestRobotConfig(frames=frames, seed=11)
+        )
+        features = map_robot_keys_to_lerobot_features(robot)
+        stub = Stub(s.address)
+        stub.setup(RemotePolicyConfig("groot", ckpt, features, 8, "cpu"))
+        obs = observation(robot, 3)
+        stub.observe(obs)
+        actions = stub.actions()
+        stub.close()
+        assert [a.get_timestep() for a in actions] == list(range(3, 11))
+        got = np.stack([a.get_action().numpy() for a in actions]).astype(np.float64)
+        raw = obs.get_observation()
+        mine = {f"observation.images.{cam}": raw[cam] for cam in frames}
+        mine["observation.state"] = np.array(
+            [raw[f"{m}.pos"] for m in test_robot.MOTORS], dtype=np.float32
+        )
+        mine["task"] = raw["task"]
+        want = reference.actions(mine, np.zeros(noise_shape, np.float32)).astype(np.float64)
+        scale = float(np.abs(want).max())
+        assert got.shape == want.shape == (8, 6)
+        assert float(np.abs(got - want).max()) <= 1e-4 * scale, (got, want)
+
+        cfg = RobotClientConfig(
+            policy_type="groot",
+            pretrained_name_or_path=ckpt,
+            robot=test_robot.PolicydTestRobotConfig(frames=frames, seed=12),
+            actions_per_chunk=8,
+            server_address=s.address,
+            task="pick up the red cube",
+            fps=30,
+        )
+        client = RobotClient(cfg)
+        assert client.start()
+        receiver = threading.Thread(target=client.receive_actions, daemon=True)
+        receiver.start()
+        loop = threading.Thread(target=client.control_loop, args=(cfg.task,), daemon=True)
+        loop.start()
+        time.sleep(3.0)
+        client.shutdown_event.set()
+        loop.join(5)
+        driven = client.robot
+        client.stop()
+        receiver.join(5)
+        # 3 s at 30 Hz: actions flow from the first chunk on, one per tick.
+        assert len(driven.actions) >= 45, len(driven.actions)
+        assert len(driven.observations) >= 2
+        for a in driven.actions:
+            assert list(a) == [f"{m}.pos" for m in test_robot.MOTORS]
+            assert all(np.isfinite(v) for v in a.values())
+        assert s.healthy()
+        assert 'policyd_requests_total{route="lerobot",endpoint="observe"}' in s.metrics()
