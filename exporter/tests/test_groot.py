@@ -297,3 +297,43 @@ def test_lerobots_robot_client_drives_it_over_grpc(
             assert all(np.isfinite(v) for v in a.values())
         assert s.healthy()
         assert 'policyd_requests_total{route="lerobot",endpoint="observe"}' in s.metrics()
+
+
+def test_build_plans_follows_nvidias_precisions(bundle: Exported, tmp_path: Path) -> None:
+    """NVIDIA's GR00T deployment builds the action head in BF16 and keeps the vision tower in
+    FP32: the step plan gets `--bf16`, the prefix (vision tower, backbone) none; a stand-in
+    trtexec records each call, and policyd.tensorrt.toml is the cpu config on those plans."""
+    import os
+    import shutil
+    import sys
+
+    copy = tmp_path / "bundle"
+    shutil.copytree(bundle.bundle, copy)
+    calls = tmp_path / "calls"
+    fake = tmp_path / "trtexec"
+    fake.write_text(
+        f"#!{sys.executable}\n"
+        "import sys\n"
+        f"open({str(calls)!r}, 'a').write(' '.join(sys.argv[1:]) + '\\n')\n"
+        "args = dict(a[2:].split('=', 1) for a in sys.argv[1:] if '=' in a)\n"
+        "open(args['saveEngine'], 'wb').write(b'plan')\n"
+    )
+    fake.chmod(0o755)
+    r = subprocess.run(
+        [str(copy / "build-plans.sh"), "--memPoolSize=workspace:2048M"],
+        cwd=tmp_path,
+        env={**os.environ, "TRTEXEC": str(fake)},
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert calls.read_text().splitlines() == [
+        "--onnx=prefix.onnx --saveEngine=prefix.plan --memPoolSize=workspace:2048M",
+        "--onnx=step.onnx --saveEngine=step.plan --bf16 --memPoolSize=workspace:2048M",
+    ]
+    cpu = tomllib.loads((copy / "policyd.toml").read_text())
+    trt = tomllib.loads((copy / "policyd.tensorrt.toml").read_text())
+    assert (trt["engine"].pop("model"), trt["denoise"].pop("model")) == ("prefix.plan", "step.plan")
+    assert (cpu["engine"].pop("model"), cpu["denoise"].pop("model")) == ("prefix.onnx", "step.onnx")
+    assert trt["engine"].pop("backend") == "tensorrt" and cpu["engine"].pop("backend") == "cpu"
+    assert trt == cpu
