@@ -586,11 +586,54 @@ def tiny_qwen3vl(out: Path) -> Path:
     return out
 
 
-def groot(root: Path, vlm: Path, seed: int = 0) -> Path:
+def _groot_checkpoint_stats(base: Path, g: torch.Generator) -> dict[str, object]:
+    """Isaac-GR00T's sidecars: `statistics.json` per embodiment and modality group, and the
+    processor kwargs naming the groups (returned)."""
+    import json
+
+    groups = {"arm": 5, "gripper": 1}
+
+    def entry(d: int) -> dict[str, list[float]]:
+        mean = 3.0 * torch.randn(d, generator=g)
+        half = 0.5 + 2.0 * torch.rand(d, generator=g)
+        inner = 0.4 + 0.3 * torch.rand(d, generator=g)  # q01/q99 well inside min/max
+        return {
+            "min": (mean - half).tolist(),
+            "max": (mean + half).tolist(),
+            "q01": (mean - inner * half).tolist(),
+            "q99": (mean + inner * half).tolist(),
+            "mean": mean.tolist(),
+            "std": (0.5 * half).tolist(),
+        }
+
+    stats = {
+        "new_embodiment": {
+            modality: {k: entry(d) for k, d in groups.items()} for modality in ("state", "action")
+        }
+    }
+    (base / "statistics.json").write_text(json.dumps(stats))
+    absolute = {"rep": "absolute", "type": "non_eef", "format": "default"}
+    modality = {
+        "state": {"modality_keys": list(groups), "delta_indices": [0]},
+        "action": {
+            "modality_keys": list(groups),
+            "action_configs": [absolute, absolute],
+            "delta_indices": list(range(6)),
+        },
+    }
+    return {"use_percentiles": True, "modality_configs": {"new_embodiment": modality}}
+
+
+def groot(root: Path, vlm: Path, seed: int = 0, checkpoint_stats: bool = False) -> Path:
     """A tiny GR00T N1.7 as LeRobot saves a fine-tune: a base model directory (config,
     weights, a processor_config.json with 64-px images and a 56-px crop) built with LeRobot's
     own `GR00TN17` over the tiny Qwen3-VL at `vlm`, then `GrootPolicy` over it with dataset
     statistics far from identity, saved with its processors (the VLM-encode step naming `vlm`).
+
+    `checkpoint_stats`: the base is an Isaac-GR00T fine-tune carrying its own per-group
+    statistics (`statistics.json`: q01/q99 away from min/max, `use_percentiles`) and modality
+    config (state and action groups `arm` 5 + `gripper` 1, six valid action steps of eight),
+    which LeRobot then uses instead of the dataset's (`GrootN17ActionDecodeStep`).
     The action head's output layer is scaled down so that most normalised actions fall inside
     [−1, 1] (the decode clips them) and scaled features up so the cameras and the prompt move
     the actions."""
@@ -635,7 +678,9 @@ def groot(root: Path, vlm: Path, seed: int = 0) -> Path:
         },
     )
     GR00TN17(cfg, load_backbone_weights=False).save_pretrained(base)
-    kwargs = {"image_target_size": [64, 64], "image_crop_size": [56, 56]}
+    kwargs: dict[str, object] = {"image_target_size": [64, 64], "image_crop_size": [56, 56]}
+    if checkpoint_stats:
+        kwargs.update(_groot_checkpoint_stats(base, g))
     (base / "processor_config.json").write_text(json.dumps({"processor_kwargs": kwargs}))
     features = {k: PolicyFeature(FeatureType.VISUAL, s) for k, s in GROOT_CAMERAS.items()}
     features["observation.state"] = PolicyFeature(FeatureType.STATE, (STATE,))

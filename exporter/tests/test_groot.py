@@ -75,7 +75,12 @@ def test_the_bundle_is_a_groot_flow_pipeline(bundle: Exported, policyd: str) -> 
 
 
 def _served(
-    bundle: Exported, reference: Reference, policyd: str, tmp: Path, steps: list[int]
+    bundle: Exported,
+    reference: Reference,
+    policyd: str,
+    tmp: Path,
+    steps: list[int],
+    rows: int = 8,
 ) -> list[tuple[str, int, float, float]]:
     """(prompt, steps, max |policyd − LeRobot|, action scale) for each prompt and step count."""
     from openpi_client import websocket_client_policy
@@ -95,7 +100,7 @@ def _served(
                 request["sampling_params"] = {"num_inference_steps": n}
                 got = np.asarray(client.infer(request)["actions"], dtype=np.float64)
                 want = reference.actions(obs, noise).astype(np.float64)
-                assert got.shape == want.shape == (8, 6)
+                assert got.shape == want.shape == (rows, 6)
                 out.append((prompt, n, float(np.abs(got - want).max()), float(np.abs(want).max())))
     reference.set_steps(4)
     return out
@@ -107,6 +112,31 @@ def test_served_actions_equal_lerobot(
     """4, 5 and 10 steps (5 and 10: where a bucket from a float32 time would be off by one),
     prompts of several lengths (the padding masked), states outside the statistics."""
     for prompt, n, diff, scale in _served(bundle, reference, policyd, tmp_path, [4, 5, 10]):
+        assert diff <= 1e-4 * scale, (prompt, n, diff, scale)
+
+
+def test_a_checkpoints_own_statistics_decode_as_lerobot_decodes_them(
+    tmp_path_factory: pytest.TempPathFactory, policyd: str, tmp_path: Path
+) -> None:
+    """An Isaac-GR00T base with its own `statistics.json` and modality config: LeRobot packs
+    the state and decodes the actions per group with those (q01/q99 under `use_percentiles`,
+    six valid steps of eight) instead of the dataset's, and so does the bundle."""
+    import json
+
+    root = tmp_path_factory.mktemp("groot-own-stats")
+    ckpt = groot(root, tiny_qwen3vl(root / "vlm"), seed=1, checkpoint_stats=True)
+    post = json.loads((ckpt / "policy_postprocessor.json").read_text())
+    assert "groot_n1_7_action_decode_v1" in [s.get("registry_name") for s in post["steps"]]
+    r = run_cli("lerobot", str(ckpt), "--out", str(root / "bundle"))
+    assert r.returncode == 0, r.stderr
+    own = Exported(ckpt, root / "bundle", r.stdout)
+    output = tomllib.loads((own.bundle / "policyd.toml").read_text())["outputs"][0]
+    assert output["rows"] == [0, 6]
+    stats = json.loads((root / "base" / "statistics.json").read_text())["new_embodiment"]
+    q = stats["action"]
+    assert output["min"] == pytest.approx(q["arm"]["q01"] + q["gripper"]["q01"])
+    reference = Reference(load(ckpt))
+    for prompt, n, diff, scale in _served(own, reference, policyd, tmp_path, [4, 10], rows=6):
         assert diff <= 1e-4 * scale, (prompt, n, diff, scale)
 
 
