@@ -364,6 +364,82 @@ def test_the_bundle_speaks_openpis_keys(case: Case, policyd: str) -> None:
     assert "pipeline: flow (openpi Euler)" in r.stdout, r.stdout
 
 
+def resize_with_pad(img: np.ndarray, height: int = 224, width: int = 224) -> np.ndarray:
+    """openpi's `image_tools.resize_with_pad` on an HWC uint8 frame, in float64: the aspect
+    kept (`int(side / ratio)`), jax.image.resize's LINEAR along each axis whose size changes (a
+    triangle of radius max(1, 1/scale) input pixels around each output pixel's centre, the
+    weights normalised), rounded and clipped to uint8, padded with 0 around the centre."""
+    h, w = img.shape[:2]
+    ratio = max(w / width, h / height)
+    rh, rw = int(h / ratio), int(w / ratio)
+    out = img.astype(np.float64)
+    for axis, n_in, n_out in ((0, h, rh), (1, w, rw)):
+        if n_in == n_out:
+            continue
+        scale = n_out / n_in
+        radius = max(1.0, 1.0 / scale)
+        centres = (np.arange(n_out) + 0.5) / scale - 0.5
+        distance = np.abs(centres[:, None] - np.arange(n_in)[None, :]) / radius
+        weights = np.maximum(0.0, 1.0 - distance)
+        weights /= weights.sum(axis=1, keepdims=True)
+        out = np.moveaxis(np.tensordot(weights, out, axes=([1], [axis])), 0, axis)
+    out = np.clip(np.round(out), 0, 255).astype(np.uint8)
+    top, left = (height - rh) // 2, (width - rw) // 2
+    return np.pad(out, ((top, height - rh - top), (left, width - rw - left), (0, 0)))
+
+
+@pytest.mark.parametrize("frames", [(480, 640), (120, 100)])
+def test_frames_of_another_size_are_resized_as_openpi_does(
+    frames: tuple[int, int], patched: None, tokenizer: Path, tmp_path: Path, policyd: str
+) -> None:
+    """`--frame-size`: the robot sends its cameras' own frames (480×640: a 2.86× antialiased
+    downscale, padded above and below; 120×100: a bilinear upscale, padded at the sides) and
+    the bundle does openpi's `ResizeImages`; the actions equal openpi's pipeline on the frames
+    openpi's resize makes of them."""
+    from openpi_client import websocket_client_policy
+
+    from policyd_export.bundle import read_manifest
+
+    name = "pi0_libero"
+    ckpt = openpi_checkpoint(tmp_path / "checkpoint", name)
+    bundle = tmp_path / "bundle"
+    size = f"{frames[0]}x{frames[1]}"
+    args = ["openpi", str(ckpt), "--config", name, "--out", str(bundle), "--frame-size", size]
+    assert main([*args, "--tokenizer", str(tokenizer / "tokenizer.model")]) == 0
+    config = tomllib.loads((bundle / "policyd.toml").read_text())
+    cams = [b for b in config["inputs"] if b["key"] in keys(name)[0]]
+    assert [b["shape"] for b in cams] == [[*frames, 3]] * 2
+    assert all("scale" not in b for b in cams)  # 0..255 into the graph's resize
+    ref = Openpi(ckpt, name, tokenizer / "tokenizer.model")
+    manifest = read_manifest(bundle)
+    rng = np.random.default_rng(11)
+    diffs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        served_config, _ = injected_config(bundle, manifest, Path(tmp))
+        with serve(policyd, served_config) as port:
+            client = websocket_client_policy.WebsocketClientPolicy("127.0.0.1", port)
+            for obs in observations(name, 3, seed=5, stats=ref.stats):
+                for k in keys(name)[0]:
+                    put(obs, k, rng.integers(0, 256, (*frames, 3), np.uint8))
+                noise = rng.standard_normal(manifest["noise"]["shape"]).astype(np.float32)
+                served = np.asarray(client.infer({**obs, "noise": noise})["actions"])
+                resized = dict(obs)
+                for k in keys(name)[0]:
+                    put(resized, k, resize_with_pad(get(obs, k)))
+                want = ref.infer(resized, noise)
+                scale = float(np.abs(want).max())
+                diffs.append(float(np.abs(served - want).max()) / scale)
+                # The resize matters: the frames squeezed to 224×224 without it move the actions.
+                squeezed = dict(obs)
+                for k in keys(name)[0]:
+                    small = torch.from_numpy(get(obs, k)).permute(2, 0, 1)[None].float()
+                    small = torch.nn.functional.interpolate(small, (224, 224), mode="bilinear")
+                    put(squeezed, k, small[0].permute(1, 2, 0).round().byte().numpy())
+                moved = float(np.abs(ref.infer(squeezed, noise) - want).max()) / scale
+                assert moved > 1e-2, moved
+    assert max(diffs) <= 1e-4, diffs
+
+
 def export_error(capsys: pytest.CaptureFixture[str], *args: str) -> str:
     assert main(["openpi", *args]) == 2
     return capsys.readouterr().err

@@ -2,6 +2,7 @@
 
     policyd-export lerobot CHECKPOINT_DIR --out BUNDLE_DIR [--force]
     policyd-export openpi CHECKPOINT_DIR --config NAME --out BUNDLE_DIR [--norm-stats DIR]
+                          [--frame-size HxW]
     policyd-export verify BUNDLE_DIR CHECKPOINT_DIR [--policyd PATH]
     policyd-export rewrite IN.onnx OUT.onnx
 
@@ -60,12 +61,24 @@ def _lerobot(args: argparse.Namespace) -> int:
     return 0
 
 
+def _frame_size(text: str) -> tuple[int, int]:
+    """`480x640` → (480, 640)."""
+    try:
+        h, w = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give HEIGHTxWIDTH, e.g. 480x640") from None
+    return h, w
+
+
 def _openpi(args: argparse.Namespace) -> int:
     from . import bundle, openpi
 
     start = time.monotonic()
     ckpt = openpi.load(
-        args.checkpoint, args.config, Path(args.norm_stats) if args.norm_stats else None
+        args.checkpoint,
+        args.config,
+        Path(args.norm_stats) if args.norm_stats else None,
+        args.frame_size,
     )
     out = Path(args.out)
     tmp = bundle.prepare(out, args.force)
@@ -198,6 +211,14 @@ def parser() -> argparse.ArgumentParser:
     o.add_argument(
         "--tokenizer",
         help="paligemma_tokenizer.model (default: openpi's ~/.cache/openpi/big_vision/ copy)",
+    )
+    o.add_argument(
+        "--frame-size",
+        type=_frame_size,
+        default=(224, 224),
+        metavar="HxW",
+        help="the size every camera sends (default 224x224, what openpi's clients send); "
+        "another size is resized in the graph as openpi's ResizeImages does",
     )
     o.add_argument("--force", action="store_true", help="replace --out if it exists")
     o.add_argument("--verbose", action="store_true", help="show the ONNX exporter's output")

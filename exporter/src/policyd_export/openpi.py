@@ -17,9 +17,10 @@ openpi's order (`policy_config.create_trained_policy`) and where each step lands
   `adapt_to_pi` state decode runs in the prefix graph (`AdaptToPi`);
 - `Normalize`: the bindings' `mean`/`std` with `eps = 1e-6` (z-score), or `min`/`max` with
   `max = q99 + 1e-6` (quantile: `(x − q01)/(q99 − q01 + 1e-6)·2 − 1`);
-- model transforms: frames must be 224×224 (openpi's `ResizeImages` is jax's antialiased
-  resize, not reproduced: other sizes are refused by the binding's shape); `TokenizePrompt` is
-  policyd's tokenizer, format `pi0` or, with `discrete_state_input`, `pi05`;
+- model transforms: `ResizeImages(224, 224)` is the identity on the 224×224 frames openpi's
+  clients send; a bundle exported for another frame size (`--frame-size`) does it in the prefix
+  graph (`ResizeWithPad`: jax's antialiased linear resize, rounded to uint8, padded);
+  `TokenizePrompt` is policyd's tokenizer, format `pi0` or, with `discrete_state_input`, `pi05`;
   `PadStatesAndActions` is the graph's `pad_vector`;
 - the model: openpi's 10 Euler steps, `flow_time = "openpi"`;
 - `Unnormalize`, `AbsoluteActions` (`[[outputs]] relative_to` with the config's mask), and the
@@ -108,6 +109,50 @@ ALOHA_SIM = Robot("ALOHA sim", ("images/cam_high",), (("state", 14),), 14, True,
 #: openpi's `aloha_policy._joint_flip_mask` and gripper constants.
 FLIP = (1, -1, -1, 1, 1, 1, 1, 1, -1, -1, 1, 1, 1, 1)
 GRIPPERS = (6, 13)
+
+
+def linear_weights(n_in: int, n_out: int) -> NDArray[np.float32]:
+    """`[n_out, n_in]`: jax.image.resize's LINEAR weights along one axis, antialiased (the
+    triangle widened by the downscale factor; plain bilinear when upscaling), computed in
+    float32 as jax's `compute_weight_mat` computes them (no translation, so every sample lies
+    inside the input)."""
+    f32 = np.float32
+    inv = f32(1.0) / f32(n_out / n_in)
+    kernel_scale = max(inv, f32(1.0))
+    sample = (np.arange(n_out, dtype=f32) + f32(0.5)) * inv - f32(0.5)
+    x = np.abs(sample[None, :] - np.arange(n_in, dtype=f32)[:, None]) / kernel_scale
+    w = np.maximum(f32(0.0), f32(1.0) - x)
+    total = w.sum(axis=0, keepdims=True, dtype=f32)
+    w = np.where(total > 1000 * np.finfo(f32).eps, w / np.where(total != 0, total, 1), 0)
+    return np.ascontiguousarray(w.T, dtype=f32)
+
+
+class ResizeWithPad(torch.nn.Module):
+    """openpi's `ResizeImages(224, 224)` on a uint8 frame given as its 0..255 values (CHW):
+    `image_tools.resize_with_pad` keeps the aspect (`int(side / ratio)`), resizes with jax's
+    antialiased linear filter (one matrix per axis whose size changes), rounds back to uint8
+    (half to even, as `jnp.round`), pads with black around the centre; then
+    `Observation.from_dict`'s `/ 255 · 2 − 1`."""
+
+    def __init__(self, height: int, width: int):
+        super().__init__()
+        th, tw = RESOLUTION
+        ratio = max(width / tw, height / th)
+        rh, rw = int(height / ratio), int(width / ratio)
+        self.rows = rh != height
+        self.cols = rw != width
+        self.register_buffer("wh", torch.from_numpy(linear_weights(height, rh)))
+        self.register_buffer("ww", torch.from_numpy(linear_weights(width, rw).T.copy()))
+        top, left = (th - rh) // 2, (tw - rw) // 2
+        self.pad = (left, tw - rw - left, top, th - rh - top)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rows:
+            x = torch.matmul(self.wh, x)
+        if self.cols:
+            x = torch.matmul(x, self.ww)
+        x = torch.nn.functional.pad(torch.round(x).clamp(0.0, 255.0), self.pad, value=0.0)
+        return x * (2.0 / 255.0) - 1.0
 
 
 class AdaptToPi(torch.nn.Module):
@@ -275,6 +320,8 @@ class Checkpoint:
     state: Stats
     actions: Stats
     norm_stats: Path
+    #: The frames the robot sends (height, width); openpi resizes them to `RESOLUTION`.
+    frames: tuple[int, int] = RESOLUTION
 
 
 def _refuse_orbax(path: Path, cfg: TrainConfig) -> None:
@@ -324,9 +371,17 @@ def _norm_stats_file(path: Path, cfg: TrainConfig, given: Path | None) -> Path:
     )
 
 
-def load(path: str | Path, name: str, norm_stats: Path | None = None) -> Checkpoint:
-    """Reads and checks an openpi PyTorch checkpoint directory for the training config `name`."""
+def load(
+    path: str | Path,
+    name: str,
+    norm_stats: Path | None = None,
+    frames: tuple[int, int] = RESOLUTION,
+) -> Checkpoint:
+    """Reads and checks an openpi PyTorch checkpoint directory for the training config `name`
+    (`frames`: the size the robot's cameras send)."""
     path = Path(path)
+    if min(frames) < 1 or max(frames) > 4096:
+        raise ExportError(f"--frame-size {frames[0]}x{frames[1]}: each side must be 1 to 4096")
     cfg = config(name)
     if not path.is_dir():
         raise ExportError(f"{path}: not a directory (give the converter's --output_path)")
@@ -364,7 +419,7 @@ def load(path: str | Path, name: str, norm_stats: Path | None = None) -> Checkpo
             f"{path / 'config.json'}: action_dim {model['action_dim']} is smaller than the "
             f"{cfg.robot.name} state or actions"
         )
-    return Checkpoint(path, cfg, model, state, actions, stats_file)
+    return Checkpoint(path, cfg, model, state, actions, stats_file, frames)
 
 
 def lerobot_config(ckpt: Checkpoint) -> Any:  # a LeRobot PI0Config / PI05Config
@@ -543,6 +598,8 @@ def source(ckpt: Checkpoint) -> Source:
     """The checkpoint as a bundle's source: openpi's request keys, no LeRobot client."""
     cfg = ckpt.config
     keys = [*cfg.robot.cameras, *(k for k, _ in cfg.robot.state), "prompt"]
+    h, w = ckpt.frames
+    resized = "" if ckpt.frames == RESOLUTION else " (resized to 224×224 as openpi does)"
     return Source(
         path=ckpt.path,
         policy_type=f"openpi/{cfg.name}",
@@ -550,14 +607,14 @@ def source(ckpt: Checkpoint) -> Source:
         serving="\n".join(
             textwrap.wrap(
                 f"Request keys are openpi's {cfg.robot.name} client's: {', '.join(keys)}; "
-                f"images uint8 {'CHW' if cfg.robot.chw else 'HWC'} 224×224. Normalisation is "
-                f"openpi's, from {ckpt.norm_stats}.",
+                f"images uint8 {'CHW' if cfg.robot.chw else 'HWC'} {h}×{w}{resized}. "
+                f"Normalisation is openpi's, from {ckpt.norm_stats}.",
                 90,
             )
         )
         + "\n",
         inputs=[
-            ManifestInput(feature=k, key=k, type="VISUAL", shape=[3, *RESOLUTION])
+            ManifestInput(feature=k, key=k, type="VISUAL", shape=[3, *ckpt.frames])
             for k in cfg.robot.cameras
         ]
         + [ManifestInput(feature=k, key=k, type="STATE", shape=[n]) for k, n in cfg.robot.state],
@@ -581,6 +638,10 @@ def export(
     # pi0's expert reads the state (DROID's two parts concatenated in the graph); pi0.5's
     # reaches the model only through the prompt, or not at all (pi05_libero).
     states = [] if cfg.pi05 else [(key.rsplit("/", 1)[-1], n) for key, n in cfg.robot.state]
+    # Frames of another size: openpi's ResizeImages in the graph, on the raw 0..255 values.
+    resize: list[bool | torch.nn.Module] = [False] * len(cams)
+    if ckpt.frames != RESOLUTION:
+        resize = [ResizeWithPad(*ckpt.frames) for _ in cams]
     state_fn = None
     if cfg.robot.adapt_to_pi:
         d = cfg.robot.state_dim
@@ -590,24 +651,24 @@ def export(
         out,
         verbose,
         cams,
-        [(3, *RESOLUTION)] * len(cams),
-        [False] * len(cams),
+        [(3, *ckpt.frames)] * len(cams),
+        resize,
         states,
         cfg.max_token_len,
         len(SLOTS) - len(cams),
         state_fn,
     )
     chw = cfg.robot.chw
+    # openpi's `Observation.from_dict`: uint8 / 255 · 2 − 1 (in the graph after a resize).
+    to_model = {"scale": 2.0 / 255.0, "offset": -1.0} if ckpt.frames == RESOLUTION else {}
     inputs: list[Table] = [
         {
             "key": key,
             "tensor": slot,
             "dtypes": ["uint8"],
-            "shape": [3, *RESOLUTION] if chw else [*RESOLUTION, 3],
+            "shape": [3, *ckpt.frames] if chw else [*ckpt.frames, 3],
             **({} if chw else {"layout": "hwc_to_chw"}),
-            # openpi's `Observation.from_dict`: uint8 / 255 · 2 − 1.
-            "scale": 2.0 / 255.0,
-            "offset": -1.0,
+            **to_model,
         }
         for key, slot in zip(cfg.robot.cameras, cams, strict=True)
     ]

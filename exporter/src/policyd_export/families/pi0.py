@@ -47,7 +47,7 @@ class Prefix(nn.Module):
         cameras: int,
         empty: int,
         max_state: int | None,
-        resize: list[bool] | None = None,
+        resize: list[bool | nn.Module] | None = None,
         resolution: tuple[int, int] = (224, 224),
         state_fn: nn.Module | None = None,
     ):
@@ -60,12 +60,18 @@ class Prefix(nn.Module):
         self.empty = empty
         self.max_state = max_state  # None: pi0.5, no state in the graphs
         self.resize = resize or [False] * cameras
+        # Registered, so that their weights are the graph's constants.
+        self.resizers = nn.ModuleList([r for r in self.resize if isinstance(r, nn.Module)])
         self.resolution = resolution
 
-    def image(self, x: torch.Tensor, resize: bool) -> torch.Tensor:
+    def image(self, x: torch.Tensor, resize: bool | nn.Module) -> torch.Tensor:
         """A camera as `_preprocess_images` makes it: one already in [−1, 1] at the model's
         size passes; one at another size (normalised, [0, 1] for IDENTITY) is resized with
-        padding (bilinear, clamped to [0, 1], padded with 0 around the centre), then `·2 − 1`."""
+        padding (bilinear, clamped to [0, 1], padded with 0 around the centre), then `·2 − 1`;
+        a module (openpi's resize, from 0..255) makes the model's [−1, 1] image itself."""
+        if isinstance(resize, nn.Module):
+            out: torch.Tensor = resize(x)
+            return out
         if not resize:
             return x
         from lerobot.policies.common.vla_utils import resize_with_pad_torch
@@ -206,7 +212,7 @@ def graphs(
     verbose: bool,
     images: list[str],
     shapes: list[tuple[int, ...]],
-    resize: list[bool],
+    resize: list[bool | nn.Module],
     states: list[tuple[str, int]],
     length: int,
     empty: int,
@@ -214,17 +220,19 @@ def graphs(
 ) -> tuple[graphs_.Graph, graphs_.Graph, list[str]]:
     """`prefix.onnx` and `step.onnx` of a LeRobot `PI0Pytorch` (pi0 or pi0.5, LeRobot's or
     openpi's weights): camera inputs named `images` at `shapes` (CHW; `resize`: at another
-    size than the model's, resized in the graph), `length` prompt tokens, the state inputs
+    size than the model's, resized in the graph, LeRobot's way, or by the module given, from
+    0..255), `length` prompt tokens, the state inputs
     `states` (name, size; several are concatenated in order, none for pi0.5), `empty` masked
     cameras after the real ones; `state_fn` maps the state first (see `Prefix`). Returns the
     graphs and the prefix outputs the step reads."""
     cfg: Any = model.config
     res = tuple(cfg.image_resolution)
     gen = torch.Generator().manual_seed(0)
+    # Sample frames in each camera's range: 0..255 for a module, [0, 1] for LeRobot's resize.
     image_args = [
-        torch.rand((1, *shape), generator=gen)
-        if r
-        else torch.rand((1, *shape), generator=gen) * 2 - 1
+        torch.randint(0, 256, (1, *shape), generator=gen).float()
+        if isinstance(r, nn.Module)
+        else torch.rand((1, *shape), generator=gen) * (1 if r else 2) - (0 if r else 1)
         for shape, r in zip(shapes, resize, strict=True)
     ]
     tokens = torch.randint(3, 100, (1, length), generator=gen)
