@@ -61,6 +61,12 @@ def get(obs: dict[str, Any], key: str) -> Any:
     return obs[key]
 
 
+def has(obs: dict[str, Any], key: str) -> bool:
+    if key.startswith("images/"):
+        return key.split("/", 1)[1] in obs.get("images", {})
+    return key in obs
+
+
 def put(obs: dict[str, Any], key: str, value: Any) -> None:
     if key.startswith("images/"):
         obs.setdefault("images", {})[key.split("/", 1)[1]] = value
@@ -195,11 +201,13 @@ class Openpi:
             state = FLIP * state
             state[[6, 13]] = gripper_to_angular(state[[6, 13]])
         # Images in openpi's slots (ALOHA's sent channels first), a missing one a zero image
-        # with its mask off.
-        images = [np.asarray(get(obs, k)) for k in cams]
+        # with its mask off (`AlohaInputs`: a wrist camera the request leaves out too).
+        sent = [get(obs, k) if has(obs, k) else None for k in cams]
+        base = np.asarray(sent[0])
+        images = [np.asarray(i) if i is not None else np.zeros_like(base) for i in sent]
         if aloha:
             images = [i.transpose(1, 2, 0) for i in images]
-        masks = [True] * len(images) + [False] * (3 - len(images))
+        masks = [i is not None for i in sent] + [False] * (3 - len(images))
         images += [np.zeros_like(images[0])] * (3 - len(images))
         # Normalize (state), then the model transforms: tokenize, pad to 32.
         state = self.normalize(state, "state")
@@ -362,6 +370,52 @@ def test_the_bundle_speaks_openpis_keys(case: Case, policyd: str) -> None:
     )
     assert r.returncode == 0, r.stderr
     assert "pipeline: flow (openpi Euler)" in r.stdout, r.stdout
+
+
+def test_aloha_requests_may_leave_out_a_wrist_camera(
+    patched: None, tokenizer: Path, tmp_path_factory: pytest.TempPathFactory, policyd: str
+) -> None:
+    """`AlohaInputs` needs only `cam_high`: a wrist camera the robot does not send is a zero
+    image with its mask off. The bundle's wrist bindings are optional with a presence flag
+    (`present_tensor`) as the mask; served actions equal openpi's pipeline on requests without
+    the right wrist and without both, and the mask matters (the same zero images sent, their
+    masks on, move the actions)."""
+    from openpi_client import websocket_client_policy
+
+    from policyd_export.bundle import read_manifest
+
+    case = Case(tmp_path_factory.mktemp("pi0_aloha-wrists"), "pi0_aloha", tokenizer)
+    config = tomllib.loads((case.bundle / "policyd.toml").read_text())
+    wrists = [b for b in config["inputs"] if "wrist" in b["key"]]
+    assert [b.get("present_tensor") for b in wrists] == [
+        "left_wrist_0_rgb_present",
+        "right_wrist_0_rgb_present",
+    ]
+    ref = Openpi(case.checkpoint, case.name, case.tokenizer)
+    manifest = read_manifest(case.bundle)
+    rng = np.random.default_rng(13)
+    diffs, moved = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        served_config, _ = injected_config(case.bundle, manifest, Path(tmp))
+        with serve(policyd, served_config) as port:
+            client = websocket_client_policy.WebsocketClientPolicy("127.0.0.1", port)
+            obs_list = observations(case.name, 4, seed=9, stats=ref.stats)
+            for i, obs in enumerate(obs_list):
+                left_out = ["cam_right_wrist"] + (["cam_left_wrist"] if i % 2 else [])
+                for cam in left_out:
+                    del obs["images"][cam]
+                noise = rng.standard_normal(manifest["noise"]["shape"]).astype(np.float32)
+                served = np.asarray(client.infer({**obs, "noise": noise})["actions"])
+                want = ref.infer(obs, noise)
+                scale = float(np.abs(want).max())
+                diffs.append(float(np.abs(served - want).max()) / scale)
+                zeros = {**obs, "images": dict(obs["images"])}
+                for cam in left_out:
+                    zeros["images"][cam] = np.zeros((3, 224, 224), np.uint8)
+                sent = np.asarray(client.infer({**zeros, "noise": noise})["actions"])
+                moved.append(float(np.abs(sent - served).max()) / scale)
+    assert max(diffs) <= 1e-4, diffs
+    assert min(moved) > 1e-3, moved
 
 
 def resize_with_pad(img: np.ndarray, height: int = 224, width: int = 224) -> np.ndarray:

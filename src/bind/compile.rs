@@ -208,6 +208,48 @@ impl Plan {
                     (t, tr)
                 })
                 .collect();
+            let present = match &b.present_tensor {
+                None => None,
+                Some(name) => {
+                    let at = io
+                        .inputs
+                        .iter()
+                        .position(|s| &s.name == name)
+                        .ok_or_else(|| {
+                            invalid(
+                                k("present_tensor"),
+                                format!(
+                                    "the model has no input '{name}'; its inputs are: {}",
+                                    names(&io.inputs)
+                                ),
+                            )
+                        })?;
+                    let taken = policy.inputs.iter().any(|o| {
+                        o.tensor.as_deref() == Some(name.as_str())
+                            || o.tokenizer().is_some_and(|t| &t.mask_tensor == name)
+                    }) || policy.inputs[..i]
+                        .iter()
+                        .any(|o| o.present_tensor.as_ref() == Some(name));
+                    if taken {
+                        return Err(invalid(
+                            k("present_tensor"),
+                            format!("model input '{name}' is already fed by another binding"),
+                        ));
+                    }
+                    let p = &io.inputs[at];
+                    if p.elements() != 1 {
+                        return Err(invalid(
+                            k("present_tensor"),
+                            format!(
+                                "model input '{name}' has shape {:?}; a presence flag is one \
+                                 element",
+                                p.shape
+                            ),
+                        ));
+                    }
+                    Some((at, p.dtype))
+                }
+            };
             inputs.push(InputBinding {
                 key: b.key.clone(),
                 index,
@@ -221,6 +263,7 @@ impl Plan {
                 affine,
                 optional: b.optional,
                 fill: if token_binding.is_some() { 0.0 } else { b.fill },
+                present,
                 text: b.is_text(),
                 tokens: token_binding,
                 check_finite: !b.allow_non_finite && !b.is_text(),
@@ -256,6 +299,7 @@ impl Plan {
             let bound = policy.inputs.iter().any(|b| {
                 b.tensor.as_deref() == Some(spec.name.as_str())
                     || b.tokenizer().is_some_and(|t| t.mask_tensor == spec.name)
+                    || b.present_tensor.as_deref() == Some(spec.name.as_str())
             });
             if !bound {
                 return Err(invalid(

@@ -191,6 +191,10 @@ impl SlotWriter<'_> {
             }
         }
         for (i, (b, seen)) in self.plan.inputs.iter().zip(self.seen.iter()).enumerate() {
+            if let Some((at, ty)) = b.present {
+                let flag = if *seen { 1.0 } else { 0.0 };
+                crate::transform::fill_bytes(ty, flag, self.bufs[at].bytes_mut());
+            }
             if !*seen {
                 // openpi's `InjectDefaultPrompt`: only a request without a prompt gets it.
                 if let Some(text) = b.tokens.as_ref().and_then(|t| t.default_prompt.as_deref()) {

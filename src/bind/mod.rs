@@ -38,6 +38,9 @@ pub struct InputBinding {
     pub affine: Affine,
     pub optional: bool,
     pub fill: f64,
+    /// `inputs[i].present_tensor`: the engine input (its index and type) set to 1 when the
+    /// request sent this key and to 0 when it was filled.
+    pub present: Option<(usize, ElemType)>,
     /// A text binding: the string's UTF-8 bytes, one per element, then `fill`. A tokenized
     /// prompt is one too: its text lands in a host buffer, tokenized after the decode.
     pub text: bool,

@@ -50,6 +50,10 @@ pub(super) struct RawInput {
     pub(super) optional: bool,
     #[serde(default)]
     pub(super) fill: f64,
+    /// An optional input's presence, as a one-element engine input: 1 when the request sent
+    /// the key, 0 when it was filled (openpi's image mask for a camera a robot may leave out).
+    #[serde(default)]
+    pub(super) present_tensor: Option<String>,
     /// Fixed engine shape, for models whose input has symbolic dimensions.
     #[serde(default)]
     pub(super) engine_shape: Option<Vec<usize>>,
@@ -214,6 +218,8 @@ pub struct InputConfig {
     /// May be absent from a request; the engine input is then filled with `fill`.
     pub optional: bool,
     pub fill: f64,
+    /// The engine input told whether the request sent this key (1) or it was filled (0).
+    pub present_tensor: Option<String>,
     /// Fixed engine shape, for models whose input has symbolic dimensions.
     pub engine_shape: Option<Vec<usize>>,
     /// Serve NaN and infinity instead of refusing the request (`inputs[i].allow_non_finite`).
@@ -630,6 +636,21 @@ pub(super) fn inputs(
         if layout.perm().is_some() && shape.len() < 3 {
             return Err(cx.invalid(k("layout"), "needs a shape of rank 3 or more"));
         }
+        if let Some(t) = &b.present_tensor {
+            if !b.optional {
+                return Err(cx.invalid(
+                    k("present_tensor"),
+                    "only an optional input can be absent: set optional = true, or remove \
+                     present_tensor",
+                ));
+            }
+            if b.tensor.as_deref() == Some(t.as_str()) || t.is_empty() {
+                return Err(cx.invalid(
+                    k("present_tensor"),
+                    format!("'{t}' must name another model input than this binding's tensor"),
+                ));
+            }
+        }
         if !b.scale.is_finite() || !b.offset.is_finite() || !b.fill.is_finite() {
             return Err(cx.invalid(k("scale"), "scale, offset and fill must be finite numbers"));
         }
@@ -677,6 +698,7 @@ pub(super) fn inputs(
             history,
             optional: b.optional,
             fill: b.fill,
+            present_tensor: b.present_tensor.clone(),
             engine_shape: b.engine_shape.clone(),
             allow_non_finite: b.allow_non_finite,
             clip,

@@ -580,3 +580,82 @@ fn more_cameras_than_the_lerobot_table_holds_are_refused() {
     let e = fit(MAX_LEROBOT_CAMERAS + 1).expect_err("one camera too many");
     assert!(e.contains("at most 16"), "{e}");
 }
+
+/// `present_tensor`: openpi's ALOHA masks a wrist camera the robot leaves out. The flag input
+/// is 1 when the request sent the key, 0 when it was filled, on every request (a slot's
+/// buffers are reused); misuse is refused naming the key.
+#[test]
+fn present_tensor_says_whether_an_optional_input_was_sent() {
+    let io = IoSpec {
+        inputs: vec![
+            spec("state", ElemType::F32, &[1, 3]),
+            spec("wrist", ElemType::F32, &[1, 2]),
+            spec("wrist_present", ElemType::Bool, &[1]),
+        ],
+        outputs: state_io().outputs,
+    };
+    let wrist = "[[inputs]]\nkey = \"wrist\"\ntensor = \"wrist\"\ndtypes = [\"float64\"]\n\
+                 shape = [2]\noptional = true\nfill = -1.0\nWRIST\n";
+    let cfg = |extra: &str| {
+        STATE_IO.replace("NORM", "").replace(
+            "[[outputs]]",
+            &format!("{}[[outputs]]", wrist.replace("WRIST", extra)),
+        )
+    };
+    let plan = compile(&cfg("present_tensor = \"wrist_present\""), &io).unwrap();
+    let mut bufs = buffers(&io);
+    let mut seen = vec![false; 2];
+    let mut run = |values: &[(&str, &[f64])]| {
+        plan.decode(&frame(values), &mut bufs, &mut seen).unwrap();
+        (f32s(bufs[1].bytes_mut()), bufs[2].bytes_mut()[0])
+    };
+    let state: &[f64] = &[1.0, 2.0, 3.0];
+    assert_eq!(
+        run(&[("observation.state", state), ("wrist", &[0.5, 0.25])]),
+        (vec![0.5, 0.25], 1)
+    );
+    assert_eq!(run(&[("observation.state", state)]), (vec![-1.0, -1.0], 0));
+    assert_eq!(
+        run(&[("observation.state", state), ("wrist", &[2.0, 3.0])]),
+        (vec![2.0, 3.0], 1)
+    );
+    // Without the binding's flag the model input is unbound.
+    let e = compile(&cfg(""), &io).unwrap_err();
+    assert!(
+        e.contains("'wrist_present'") && e.contains("no [[inputs]] binding"),
+        "{e}"
+    );
+    for (extra, want) in [
+        ("present_tensor = \"nope\"", "the model has no input 'nope'"),
+        (
+            "present_tensor = \"state\"",
+            "already fed by another binding",
+        ),
+        (
+            "present_tensor = \"wrist\"",
+            "another model input than this binding's tensor",
+        ),
+    ] {
+        let e = compile(&cfg(extra), &io).unwrap_err();
+        assert!(
+            e.contains("inputs[1].present_tensor") && e.contains(want),
+            "{extra}: {e}"
+        );
+    }
+    let required = cfg("present_tensor = \"wrist_present\"").replace("optional = true\n", "");
+    let e = compile(&required, &io).unwrap_err();
+    assert!(
+        e.contains("inputs[1].present_tensor") && e.contains("optional = true"),
+        "{e}"
+    );
+    let wide = IoSpec {
+        inputs: vec![
+            io.inputs[0].clone(),
+            io.inputs[1].clone(),
+            spec("wrist_present", ElemType::Bool, &[2]),
+        ],
+        outputs: io.outputs.clone(),
+    };
+    let e = compile(&cfg("present_tensor = \"wrist_present\""), &wide).unwrap_err();
+    assert!(e.contains("a presence flag is one element"), "{e}");
+}

@@ -74,6 +74,8 @@ class Robot:
     chw: bool = False
     #: ALOHA's `adapt_to_pi`: joint sign flips and the gripper maps, on the state and actions.
     adapt_to_pi: bool = False
+    #: Cameras a request may leave out: openpi gives the slot a zero image with its mask off.
+    optional: tuple[str, ...] = ()
 
     @property
     def state_dim(self) -> int:
@@ -103,6 +105,8 @@ ALOHA = Robot(
     14,
     chw=True,
     adapt_to_pi=True,
+    # `AlohaInputs`: only `cam_high` is required.
+    optional=("images/cam_left_wrist", "images/cam_right_wrist"),
 )
 #: ALOHA sim (examples/aloha_sim): the top camera only; the wrist slots are masked zero images.
 ALOHA_SIM = Robot("ALOHA sim", ("images/cam_high",), (("state", 14),), 14, True, True)
@@ -657,10 +661,14 @@ def export(
         cfg.max_token_len,
         len(SLOTS) - len(cams),
         state_fn,
+        [key in cfg.robot.optional for key in cfg.robot.cameras],
     )
     chw = cfg.robot.chw
     # openpi's `Observation.from_dict`: uint8 / 255 · 2 − 1 (in the graph after a resize).
     to_model = {"scale": 2.0 / 255.0, "offset": -1.0} if ckpt.frames == RESOLUTION else {}
+    # A camera left out: openpi's zero uint8 image (0 before the graph's resize, −1 after the
+    # binding's map), its mask from the presence flag.
+    black = 0.0 if to_model == {} else -1.0
     inputs: list[Table] = [
         {
             "key": key,
@@ -669,6 +677,11 @@ def export(
             "shape": [3, *ckpt.frames] if chw else [*ckpt.frames, 3],
             **({} if chw else {"layout": "hwc_to_chw"}),
             **to_model,
+            **(
+                {"optional": True, "fill": black, "present_tensor": f"{slot}_present"}
+                if key in cfg.robot.optional
+                else {}
+            ),
         }
         for key, slot in zip(cfg.robot.cameras, cams, strict=True)
     ]

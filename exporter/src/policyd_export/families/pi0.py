@@ -50,8 +50,12 @@ class Prefix(nn.Module):
         resize: list[bool | nn.Module] | None = None,
         resolution: tuple[int, int] = (224, 224),
         state_fn: nn.Module | None = None,
+        flagged: list[bool] | None = None,
     ):
         super().__init__()
+        # Cameras a robot may leave out: each takes a presence flag (a bool [1] input after
+        # the others) as its image mask, as openpi's ALOHA inputs mask a missing wrist camera.
+        self.flagged = flagged or [False] * cameras
         # A map of the raw state into the model's (openpi ALOHA's adapt_to_pi and its
         # normalisation), before padding; None: the bindings normalised it.
         self.state_fn = state_fn
@@ -87,13 +91,16 @@ class Prefix(nn.Module):
         )
 
         images = [self.image(x, r) for x, r in zip(xs[: self.cameras], self.resize, strict=True)]
-        tokens, token_mask, *states = xs[self.cameras :]
+        flags = sum(self.flagged)
+        rest = xs[self.cameras : len(xs) - flags]
+        present_flags = iter(xs[len(xs) - flags :])
+        tokens, token_mask, *states = rest
         # openpi's DROID state arrives as two inputs (joints, gripper), concatenated first.
         state = [torch.cat(states, dim=-1)] if len(states) > 1 else states
         if self.state_fn is not None and state:
             state = [self.state_fn(state[0])]
         present = torch.ones(1, dtype=torch.bool)
-        masks = [present] * self.cameras
+        masks = [next(present_flags).bool() if f else present for f in self.flagged]
         # LeRobot's empty cameras: images of −1, masked out.
         for _ in range(self.empty):
             images.append(torch.full_like(images[0], -1.0))
@@ -217,14 +224,16 @@ def graphs(
     length: int,
     empty: int,
     state_fn: nn.Module | None = None,
+    flagged: list[bool] | None = None,
 ) -> tuple[graphs_.Graph, graphs_.Graph, list[str]]:
     """`prefix.onnx` and `step.onnx` of a LeRobot `PI0Pytorch` (pi0 or pi0.5, LeRobot's or
     openpi's weights): camera inputs named `images` at `shapes` (CHW; `resize`: at another
     size than the model's, resized in the graph, LeRobot's way, or by the module given, from
     0..255), `length` prompt tokens, the state inputs
     `states` (name, size; several are concatenated in order, none for pi0.5), `empty` masked
-    cameras after the real ones; `state_fn` maps the state first (see `Prefix`). Returns the
-    graphs and the prefix outputs the step reads."""
+    cameras after the real ones; `state_fn` maps the state first (see `Prefix`); `flagged`
+    cameras take a `<camera>_present` bool input, their image mask. Returns the graphs and the
+    prefix outputs the step reads."""
     cfg: Any = model.config
     res = tuple(cfg.image_resolution)
     gen = torch.Generator().manual_seed(0)
@@ -239,11 +248,14 @@ def graphs(
     token_mask = torch.ones((1, length), dtype=torch.bool)
     token_mask[:, length // 2 :] = False
     state_args = [torch.randn((1, n), generator=gen) for _, n in states]
-    prefix_in = [*images, "tokens", "token_mask", *[name for name, _ in states]]
+    flagged = flagged or [False] * len(images)
+    flag_names = [f"{name}_present" for name, f in zip(images, flagged, strict=True) if f]
+    flag_args = [torch.ones(1, dtype=torch.bool) for _ in flag_names]
+    prefix_in = [*images, "tokens", "token_mask", *[name for name, _ in states], *flag_names]
     prefix_out = ["prefix_mask", "k", "v"] + (["state_padded"] if states else [])
     max_state = int(cfg.max_state_dim) if states else None
-    prefix = Prefix(model, len(images), empty, max_state, resize, res, state_fn)
-    args = (*image_args, tokens, token_mask, *state_args)
+    prefix = Prefix(model, len(images), empty, max_state, resize, res, state_fn, flagged)
+    args = (*image_args, tokens, token_mask, *state_args, *flag_args)
     g1 = graphs_.export(prefix, args, prefix_in, prefix_out, out / "prefix.onnx", verbose)
     with torch.no_grad():
         cached = prefix(*args)
