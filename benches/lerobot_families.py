@@ -33,6 +33,7 @@ import onnxruntime
 import tomli_w
 import torch
 from openpi_client import websocket_client_policy
+from policyd_export.bundle import read_manifest
 from policyd_export.checkpoint import load
 from policyd_export.cli import main as export_main
 from policyd_export.reference import Reference
@@ -97,6 +98,15 @@ def real_width_pi0(layers: int, pi05: bool) -> Iterator[None]:
         mp.setattr(m, "PaliGemmaForConditionalGenerationWithPiGemma", FewLayers)
         yield
 
+
+#: GR00T N1.7 at its real widths with an eighth of its layers (`checkpoints.GROOT_REAL`), two
+#: 480×640 cameras (resized to 256 and cropped in the prefix graph, as LeRobot's processor
+#: does), 40 steps of 132-wide actions, 4 flow steps: LeRobot's fp32 path (`use_bf16 = False`).
+REAL_GROOT = "GR00T N1.7, real widths, 1/8 of the layers, 2 cameras 480×640"
+GROOT_480 = {
+    "observation.images.front": (3, 480, 640),
+    "observation.images.wrist": (3, 480, 640),
+}
 
 #: Chunks measured per cell where one chunk takes seconds.
 FEW = {"Diffusion, DDPM-100": 5, "ACT, 1 camera 480×640": 15}
@@ -163,7 +173,8 @@ def measure(name: str, ckpt: Path, bundle: Path, n: int, binary: str) -> tuple |
         return None
     export_s = time.perf_counter() - t
     c = load(ckpt)
-    obs = observations(c, 8, seed=0, prompt_key="task" if c.tokenizer else None)
+    # The prompt under the key the bundle reads (GR00T's is not a LeRobot tokenizer step).
+    obs = observations(c, 8, seed=0, prompt_key=read_manifest(bundle).get("prompt_key"))
     t1 = pct(torch_times(ckpt, obs, n, 1))
     t2 = pct(torch_times(ckpt, obs, n, 2))
     engine, trip = policyd_times(binary, bundle, obs, n)
@@ -229,6 +240,13 @@ def main() -> int:
                         name, ckpt, tmp / f"{len(rows)}-bundle", FEW_REAL, args.policyd
                     )
                 )
+        if not skip(REAL_GROOT):
+            vlm = checkpoints.tiny_qwen3vl(tmp / "qwen3vl-real", real=True)
+            root = tmp / f"{len(rows)}-groot"
+            ckpt = checkpoints.groot(root, vlm, real=True, cameras=GROOT_480)
+            rows.append(
+                measure(REAL_GROOT, ckpt, tmp / f"{len(rows)}-bundle", FEW_REAL, args.policyd)
+            )
         if not skip("SmolVLA, tiny (test sizes)"):
             vlm = checkpoints.tiny_smolvlm(tmp / "smolvlm")
             ckpt = checkpoints.smolvla(tmp / f"{len(rows)}-ckpt", vlm)

@@ -501,11 +501,20 @@ def openpi_checkpoint(out: Path, name: str, seed: int = 0, pi05: bool | None = N
 GROOT_CAMERAS = {"observation.images.front": (3, 48, 64), "observation.images.wrist": (3, 48, 64)}
 
 
-def tiny_qwen3vl(out: Path) -> Path:
+#: GR00T N1.7 at its real widths with an eighth of its layers (benches/lerobot_families.py):
+#: Cosmos-Reason2-2B's LLM (width 2048, MLP 6144, 16 / 8 heads of 128) with 2 of the 16 layers
+#: GR00T keeps, its ViT (width 1024, MLP 4096, 16 heads) with 3 of 24 layers, all three
+#: deepstack; the action head at N1.7's sizes with 4 of 32 DiT blocks and 1 of 4 VL
+#: self-attention blocks. The vocabulary stays the tests' (a lookup, whatever its size).
+GROOT_REAL = {"llm": 2, "vit": 3, "dit": 4, "vlsa": 1}
+
+
+def tiny_qwen3vl(out: Path, real: bool = False) -> Path:
     """A tiny Qwen3-VL as a local directory: a byte-level BPE tokenizer with Qwen's special
     tokens, a Qwen-style chat template (`<|im_start|>user\\n`, an image block per image, the
     text, `<|im_end|>\\n`), Qwen's image processor (16-px patches, merge 2, mean/std 0.5) and
-    the model's config: what GR00T's VLM-encode step reads by `model_name`."""
+    the model's config: what GR00T's VLM-encode step reads by `model_name`. `real`: the model
+    at Cosmos-Reason2-2B's widths with `GROOT_REAL`'s layers."""
     from transformers import (
         PreTrainedTokenizerFast,
         Qwen2VLImageProcessor,
@@ -553,35 +562,59 @@ def tiny_qwen3vl(out: Path) -> Path:
         image_processor=images, tokenizer=fast, video_processor=video, chat_template=template
     ).save_pretrained(out)
     ids = {t: fast.convert_tokens_to_ids(t) for t in special}
+    text: dict[str, object] = {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "vocab_size": 512,
+        "max_position_embeddings": 4096,
+        "rope_theta": 5e6,
+        "rope_scaling": {"mrope_interleaved": True, "mrope_section": [4, 2, 2]},
+    }
+    vision: dict[str, object] = {
+        "depth": 2,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_heads": 2,
+        "out_hidden_size": 64,
+        "patch_size": 16,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        # Two deepstack layers over a backbone GR00T cuts to two: the first adds its features
+        # in the middle, the second at the last kept layer, whose own output GR00T reads.
+        "deepstack_visual_indexes": [0, 1],
+        "num_position_embeddings": 64,
+    }
+    if real:
+        text.update(
+            hidden_size=2048,
+            intermediate_size=6144,
+            num_hidden_layers=GROOT_REAL["llm"],
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=128,
+            rope_scaling={"mrope_interleaved": True, "mrope_section": [24, 20, 20]},
+        )
+        vision.update(
+            depth=GROOT_REAL["vit"],
+            hidden_size=1024,
+            intermediate_size=4096,
+            num_heads=16,
+            out_hidden_size=2048,
+            deepstack_visual_indexes=list(range(GROOT_REAL["vit"])),
+            num_position_embeddings=2304,
+            hidden_act="gelu_pytorch_tanh",
+        )
     Qwen3VLConfig(
         image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"],
         vision_end_token_id=ids["<|vision_end|>"],
-        text_config={
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_hidden_layers": 3,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "head_dim": 16,
-            "vocab_size": 512,
-            "max_position_embeddings": 4096,
-            "rope_theta": 5e6,
-            "rope_scaling": {"mrope_interleaved": True, "mrope_section": [4, 2, 2]},
-        },
-        vision_config={
-            "depth": 2,
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "num_heads": 2,
-            "out_hidden_size": 64,
-            "patch_size": 16,
-            "spatial_merge_size": 2,
-            "temporal_patch_size": 2,
-            "deepstack_visual_indexes": [0],
-            "num_position_embeddings": 64,
-        },
+        text_config=text,
+        vision_config=vision,
     ).save_pretrained(out)
     return out
 
@@ -624,7 +657,14 @@ def _groot_checkpoint_stats(base: Path, g: torch.Generator) -> dict[str, object]
     return {"use_percentiles": True, "modality_configs": {"new_embodiment": modality}}
 
 
-def groot(root: Path, vlm: Path, seed: int = 0, checkpoint_stats: bool = False) -> Path:
+def groot(
+    root: Path,
+    vlm: Path,
+    seed: int = 0,
+    checkpoint_stats: bool = False,
+    real: bool = False,
+    cameras: dict[str, tuple[int, int, int]] | None = None,
+) -> Path:
     """A tiny GR00T N1.7 as LeRobot saves a fine-tune: a base model directory (config,
     weights, a processor_config.json with 64-px images and a 56-px crop) built with LeRobot's
     own `GR00TN17` over the tiny Qwen3-VL at `vlm`, then `GrootPolicy` over it with dataset
@@ -633,7 +673,9 @@ def groot(root: Path, vlm: Path, seed: int = 0, checkpoint_stats: bool = False) 
     `checkpoint_stats`: the base is an Isaac-GR00T fine-tune carrying its own per-group
     statistics (`statistics.json`: q01/q99 away from min/max, `use_percentiles`) and modality
     config (state and action groups `arm` 5 + `gripper` 1, six valid action steps of eight),
-    which LeRobot then uses instead of the dataset's (`GrootN17ActionDecodeStep`).
+    which LeRobot then uses instead of the dataset's (`GrootN17ActionDecodeStep`). `real`: N1.7's
+    own sizes (132-wide state and actions, 40 steps, 256-px images) with `GROOT_REAL`'s layers,
+    over a `tiny_qwen3vl(real=True)`; `cameras`: other camera shapes than `GROOT_CAMERAS`.
     The action head's output layer is scaled down so that most normalised actions fall inside
     [−1, 1] (the decode clips them) and scaled features up so the cameras and the prompt move
     the actions."""
@@ -647,49 +689,67 @@ def groot(root: Path, vlm: Path, seed: int = 0, checkpoint_stats: bool = False) 
     torch.manual_seed(seed)
     g = torch.Generator().manual_seed(seed)
     base = root / "base"
+    dims = 132 if real else 8
+    horizon = 40 if real else 8
+    if real:
+        sizes: dict[str, object] = {
+            "backbone_embedding_dim": 2048,
+            "select_layer": GROOT_REAL["llm"],
+            "hidden_size": 1024,
+            "input_embedding_dim": 1536,
+        }
+        dit = {"num_layers": GROOT_REAL["dit"], "num_attention_heads": 32}
+        dit.update(attention_head_dim=48, output_dim=1024)
+        vlsa = {"num_layers": GROOT_REAL["vlsa"], "num_attention_heads": 32}
+        vlsa.update(attention_head_dim=64)
+    else:
+        sizes = {
+            "backbone_embedding_dim": 64,
+            "select_layer": 2,
+            "hidden_size": 32,
+            "input_embedding_dim": 32,
+        }
+        dit = {"num_layers": 4, "num_attention_heads": 2, "attention_head_dim": 16}
+        dit.update(output_dim=32)
+        vlsa = {"num_layers": 1, "num_attention_heads": 4, "attention_head_dim": 16}
     cfg = GR00TN17Config(
         model_name=str(vlm),
         backbone_model_type="qwen",
-        backbone_embedding_dim=64,
-        select_layer=2,
-        hidden_size=32,
-        input_embedding_dim=32,
-        max_state_dim=8,
-        max_action_dim=8,
-        action_horizon=8,
+        max_state_dim=dims,
+        max_action_dim=dims,
+        action_horizon=horizon,
         diffusion_model_cfg={
             "positional_embeddings": None,
-            "num_layers": 4,
-            "num_attention_heads": 2,
-            "attention_head_dim": 16,
             "norm_type": "ada_norm",
             "dropout": 0.2,
             "final_dropout": True,
-            "output_dim": 32,
             "interleave_self_attention": True,
+            **dit,
         },
         vl_self_attention_cfg={
             "positional_embeddings": None,
-            "num_layers": 1,
-            "num_attention_heads": 4,
-            "attention_head_dim": 16,
             "dropout": 0.2,
             "final_dropout": True,
+            **vlsa,
         },
+        **sizes,
     )
     GR00TN17(cfg, load_backbone_weights=False).save_pretrained(base)
     kwargs: dict[str, object] = {"image_target_size": [64, 64], "image_crop_size": [56, 56]}
+    if real:  # N1.7's own image sizes
+        kwargs = {"image_target_size": [256, 256], "image_crop_size": [230, 230]}
     if checkpoint_stats:
         kwargs.update(_groot_checkpoint_stats(base, g))
     (base / "processor_config.json").write_text(json.dumps({"processor_kwargs": kwargs}))
-    features = {k: PolicyFeature(FeatureType.VISUAL, s) for k, s in GROOT_CAMERAS.items()}
+    cams = cameras or GROOT_CAMERAS
+    features = {k: PolicyFeature(FeatureType.VISUAL, s) for k, s in cams.items()}
     features["observation.state"] = PolicyFeature(FeatureType.STATE, (STATE,))
     pc = GrootConfig(
         base_model_path=str(base),
-        max_state_dim=8,
-        max_action_dim=8,
-        chunk_size=8,
-        n_action_steps=8,
+        max_state_dim=dims,
+        max_action_dim=dims,
+        chunk_size=horizon,
+        n_action_steps=horizon,
         use_bf16=False,
         device="cpu",
         input_features=features,
@@ -697,19 +757,22 @@ def groot(root: Path, vlm: Path, seed: int = 0, checkpoint_stats: bool = False) 
     )
     policy = GrootPolicy(pc)
     head = policy._groot_model.action_head
+    # At the real widths these gains make the network chaotic (a 1e-6 change of the embedding
+    # moved LeRobot's own actions by a quarter of their range): kept to the tiny model.
     with torch.no_grad():
-        for block in head.vl_self_attention.transformer_blocks:
-            for p in block.parameters():
-                p.mul_(4.0)
-        # LeRobot's initialisation (0.02·randn per embodiment-specific layer) leaves the
-        # velocity near 0 and the state unheard: actions would be the noise itself.
-        for mlp in (head.action_decoder, head.state_encoder):
-            mlp.layer1.W.mul_(10.0)
-            mlp.layer2.W.mul_(10.0)
-        policy._groot_model.backbone.language_model.embed_tokens.weight.mul_(50.0)
-        for block in head.model.transformer_blocks:  # what the VL features and state reach
-            block.attn1.to_v.weight.mul_(8.0)
-            block.attn1.to_out[0].weight.mul_(4.0)
+        if not real:
+            for block in head.vl_self_attention.transformer_blocks:
+                for p in block.parameters():
+                    p.mul_(4.0)
+            # LeRobot's initialisation (0.02·randn per embodiment-specific layer) leaves the
+            # velocity near 0 and the state unheard: actions would be the noise itself.
+            for mlp in (head.action_decoder, head.state_encoder):
+                mlp.layer1.W.mul_(10.0)
+                mlp.layer2.W.mul_(10.0)
+            policy._groot_model.backbone.language_model.embed_tokens.weight.mul_(50.0)
+            for block in head.model.transformer_blocks:  # what the VL features and state reach
+                block.attn1.to_v.weight.mul_(8.0)
+                block.attn1.to_out[0].weight.mul_(4.0)
     pre, post = make_groot_pre_post_processors(
         pc, dataset_stats=_stats(g, {**features, **pc.output_features})
     )

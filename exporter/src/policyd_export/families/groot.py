@@ -300,9 +300,13 @@ class Prefix(nn.Module):
         rope = lm.rotary_emb(embeds, mrope)
         zeros = torch.zeros_like(embeds)
         h = embeds
+        last = len(lm.layers) - 1
         for i, layer in enumerate(lm.layers):
             h = layer(h, attention_mask=mask, position_ids=text_pos, position_embeddings=rope)
-            if i < len(deep):
+            # GR00T's features are the last kept layer's own output (a forward hook), taken
+            # before Qwen3-VL adds that layer's deepstack features (a backbone cut at or below
+            # the deepstack depth).
+            if i < len(deep) and i < last:
                 h = h + self._splice(zeros, deep[i])
         head = self.head
         vl = head.vlln(h)
