@@ -142,6 +142,9 @@ def test_policyd_serves_a_graph_with_external_data(tmp_path: Path, policyd: str)
     graph = tmp_path / "external.onnx"
     rewrite.save(fixed, graph, external_over=0)
     assert (tmp_path / "external.onnx.data").is_file()
+    # As readable as the graph (a service user reads both).
+    mode = (tmp_path / "external.onnx.data").stat().st_mode & 0o777
+    assert mode == graph.stat().st_mode & 0o777 == 0o644, oct(mode)
     ok, err = _serves(policyd, _config(tmp_path, graph, "concat_expand_matmul"))
     assert ok, err
     (tmp_path / "external.onnx.data").unlink()

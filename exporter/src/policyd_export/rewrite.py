@@ -317,5 +317,7 @@ def save(model: onnx.ModelProto, path: Path, external_over: int = EXTERNAL_OVER)
             all_tensors_to_one_file=True,
             location=path.name + ".data",
         )
+        # onnx 1.23 creates the data file 0600: as readable as the graph, for a service user.
+        (path.parent / (path.name + ".data")).chmod(path.stat().st_mode & 0o777)
     else:
         onnx.save_model(model, str(path))
