@@ -138,6 +138,37 @@ pub fn model_bytes(model: &ModelSource) -> Result<Cow<'static, [u8]>, EngineErro
     }
 }
 
+/// Lets the kernel drop the resident pages of bytes built into the binary (a firmware image's
+/// external data) once an engine has copied them out: the process then holds the weights once,
+/// in the engine, rather than also as the binary's pages. `MADV_PAGEOUT` reclaims clean file
+/// pages, which the kernel reads from the binary again if they are touched (a reload), and never
+/// discards data it could not read back; on older kernels or other systems it does nothing.
+pub(crate) fn release_built_in(bytes: &'static [u8]) {
+    #[cfg(any(target_os = "linux", target_os = "android"))]
+    {
+        // SAFETY: sysconf has no preconditions.
+        let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+        let Ok(page) = usize::try_from(page) else {
+            return;
+        };
+        if page == 0 {
+            return;
+        }
+        let start = bytes.as_ptr() as usize;
+        let first = start.div_ceil(page) * page;
+        let end = (start + bytes.len()) / page * page;
+        if end > first {
+            // SAFETY: whole pages inside a 'static slice of the binary, which stays mapped; the
+            // advice changes no byte of it (reclaimed pages read back the same).
+            unsafe {
+                libc::madvise(first as *mut libc::c_void, end - first, libc::MADV_PAGEOUT);
+            }
+        }
+    }
+    #[cfg(not(any(target_os = "linux", target_os = "android")))]
+    let _ = bytes;
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
     /// `[engine]` or `[denoise]` asks for what this build or this model cannot do.

@@ -551,7 +551,12 @@ fn commit(mut b: SessionBuilder, model: &ModelSource) -> Result<Session, String>
                     .with_external_initializer_file_in_memory(file, std::sync::Arc::from(*data))
                     .map_err(|e| e.to_string())?;
             }
-            b.commit_from_memory(bytes).map_err(|e| e.to_string())
+            let session = b.commit_from_memory(bytes).map_err(|e| e.to_string());
+            // onnxruntime has its copy now: the binary's pages of the graph and its weights
+            // can go.
+            super::release_built_in(bytes);
+            super::release_built_in(data);
+            session
         }
     }
 }

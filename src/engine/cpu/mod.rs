@@ -226,6 +226,10 @@ impl CpuEngine {
             .and_then(|m| m.into_runnable())
             .map_err(|e| super::load_error(model, e))?;
         let state = plan.spawn().map_err(|e| super::load_error(model, e))?;
+        if let ModelSource::Embedded { bytes, .. } = model {
+            // tract has its own copy of the graph and its weights (the data went as read).
+            super::release_built_in(bytes);
+        }
         Ok(CpuEngine {
             plan,
             state,
@@ -261,47 +265,69 @@ pub fn clear_upper_vector_state() {
     }
 }
 
-/// A firmware image's graph with its external data built in beside it: tract reads external
-/// data only from files in the model's directory, so each tensor's bytes are copied from the
-/// baked data into the graph before tract sees it (a firmware image has no files).
+/// A firmware image's graph whose weights are built-in external data: tract reads each tensor
+/// through a resolver, one at a time, and the binary's pages of it are released as they are
+/// copied (the weights are held once, in tract's tensors, not also as a protobuf copy and as
+/// resident pages of the binary).
 fn embedded_with_data(
     bytes: &'static [u8],
     data: &'static [u8],
 ) -> TractResult<tract_onnx::prelude::InferenceModel> {
     use tract_onnx::pb::tensor_proto::DataLocation;
-    let onnx = tract_onnx::onnx();
+    let mut onnx = tract_onnx::onnx();
+    onnx.provider = Arc::new(BuiltInData(data));
     let mut reader: &[u8] = bytes;
     let mut proto = onnx.proto_model_for_read(&mut reader)?;
     let graph = proto
         .graph
         .as_mut()
         .ok_or_else(|| TractError::msg("the model has no graph"))?;
+    // tract resolves a tensor's location inside the model's directory before it asks the
+    // resolver, which reads the binary instead: "." inside "/" always resolves.
     for t in &mut graph.initializer {
         if t.data_location != Some(DataLocation::External as i32) {
             continue;
         }
-        let field = |key: &str| {
-            t.external_data
-                .iter()
-                .find(|e| e.key == key)
-                .map(|e| e.value.clone())
-        };
-        let offset: usize = field("offset").map_or(Ok(0), |v| v.parse())?;
-        let length: Option<usize> = field("length").map(|v| v.parse()).transpose()?;
-        let end = length.map_or(Some(data.len()), |l| offset.checked_add(l));
-        let slice = end.and_then(|end| data.get(offset..end)).ok_or_else(|| {
+        for e in &mut t.external_data {
+            if e.key == "location" {
+                e.value = ".".into();
+            }
+        }
+    }
+    let parsed = onnx.parse(&proto, Some("/"))?;
+    if !parsed.unresolved_inputs.is_empty() {
+        return Err(TractError::msg(format!(
+            "could not resolve inputs: {:?}",
+            parsed.unresolved_inputs
+        )));
+    }
+    let model = parsed.model;
+    super::release_built_in(data);
+    Ok(model)
+}
+
+/// The resolver of [`embedded_with_data`]: a tensor's bytes from the built-in data file.
+struct BuiltInData(&'static [u8]);
+
+impl tract_onnx::data_resolver::ModelDataResolver for BuiltInData {
+    fn read_bytes_from_path(
+        &self,
+        buf: &mut Vec<u8>,
+        _path: &std::path::Path,
+        offset: usize,
+        length: Option<usize>,
+    ) -> TractResult<()> {
+        let end = length.map_or(Some(self.0.len()), |l| offset.checked_add(l));
+        let slice = end.and_then(|end| self.0.get(offset..end)).ok_or_else(|| {
             TractError::msg(format!(
-                "tensor '{}': external data [{offset}, +{length:?}) past the built-in \
-                     data file ({} bytes)",
-                t.name,
-                data.len()
+                "external data [{offset}, +{length:?}) past the built-in data file ({} bytes)",
+                self.0.len()
             ))
         })?;
-        t.raw_data = slice.to_vec();
-        t.external_data.clear();
-        t.data_location = Some(DataLocation::Default as i32);
+        buf.extend_from_slice(slice);
+        super::release_built_in(slice);
+        Ok(())
     }
-    onnx.model_for_proto_model(&proto)
 }
 
 impl Engine for CpuEngine {

@@ -767,7 +767,12 @@ pub fn load(
     opts: &Options,
 ) -> Result<TensorRtEngine, EngineError> {
     let plan = crate::engine::model_bytes(model)?;
-    TensorRtEngine::new(api, device.clone(), &plan, opts)
+    let engine = TensorRtEngine::new(api, device.clone(), &plan, opts)?;
+    if let crate::config::ModelSource::Embedded { bytes, .. } = model {
+        // The plan is deserialized onto the GPU: its pages of the binary can go.
+        crate::engine::release_built_in(bytes);
+    }
+    Ok(engine)
 }
 
 /// Probes for the CUDA driver and libnvinfer (cudarc panics without libcuda), checks that
