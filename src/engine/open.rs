@@ -43,10 +43,12 @@ pub fn open(spec: &PolicySpec) -> Result<Box<dyn Engine>, EngineError> {
         return open_tensorrt_pipeline(spec, p);
     }
     let prefix = open_model(spec, &spec.model)?;
+    crate::engine::release_freed_heap();
     let Some(p) = &spec.pipeline else {
         return Ok(prefix);
     };
     let denoise = open_model(spec, &p.denoise).map_err(in_denoise)?;
+    crate::engine::release_freed_heap();
     let pipeline = crate::engine::pipeline::Pipeline::new(prefix, denoise, p)
         .map_err(|e| crate::config::invalid("denoise", e.to_string()))?;
     Ok(Box::new(pipeline))
