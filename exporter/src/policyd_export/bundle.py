@@ -1,7 +1,7 @@
 """A bundle: everything policyd needs to serve one exported policy, in one directory.
 
     policyd.toml            the CPU config (`policyd --config BUNDLE/policyd.toml`)
-    *.onnx                  the graphs (weights in `<graph>.onnx.data` past 1.8 GB)
+    *.onnx                  the graphs (weights in `<graph>.onnx.data` past 256 MB)
     policyd.tensorrt.toml   the same policy on TensorRT plans, once built on the board
     build-plans.sh          trtexec commands that build those plans (run on the Jetson)
     export.json             what was exported and checked (read by `policyd-export verify`)
