@@ -169,11 +169,12 @@ pub(crate) fn release_built_in(bytes: &'static [u8]) {
     let _ = bytes;
 }
 
-/// Returns the heap's free memory to the system once an engine has loaded. Loading decodes
-/// every weight and then packs it (tract) or copies it into a session (onnxruntime), and glibc
-/// keeps the memory the decoded copies leave behind: a 45 MB graph sat at 107 MB of anonymous
-/// memory after tract loaded it, and at 45 MB after this (`cargo bench --bench tract_memory`).
-/// Elsewhere than glibc it does nothing.
+/// Returns the heap's free memory to the system once an engine has loaded. Loading copies
+/// every weight more than once (tract decodes a graph's whole protobuf before it builds its
+/// tensors; onnxruntime copies into its session), and glibc keeps what the copies leave free:
+/// SmolVLA's 1.18 GB prefix sat at 1.99 GB of anonymous memory once tract had loaded it, and at
+/// 1.18 GB after this (`cargo bench --bench tract_memory -- prefix.onnx`). Elsewhere than glibc
+/// it does nothing.
 pub(crate) fn release_freed_heap() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     // SAFETY: malloc_trim has no preconditions.
