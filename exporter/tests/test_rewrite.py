@@ -136,7 +136,8 @@ def test_rewrite_cli_refuses_a_file_that_is_not_onnx(tmp_path: Path) -> None:
 
 def test_policyd_serves_a_graph_with_external_data(tmp_path: Path, policyd: str) -> None:
     """Graphs past 256 MB are saved with their weights in `<graph>.onnx.data` (ONNX's 2 GB
-    protobuf limit, and a lower load peak): policyd must find them beside the graph. Forced here on a small one."""
+    protobuf limit, and a lower load peak): policyd must find them beside the graph. Forced
+    here on a small one."""
     model, _ = tract_bugs.concat_expand_matmul()
     fixed, _ = rewrite.rewrite(model)
     graph = tmp_path / "external.onnx"

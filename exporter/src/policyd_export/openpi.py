@@ -138,6 +138,9 @@ class ResizeWithPad(torch.nn.Module):
     (half to even, as `jnp.round`), pads with black around the centre; then
     `Observation.from_dict`'s `/ 255 · 2 − 1`."""
 
+    wh: torch.Tensor
+    ww: torch.Tensor
+
     def __init__(self, height: int, width: int):
         super().__init__()
         th, tw = RESOLUTION

@@ -22,6 +22,7 @@ prefix. pi0's expert also embeds the state; pi0.5 writes the state into the prom
 from __future__ import annotations
 
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +48,7 @@ class Prefix(nn.Module):
         cameras: int,
         empty: int,
         max_state: int | None,
-        resize: list[bool | nn.Module] | None = None,
+        resize: Sequence[bool | nn.Module] | None = None,
         resolution: tuple[int, int] = (224, 224),
         state_fn: nn.Module | None = None,
         flagged: list[bool] | None = None,
@@ -219,7 +220,7 @@ def graphs(
     verbose: bool,
     images: list[str],
     shapes: list[tuple[int, ...]],
-    resize: list[bool | nn.Module],
+    resize: Sequence[bool | nn.Module],
     states: list[tuple[str, int]],
     length: int,
     empty: int,
