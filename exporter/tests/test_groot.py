@@ -6,7 +6,6 @@ and served with LeRobot's own `predict_action_chunk` actions (fp32, noise inject
 from __future__ import annotations
 
 import subprocess
-import time
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -239,7 +238,6 @@ def test_lerobots_robot_client_drives_it_over_grpc(
     `predict_action_chunk` on that observation. policyd's initial noise is a binding no robot
     sends, filled with zeros, as the reference's."""
     import shutil
-    import threading
 
     import policyd_test_robot as test_robot
     import tomli_w
@@ -248,7 +246,7 @@ def test_lerobots_robot_client_drives_it_over_grpc(
         RemotePolicyConfig,
         map_robot_keys_to_lerobot_features,
     )
-    from test_lerobot_client import Stub, observation, served
+    from test_lerobot_client import Stub, drive, observation, served
 
     monkeypatch.chdir(tmp_path)  # robot_client's logger writes logs/ here when imported
     from lerobot.async_inference.robot_client import RobotClient
@@ -307,18 +305,7 @@ def test_lerobots_robot_client_drives_it_over_grpc(
             task="pick up the red cube",
             fps=30,
         )
-        client = RobotClient(cfg)
-        assert client.start()
-        receiver = threading.Thread(target=client.receive_actions, daemon=True)
-        receiver.start()
-        loop = threading.Thread(target=client.control_loop, args=(cfg.task,), daemon=True)
-        loop.start()
-        time.sleep(3.0)
-        client.shutdown_event.set()
-        loop.join(5)
-        driven = client.robot
-        client.stop()
-        receiver.join(5)
+        _, driven = drive(RobotClient(cfg), cfg.task, 3.0)
         # 3 s at 30 Hz: actions flow from the first chunk on, one per tick.
         assert len(driven.actions) >= 45, len(driven.actions)
         assert len(driven.observations) >= 2

@@ -19,6 +19,7 @@ import tomllib
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
@@ -153,6 +154,23 @@ class Stub:
         self.channel.close()
 
 
+def drive(client: Any, task: str, seconds: float) -> tuple[Any, test_robot.PolicydTestRobot]:
+    """LeRobot's `RobotClient` run as its `main` runs it (the action receiver and the control
+    loop on their threads) for `seconds`, then stopped: the client and the robot it drove."""
+    assert client.start()
+    receiver = threading.Thread(target=client.receive_actions, daemon=True)
+    receiver.start()
+    loop = threading.Thread(target=client.control_loop, args=(task,), daemon=True)
+    loop.start()
+    time.sleep(seconds)
+    client.shutdown_event.set()
+    loop.join(5)
+    robot = client.robot
+    client.stop()
+    receiver.join(5)
+    return client, robot
+
+
 def observation(robot: test_robot.PolicydTestRobot, step: int) -> TimedObservation:
     raw = robot.get_observation()
     raw["task"] = "pick the cube"
@@ -192,18 +210,7 @@ def test_robot_client_runs_against_policyd(
             task="pick the cube",
             fps=30,
         )
-        client = RobotClient(cfg)
-        assert client.start()
-        receiver = threading.Thread(target=client.receive_actions, daemon=True)
-        receiver.start()
-        loop = threading.Thread(target=client.control_loop, args=(cfg.task,), daemon=True)
-        loop.start()
-        time.sleep(4.0)
-        client.shutdown_event.set()
-        loop.join(5)
-        robot = client.robot
-        client.stop()
-        receiver.join(5)
+        client, robot = drive(RobotClient(cfg), cfg.task, 4.0)
         # 4 s at 30 Hz: actions flow from the first chunk on, one per tick.
         assert len(robot.actions) >= 80, len(robot.actions)
         assert client.latest_action >= 80
