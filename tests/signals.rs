@@ -88,8 +88,13 @@ impl Server {
         );
     }
 
+    /// Replaces the config file at once (written beside it, then renamed), as an operator's
+    /// editor or deploy tool does: a reload still pending from an earlier SIGHUP never reads a
+    /// half-written file (which it would refuse, and the test with it).
     fn rewrite(&self, config: &str) {
-        std::fs::write(self.dir.join("policyd.toml"), config).expect("config");
+        let tmp = self.dir.join("policyd.toml.new");
+        std::fs::write(&tmp, config).expect("config");
+        std::fs::rename(&tmp, self.dir.join("policyd.toml")).expect("config");
     }
 
     /// Waits for the process to end (at most `within`); its exit code.
