@@ -698,10 +698,17 @@ def groot(
             "hidden_size": 1024,
             "input_embedding_dim": 1536,
         }
-        dit = {"num_layers": GROOT_REAL["dit"], "num_attention_heads": 32}
-        dit.update(attention_head_dim=48, output_dim=1024)
-        vlsa = {"num_layers": GROOT_REAL["vlsa"], "num_attention_heads": 32}
-        vlsa.update(attention_head_dim=64)
+        dit = {
+            "num_layers": GROOT_REAL["dit"],
+            "num_attention_heads": 32,
+            "attention_head_dim": 48,
+            "output_dim": 1024,
+        }
+        vlsa = {
+            "num_layers": GROOT_REAL["vlsa"],
+            "num_attention_heads": 32,
+            "attention_head_dim": 64,
+        }
     else:
         sizes = {
             "backbone_embedding_dim": 64,
@@ -709,8 +716,12 @@ def groot(
             "hidden_size": 32,
             "input_embedding_dim": 32,
         }
-        dit = {"num_layers": 4, "num_attention_heads": 2, "attention_head_dim": 16}
-        dit.update(output_dim=32)
+        dit = {
+            "num_layers": 4,
+            "num_attention_heads": 2,
+            "attention_head_dim": 16,
+            "output_dim": 32,
+        }
         vlsa = {"num_layers": 1, "num_attention_heads": 4, "attention_head_dim": 16}
     cfg = GR00TN17Config(
         model_name=str(vlm),

@@ -33,6 +33,11 @@ def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     )
 
 
+def check_config(policyd: str, config: Path) -> subprocess.CompletedProcess:
+    """`policyd check-config CONFIG`, its output captured."""
+    return subprocess.run([policyd, "check-config", str(config)], capture_output=True, text=True)
+
+
 class Exported:
     def __init__(self, checkpoint: Path, bundle: Path, log: str):
         self.checkpoint = checkpoint

@@ -11,6 +11,7 @@ from pathlib import Path
 import checkpoints
 import onnx
 import pytest
+from conftest import check_config
 
 from policyd_export.bundle import sized_engine
 from policyd_export.families import Exported
@@ -66,9 +67,7 @@ def test_build_plans_finds_external_data_beside_each_graph(
     }
     assert locations == {"model.onnx.data"}
     assert (bundle / "model.onnx.data").stat().st_size > 1_000_000
-    r = subprocess.run(
-        [policyd, "check-config", str(bundle / "policyd.toml")], capture_output=True, text=True
-    )
+    r = check_config(policyd, bundle / "policyd.toml")
     assert r.returncode == 0, r.stderr
     script = (bundle / "build-plans.sh").read_text()
     assert '"$TRTEXEC" --onnx=model.onnx --saveEngine=model.plan' in script
@@ -98,13 +97,9 @@ def test_build_plans_finds_external_data_beside_each_graph(
     size = data.stat().st_size
     with data.open("r+b") as f:
         f.truncate(size // 2)
-    r = subprocess.run(
-        [policyd, "check-config", str(bundle / "policyd.toml")], capture_output=True, text=True
-    )
+    r = check_config(policyd, bundle / "policyd.toml")
     assert r.returncode == 2 and "out of bounds" in r.stderr, r
     assert f"model.onnx.data holds {size // 2} bytes" in r.stderr, r.stderr
     data.unlink()
-    r = subprocess.run(
-        [policyd, "check-config", str(bundle / "policyd.toml")], capture_output=True, text=True
-    )
+    r = check_config(policyd, bundle / "policyd.toml")
     assert r.returncode == 2 and "model.onnx.data" in r.stderr, r

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 from checkpoints import GROOT_CAMERAS, groot, tiny_qwen3vl
-from conftest import Exported, run_cli
+from conftest import Exported, check_config, run_cli
 
 from policyd_export.checkpoint import load
 from policyd_export.reference import Reference
@@ -64,11 +64,7 @@ def test_the_bundle_is_a_groot_flow_pipeline(bundle: Exported, policyd: str) -> 
     assert prompt["prefix_ids"][-1] != prompt["prefix_ids"][0]
     output = config["outputs"][0]
     assert output["clip"] == [-1.0, 1.0] and output["columns"] == 6
-    r = subprocess.run(
-        [policyd, "check-config", str(bundle.bundle / "policyd.toml")],
-        capture_output=True,
-        text=True,
-    )
+    r = check_config(policyd, bundle.bundle / "policyd.toml")
     assert r.returncode == 0, r.stderr
     assert "GR00T: upward time, integer buckets" in r.stdout
 

@@ -26,7 +26,7 @@ import numpy as np
 import policyd_test_robot as test_robot
 import pytest
 import tomli_w
-from conftest import Exported
+from conftest import Exported, check_config
 from lerobot.async_inference.configs import RobotClientConfig
 from lerobot.async_inference.helpers import (
     RemotePolicyConfig,
@@ -355,14 +355,7 @@ def test_diffusion_policy_is_served_with_its_observation_history(
             assert [a.get_timestep() for a in actions] == list(range(step, step + 8))
             assert all(bool(a.get_action().isfinite().all()) for a in actions)
         stub.close()
-        assert (
-            "history"
-            in subprocess.run(
-                [policyd, "check-config", str(ddim_bundle.bundle / "policyd.toml")],
-                capture_output=True,
-                text=True,
-            ).stdout
-        )
+        assert "history" in check_config(policyd, ddim_bundle.bundle / "policyd.toml").stdout
 
 
 def pr3048(meta: dict, tensors: dict | None = None) -> bytes:

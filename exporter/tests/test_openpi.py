@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import subprocess
 import tempfile
 import tomllib
 from collections.abc import Iterator
@@ -21,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 from checkpoints import OPENPI, gemma_tokenizer, openpi_checkpoint, tiny_pi0
+from conftest import check_config
 
 from policyd_export.cli import main
 from policyd_export.verify import injected_config, serve
@@ -363,11 +363,7 @@ def test_the_bundle_speaks_openpis_keys(case: Case, policyd: str) -> None:
     assert prompt["format"] == ("pi05" if case.name in STATE_IN_PROMPT else "pi0")
     assert config["outputs"][0]["columns"] == OPENPI[case.name][4]
     assert ("relative_to" in config["outputs"][0]) == (case.name in DELTA)
-    r = subprocess.run(
-        [policyd, "check-config", str(case.bundle / "policyd.toml")],
-        capture_output=True,
-        text=True,
-    )
+    r = check_config(policyd, case.bundle / "policyd.toml")
     assert r.returncode == 0, r.stderr
     assert "pipeline: flow (openpi Euler)" in r.stdout, r.stdout
 

@@ -5,14 +5,13 @@ observations, noise injected for Diffusion: `policyd-export verify`, end to end.
 from __future__ import annotations
 
 import json
-import subprocess
 import tomllib
 from pathlib import Path
 
 import numpy as np
 import pytest
 import tomli_w
-from conftest import run_cli
+from conftest import check_config, run_cli
 
 from policyd_export.checkpoint import load
 from policyd_export.reference import Reference
@@ -26,9 +25,7 @@ def test_check_config_passes_and_prints_the_budget(
     name: str, request: pytest.FixtureRequest, policyd: str
 ) -> None:
     b = request.getfixturevalue(name)
-    r = subprocess.run(
-        [policyd, "check-config", str(b.bundle / "policyd.toml")], capture_output=True, text=True
-    )
+    r = check_config(policyd, b.bundle / "policyd.toml")
     assert r.returncode == 0, r.stderr
     assert "OK (cpu backend" in r.stdout and "memory budget" in r.stdout
     if name != "act_bundle":
@@ -140,9 +137,7 @@ def test_served_on_onnxruntime_actions_equal_lerobot(
     config["engine"]["backend"] = "ort"
     config["engine"]["ort_library"] = str(Path(onnxruntime.__file__).parent / "capi")
     (bundle / "policyd.toml").write_text(tomli_w.dumps(config))
-    checked = subprocess.run(
-        [policyd, "check-config", str(bundle / "policyd.toml")], capture_output=True, text=True
-    )
+    checked = check_config(policyd, bundle / "policyd.toml")
     assert checked.returncode == 0 and "OK (ort backend" in checked.stdout, checked.stderr
     r = run_cli("verify", str(bundle), str(b.checkpoint), "--policyd", policyd)
     assert r.returncode == 0, r.stdout + r.stderr

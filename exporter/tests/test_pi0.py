@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from checkpoints import gemma_tokenizer, pi0, tiny_pi0
+from conftest import check_config
 
 from policyd_export.checkpoint import load
 from policyd_export.cli import main
@@ -59,11 +60,7 @@ def test_the_bundle_is_a_flow_pipeline_with_the_prompt_tokenized(bundle: Pi0, po
     rewrites = " ".join(r for g in manifest["graphs"] for r in g["rewrites"])
     assert "R1" in rewrites  # tract could not run the prefix without it
     assert ("R2" in rewrites) != bundle.pi05  # pi0's expert concatenates the expanded time
-    r = subprocess.run(
-        [policyd, "check-config", str(bundle.bundle / "policyd.toml")],
-        capture_output=True,
-        text=True,
-    )
+    r = check_config(policyd, bundle.bundle / "policyd.toml")
     assert r.returncode == 0, r.stderr
     assert "pipeline: flow" in r.stdout and "tokenizer" in r.stdout, r.stdout
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from conftest import run_cli
+from conftest import check_config, run_cli
 
 from policyd_export import rewrite, tract_bugs
 
@@ -101,9 +101,7 @@ def test_tract_fails_on_the_reproducer_and_serves_the_rewrite(
     rule = {"cumsum_int64": "R1", "concat_expand_matmul": "R2"}[name]
     assert f"({rule}:" in err and "policyd-export rewrite" in err, err
     # check-config says so too (R1 fails only when run: it gets a trial run there).
-    checked = subprocess.run(
-        [policyd, "check-config", str(_config(tmp_path, src, name))], capture_output=True, text=True
-    )
+    checked = check_config(policyd, _config(tmp_path, src, name))
     assert checked.returncode != 0 and f"({rule}:" in checked.stderr, checked.stderr
     fixed, report = rewrite.rewrite(model)
     assert report.total() == 1
@@ -111,9 +109,7 @@ def test_tract_fails_on_the_reproducer_and_serves_the_rewrite(
     onnx.save_model(fixed, str(dst))
     ok, err = _serves(policyd, _config(tmp_path, dst, name))
     assert ok, err
-    checked = subprocess.run(
-        [policyd, "check-config", str(_config(tmp_path, dst, name))], capture_output=True, text=True
-    )
+    checked = check_config(policyd, _config(tmp_path, dst, name))
     assert checked.returncode == 0, checked.stderr
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from checkpoints import smolvla, tiny_smolvlm
-from conftest import Exported, run_cli
+from conftest import Exported, check_config, run_cli
 
 from policyd_export.checkpoint import load
 from policyd_export.reference import Reference
@@ -40,11 +40,7 @@ def test_the_bundle_is_a_flow_pipeline_over_the_vlms_tokenizer(
     assert prompt["file"] == "tokenizer.json" and prompt["format"] == "lerobot"
     assert "bos" not in prompt  # this tokenizer adds none, as SmolVLM's
     assert (bundle.bundle / "tokenizer.json").is_file()
-    r = subprocess.run(
-        [policyd, "check-config", str(bundle.bundle / "policyd.toml")],
-        capture_output=True,
-        text=True,
-    )
+    r = check_config(policyd, bundle.bundle / "policyd.toml")
     assert r.returncode == 0, r.stderr
     assert "LeRobot's euler_integrate" in r.stdout
 

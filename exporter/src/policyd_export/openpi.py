@@ -138,25 +138,26 @@ class ResizeWithPad(torch.nn.Module):
     (half to even, as `jnp.round`), pads with black around the centre; then
     `Observation.from_dict`'s `/ 255 · 2 − 1`."""
 
-    wh: torch.Tensor
-    ww: torch.Tensor
+    # One matrix per axis whose size changes (jax skips the others); None: unchanged.
+    wh: torch.Tensor | None
+    ww: torch.Tensor | None
 
     def __init__(self, height: int, width: int):
         super().__init__()
         th, tw = RESOLUTION
         ratio = max(width / tw, height / th)
         rh, rw = int(height / ratio), int(width / ratio)
-        self.rows = rh != height
-        self.cols = rw != width
-        self.register_buffer("wh", torch.from_numpy(linear_weights(height, rh)))
-        self.register_buffer("ww", torch.from_numpy(linear_weights(width, rw).T.copy()))
+        rows = torch.from_numpy(linear_weights(height, rh)) if rh != height else None
+        cols = torch.from_numpy(linear_weights(width, rw).T.copy()) if rw != width else None
+        self.register_buffer("wh", rows)
+        self.register_buffer("ww", cols)
         top, left = (th - rh) // 2, (tw - rw) // 2
         self.pad = (left, tw - rw - left, top, th - rh - top)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.rows:
+        if self.wh is not None:
             x = torch.matmul(self.wh, x)
-        if self.cols:
+        if self.ww is not None:
             x = torch.matmul(x, self.ww)
         x = torch.nn.functional.pad(torch.round(x).clamp(0.0, 255.0), self.pad, value=0.0)
         return x * (2.0 / 255.0) - 1.0
@@ -668,10 +669,11 @@ def export(
     )
     chw = cfg.robot.chw
     # openpi's `Observation.from_dict`: uint8 / 255 · 2 − 1 (in the graph after a resize).
-    to_model = {"scale": 2.0 / 255.0, "offset": -1.0} if ckpt.frames == RESOLUTION else {}
+    resized = ckpt.frames != RESOLUTION
+    to_model = {} if resized else {"scale": 2.0 / 255.0, "offset": -1.0}
     # A camera left out: openpi's zero uint8 image (0 before the graph's resize, −1 after the
     # binding's map), its mask from the presence flag.
-    black = 0.0 if to_model == {} else -1.0
+    black = 0.0 if resized else -1.0
     inputs: list[Table] = [
         {
             "key": key,

@@ -301,9 +301,10 @@ fn embedded_with_data(
             parsed.unresolved_inputs
         )));
     }
-    let model = parsed.model;
+    // The resolver released whole pages inside each tensor; this takes the pages two tensors
+    // shared.
     super::release_built_in(data);
-    Ok(model)
+    Ok(parsed.model)
 }
 
 /// The resolver of [`embedded_with_data`]: a tensor's bytes from the built-in data file.
