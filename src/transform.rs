@@ -95,6 +95,47 @@ impl Elem for F16 {
     }
 }
 
+/// A nonlinear map of one input feature, between the binding's `scale`/`offset` and its
+/// normalisation (`[[inputs]] map`): what no affine map can do.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FeatureMap {
+    /// openpi's ALOHA `_gripper_to_angular` (`aloha_policy.py`, `adapt_to_pi`): the gripper's
+    /// normalised linear position to metres, to the servo horn's angle (arcsin of the law of
+    /// cosines, clipped), normalised to the pi runtime's range. Monotone only for positions
+    /// above zero metres; computed as numpy computes it, so every input gets openpi's value.
+    AlohaGripperToAngular,
+}
+
+impl FeatureMap {
+    /// The config's names, for `[[inputs]] map.function`.
+    pub const NAMES: [(&'static str, FeatureMap); 1] = [(
+        "aloha_gripper_to_angular",
+        FeatureMap::AlohaGripperToAngular,
+    )];
+
+    pub fn parse(name: &str) -> Option<FeatureMap> {
+        Self::NAMES
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map(|&(_, m)| m)
+    }
+
+    pub fn apply(self, x: f64) -> f64 {
+        match self {
+            FeatureMap::AlohaGripperToAngular => {
+                // `_unnormalize(x, 0.01844, 0.05800)`, `linear_to_radian(·, arm_length =
+                // 0.036, horn_radius = 0.022)`, `_normalize(·, 0.5476, 1.6296)`, in openpi's
+                // order of operations.
+                let (horn, arm) = (0.022f64, 0.036f64);
+                let v = x * (0.05800 - 0.01844) + 0.01844;
+                let c = (horn * horn + v * v - arm * arm) / (2.0 * horn * v);
+                let angle = c.clamp(-1.0, 1.0).asin();
+                (angle - 0.5476) / (1.6296 - 0.5476)
+            }
+        }
+    }
+}
+
 /// `y = x·a + b`, with coefficients that are constant or vary along the wire tensor.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Affine {
@@ -104,6 +145,14 @@ pub enum Affine {
     /// the wire tensor's last axis gives per-feature normalisation (state dimensions, image
     /// channels in HWC); a length equal to the element count gives per-element coefficients.
     Indexed { a: Vec<f64>, b: Vec<f64> },
+    /// `Indexed`, with a nonlinear map before some features' normalisation: feature `k`'s
+    /// `y = g(x·s + o)·a[k] + b[k]` where `maps[k]` is `Some((g, s, o))` (one entry per
+    /// feature of the wire tensor's last axis).
+    Mapped {
+        a: Vec<f64>,
+        b: Vec<f64>,
+        maps: Vec<Option<(FeatureMap, f64, f64)>>,
+    },
 }
 
 impl Affine {
@@ -127,6 +176,93 @@ impl Affine {
             })
             .unzip();
         Affine::Indexed { a, b }
+    }
+
+    /// An input's map, `((g(x·scale + offset)) − mean) / (std + eps)`, per feature of a wire
+    /// tensor whose last axis has `features` values: `scale`, `offset`, `mean` and `std` each
+    /// hold one value or one per feature (per-element statistics take
+    /// [`Affine::normalize`]); `g` is `map`'s function on its features, the identity elsewhere.
+    pub fn per_feature(
+        features: usize,
+        scale: &[f64],
+        offset: &[f64],
+        mean: &[f64],
+        std: &[f64],
+        eps: f64,
+        map: Option<(FeatureMap, &[usize])>,
+    ) -> Affine {
+        let at = |v: &[f64], k: usize, default: f64| match v.len() {
+            0 => default,
+            1 => v[0],
+            _ => v[k],
+        };
+        let mut a = Vec::with_capacity(features);
+        let mut b = Vec::with_capacity(features);
+        let mut maps = vec![None; features];
+        for (k, slot) in maps.iter_mut().enumerate() {
+            let (s, o) = (at(scale, k, 1.0), at(offset, k, 0.0));
+            let inv = if mean.is_empty() {
+                1.0
+            } else {
+                1.0 / (at(std, k, 1.0) + eps)
+            };
+            let m = at(mean, k, 0.0);
+            match map {
+                Some((g, columns)) if columns.contains(&k) => {
+                    *slot = Some((g, s, o));
+                    a.push(inv);
+                    b.push(-m * inv);
+                }
+                _ => {
+                    a.push(s * inv);
+                    b.push((o - m) * inv);
+                }
+            }
+        }
+        if maps.iter().any(Option::is_some) {
+            Affine::Mapped { a, b, maps }
+        } else {
+            Affine::Indexed { a, b }
+        }
+    }
+
+    /// Wire element `i`'s `y` for `x` (`i` indexes the coefficients modulo their count).
+    #[inline(always)]
+    fn at(&self, i: usize, x: f64) -> f64 {
+        match self {
+            Affine::Scalar { a, b } => x * a + b,
+            Affine::Indexed { a, b } => {
+                let k = i % a.len();
+                x * a[k] + b[k]
+            }
+            Affine::Mapped { a, b, maps } => {
+                let k = i % a.len();
+                match maps[k] {
+                    Some((g, s, o)) => g.apply(x * s + o) * a[k] + b[k],
+                    None => x * a[k] + b[k],
+                }
+            }
+        }
+    }
+
+    /// The value before normalisation that gave `y` at wire element `i` (after a feature's
+    /// map, where it has one: the map is not inverted).
+    pub fn before_normalising(&self, i: usize, y: f64) -> f64 {
+        match self {
+            Affine::Scalar { a, b } => (y - b) / a,
+            Affine::Indexed { a, b } | Affine::Mapped { a, b, .. } => {
+                let k = i % a.len();
+                (y - b[k]) / a[k]
+            }
+        }
+    }
+
+    /// How many coefficient sets (the lookup table's).
+    fn sets(&self) -> usize {
+        match self {
+            Affine::Scalar { .. } => 1,
+            Affine::Indexed { a, .. } | Affine::Mapped { a, .. } => a.len(),
+        }
     }
 
     /// The un-normalisation of an output: `x · (std + eps) + mean` (openpi's `Unnormalize`
@@ -256,10 +392,7 @@ impl Transform {
 
     /// Builds the lookup table where it pays (see [`Transform::lut`]).
     fn with_lut(mut self) -> Self {
-        let sets = match &self.affine {
-            Affine::Scalar { .. } => 1,
-            Affine::Indexed { a, .. } => a.len(),
-        };
+        let sets = self.affine.sets();
         let byte_source = matches!(self.src_type, ElemType::U8 | ElemType::I8);
         // A contiguous map with constant coefficients vectorises, which beats a table gather.
         let vectorises = self.contiguous && sets == 1;
@@ -270,12 +403,11 @@ impl Transform {
         let mut lut = vec![0u8; sets * 256 * size];
         let mut src = [0u8; 1];
         for k in 0..sets {
-            let (a, b) = coef(&self.affine, k);
             for byte in 0..256usize {
                 src[0] = byte as u8;
                 let x = load_f64(self.src_type, &src, 0);
                 let at = (k * 256 + byte) * size;
-                fill_bytes(self.dst_type, x * a + b, &mut lut[at..at + size]);
+                fill_bytes(self.dst_type, self.affine.at(k, x), &mut lut[at..at + size]);
             }
         }
         self.lut = lut;
@@ -460,16 +592,6 @@ fn dispatch_dst<S: Elem>(t: &Transform, src: &[u8], order: ByteOrder, dst: &mut 
 }
 
 #[inline(always)]
-fn coef(affine: &Affine, wire_index: usize) -> (f64, f64) {
-    match affine {
-        Affine::Scalar { a, b } => (*a, *b),
-        Affine::Indexed { a, b } => {
-            let k = wire_index % a.len();
-            (a[k], b[k])
-        }
-    }
-}
-
 fn run<S: Elem, D: Elem>(t: &Transform, src: &[u8], order: ByteOrder, dst: &mut [u8]) {
     if t.contiguous {
         let pairs = src.chunks_exact(S::SIZE).zip(dst.chunks_exact_mut(D::SIZE));
@@ -482,8 +604,7 @@ fn run<S: Elem, D: Elem>(t: &Transform, src: &[u8], order: ByteOrder, dst: &mut 
             }
             affine => {
                 for (i, (s, d)) in pairs.enumerate() {
-                    let (a, b) = coef(affine, i);
-                    D::from_f64(S::load(s, order).to_f64() * a + b).store(d);
+                    D::from_f64(affine.at(i, S::load(s, order).to_f64())).store(d);
                 }
             }
         }
@@ -504,8 +625,9 @@ fn run<S: Elem, D: Elem>(t: &Transform, src: &[u8], order: ByteOrder, dst: &mut 
                 WireSide::Source => s_i,
                 WireSide::Destination => d_i,
             };
-            let (a, b) = coef(&t.affine, wire);
-            let v = S::load(&src[s_i * S::SIZE..], order).to_f64() * a + b;
+            let v = t
+                .affine
+                .at(wire, S::load(&src[s_i * S::SIZE..], order).to_f64());
             D::from_f64(v).store(&mut dst[d_i * D::SIZE..]);
             d_i += 1;
         }
@@ -944,6 +1066,21 @@ mod tests {
                 per_channel.clone(),
             ),
             Transform::elementwise(ElemType::U8, ElemType::F32, n, per_channel.clone()),
+            // A feature map on one channel.
+            Transform::elementwise(
+                ElemType::U8,
+                ElemType::F32,
+                n,
+                Affine::per_feature(
+                    3,
+                    &[1.0 / 255.0],
+                    &[0.0],
+                    &[0.1, -0.2, 0.3],
+                    &[0.5, 1.5, 2.0],
+                    1e-6,
+                    Some((FeatureMap::AlohaGripperToAngular, &[1])),
+                ),
+            ),
             // CHW→HWC: a 3-wide innermost axis (the short-row path), without and with
             // conversion, and with coefficients per element of the wire's last axis.
             Transform::permuted(

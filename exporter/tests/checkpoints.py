@@ -427,6 +427,7 @@ OPENPI = {
     "pi0_droid": (False, 10, "droid", 8, 8),
     "pi05_droid": (True, 15, "droid", 8, 8),
     "pi0_aloha": (False, 50, "trossen", 14, 14),
+    "pi05_aloha": (True, 50, "trossen", 14, 14),
     "pi0_aloha_sim": (False, 50, "lerobot/aloha_sim_transfer_cube_human", 14, 14),
 }
 
@@ -489,10 +490,18 @@ def openpi_checkpoint(out: Path, name: str, seed: int = 0, pi05: bool | None = N
         q99 = mean + 2.0 * std * (0.5 + torch.rand(d, generator=g))
         return {k: v.tolist() for k, v in dict(mean=mean, std=std, q01=q01, q99=q99).items()}
 
+    state_stats = stats(state)
+    if "aloha" in name:
+        # The grippers' decoded (angular) values of positions in [0, 1] lie in about
+        # [−1.08, 0.95]: statistics there spread them over the normalised range (and pi0.5's
+        # bins), so a gripper map done wrongly shows in the actions.
+        for j in (6, 13):
+            for k, v in dict(mean=-0.1, std=0.55, q01=-1.1, q99=1.0).items():
+                state_stats[k][j] = v
     assets = out / "assets" / asset
     assets.mkdir(parents=True)
     (assets / "norm_stats.json").write_text(
-        json.dumps({"norm_stats": {"state": stats(state), "actions": stats(actions)}})
+        json.dumps({"norm_stats": {"state": state_stats, "actions": stats(actions)}})
     )
     return out
 

@@ -28,10 +28,12 @@ from policyd_export.verify import injected_config, serve
 #: openpi's per-config facts the reference needs besides `OPENPI`: quantile normalisation
 #: (every model but pi0), the state in the prompt (`discrete_state_input`: pi0.5's default,
 #: off for pi05_libero), the delta-action mask, the prompt length.
-DELTA = {"pi0_libero": [True] * 6 + [False], "pi0_aloha": ([True] * 6 + [False]) * 2}
-STATE_IN_PROMPT = {"pi05_droid"}
+ALOHA_DELTA = ([True] * 6 + [False]) * 2
+DELTA = {"pi0_libero": [True] * 6 + [False], "pi0_aloha": ALOHA_DELTA, "pi05_aloha": ALOHA_DELTA}
+STATE_IN_PROMPT = {"pi05_droid", "pi05_aloha"}
 DEFAULT_PROMPT = {"pi0_aloha_sim": "Transfer cube"}
-METADATA = {"pi0_aloha": {"reset_pose": [0, -1.5, 1.5, 0, 0, 0]}}
+RESET_POSE = {"reset_pose": [0, -1.5, 1.5, 0, 0, 0]}
+METADATA = {"pi0_aloha": RESET_POSE, "pi05_aloha": RESET_POSE}
 LIBERO_KEYS = (["observation/image", "observation/wrist_image"], ["observation/state"])
 DROID_KEYS = (
     ["observation/exterior_image_1_left", "observation/wrist_image_left"],
@@ -525,7 +527,7 @@ def test_a_checkpoint_that_does_not_match_its_config_is_refused(
     assert "unexpected" not in err
 
 
-def test_jax_checkpoints_unknown_configs_and_pi05_on_aloha_are_refused(
+def test_jax_checkpoints_unknown_configs_and_unsupported_ones_are_refused(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     jax = tmp_path / "pi05_droid"
@@ -535,8 +537,9 @@ def test_jax_checkpoints_unknown_configs_and_pi05_on_aloha_are_refused(
     assert "--config_name pi05_droid" in err and "assets/droid" in err
     err = export_error(capsys, str(jax), "--config", "pi0_robot", "--out", str(tmp_path / "b"))
     assert "not one of openpi's configs" in err and "known: " in err and "pi05_libero" in err
-    err = export_error(capsys, str(jax), "--config", "pi05_aloha", "--out", str(tmp_path / "b"))
-    assert "adapt_to_pi" in err and "gripper" in err
+    args = ["--config", "pi0_libero_low_mem_finetune", "--out", str(tmp_path / "b")]
+    err = export_error(capsys, str(jax), *args)
+    assert "LoRA" in err and "gemma_2b_lora" in err
     err = export_error(capsys, str(jax), "--config", "pi0_fast_droid", "--out", str(tmp_path / "b"))
     assert "pi0-FAST" in err
 

@@ -193,7 +193,31 @@ impl Plan {
                     ),
                 ));
             }
-            let affine = Affine::normalize(b.scale, b.offset, &b.mean, &b.std, b.eps);
+            let features = *b.shape.last().unwrap_or(&1);
+            let per_element = b.mean.len() > features;
+            let affine = match (&b.scale[..], &b.offset[..]) {
+                // Per-element statistics take the scalar form's indexing (scale and offset
+                // are then one value each: a list is one per feature).
+                (&[scale], &[offset]) if per_element || (b.map.is_none() && b.mean.len() <= 1) => {
+                    Affine::normalize(scale, offset, &b.mean, &b.std, b.eps)
+                }
+                (scale, offset) if !per_element => Affine::per_feature(
+                    features,
+                    scale,
+                    offset,
+                    &b.mean,
+                    &b.std,
+                    b.eps,
+                    b.map.as_ref().map(|(g, c)| (*g, &c[..])),
+                ),
+                _ => {
+                    return Err(invalid(
+                        k("scale"),
+                        "one scale and offset per feature cannot combine with per-element mean \
+                         and std: give one value each",
+                    ));
+                }
+            };
             let inputs_affine = affine.clone();
             let frame_elements = spec.elements() / b.history;
             let accepted = b
@@ -455,7 +479,10 @@ impl Plan {
             let clamp = o.clip.map(|(lo, hi)| {
                 let (a, b) = match &affine {
                     Affine::Scalar { a, b } => (vec![*a], vec![*b]),
-                    Affine::Indexed { a, b } => (a.clone(), b.clone()),
+                    // An output's un-normalisation has no feature maps.
+                    Affine::Indexed { a, b } | Affine::Mapped { a, b, .. } => {
+                        (a.clone(), b.clone())
+                    }
                 };
                 a.iter()
                     .zip(&b)

@@ -7,7 +7,7 @@ use crate::dtype::{ByteOrder, ElemType, WireDType};
 use crate::engine::InputBuffer;
 use crate::planner::Link;
 use crate::protocol::{self, Value, Visitor, WireError};
-use crate::transform::{Affine, all_finite, load_f64, load_f64_ordered};
+use crate::transform::{all_finite, load_f64, load_f64_ordered};
 
 impl Plan {
     /// Decodes a request frame straight into one slot's input buffers. Inputs the request
@@ -132,7 +132,7 @@ impl Plan {
         }
     }
 
-    /// The raw (pre-normalisation) values of the similarity filter's input, from a decoded
+    /// The raw (pre-normalisation, after a feature map) values of the similarity filter's input, from a decoded
     /// slot, into `out`. `None` when the filter is off.
     pub fn similarity_state<'o>(
         &self,
@@ -144,13 +144,7 @@ impl Plan {
         let n = (data.len() / b.engine_type.size()).min(out.len());
         for (i, v) in out[..n].iter_mut().enumerate() {
             let x = load_f64(b.engine_type, data, i);
-            *v = match &b.affine {
-                Affine::Scalar { a, b } => (x - b) / a,
-                Affine::Indexed { a, b } => {
-                    let k = i % a.len();
-                    (x - b[k]) / a[k]
-                }
-            };
+            *v = b.affine.before_normalising(i, x);
         }
         Some(&out[..n])
     }

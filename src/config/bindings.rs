@@ -2,6 +2,7 @@
 //! (dtypes, shapes, normalisation, tokenized prompts, history, relative actions).
 
 use super::*;
+use crate::transform::FeatureMap;
 
 /// `[[inputs]]`: one observation key bound to one engine input.
 #[derive(Clone, Deserialize)]
@@ -22,11 +23,16 @@ pub(super) struct RawInput {
     /// `hwc_to_chw`, `chw_to_hwc` or `none`.
     #[serde(default)]
     pub(super) layout: Option<String>,
-    /// `y = ((x·scale + offset) − mean) / (std + eps)`.
-    #[serde(default = "one")]
-    pub(super) scale: f64,
+    /// `y = ((x·scale + offset) − mean) / (std + eps)`: one value, or one per feature (the
+    /// wire shape's last axis; openpi's ALOHA joint sign flips).
     #[serde(default)]
-    pub(super) offset: f64,
+    pub(super) scale: Option<OneOrMany<f64>>,
+    #[serde(default)]
+    pub(super) offset: Option<OneOrMany<f64>>,
+    /// A nonlinear function on some features, after `scale`/`offset` and before the
+    /// normalisation: `((g(x·scale + offset)) − mean) / (std + eps)` on `map.columns`.
+    #[serde(default)]
+    pub(super) map: Option<RawMap>,
     /// Per-feature (length of the wire shape's last axis), per-element, or one value.
     #[serde(default)]
     pub(super) mean: Vec<f64>,
@@ -70,6 +76,33 @@ pub(super) struct RawInput {
     pub(super) tokenizer: Option<RawTokenizer>,
 }
 
+/// One value (a key, a number) or a list of them.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(untagged)]
+pub(super) enum OneOrMany<T> {
+    One(T),
+    Many(Vec<T>),
+}
+
+impl<T: Clone> OneOrMany<T> {
+    fn values(&self) -> Vec<T> {
+        match self {
+            OneOrMany::One(v) => vec![v.clone()],
+            OneOrMany::Many(v) => v.clone(),
+        }
+    }
+}
+
+/// `[inputs.map]`: a named nonlinear function on some features of an input.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawMap {
+    /// The function (`aloha_gripper_to_angular`).
+    pub(super) function: String,
+    /// The features (indices into the wire shape's last axis) it applies to.
+    pub(super) columns: Vec<usize>,
+}
+
 /// `[inputs.tokenizer]`: how a prompt becomes token ids and a mask (openpi's formats).
 #[derive(Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -91,7 +124,7 @@ pub(super) struct RawTokenizer {
     /// `pi05`: the input binding whose normalised values are discretised into the prompt, or
     /// several, whose values are concatenated in order (openpi's DROID state: joints, gripper).
     #[serde(default)]
-    pub(super) state_key: Option<OneOrMany>,
+    pub(super) state_key: Option<OneOrMany<String>>,
     /// A tokenizer.json's BOS token, by its text (SentencePiece models name their own).
     #[serde(default)]
     pub(super) bos: Option<String>,
@@ -109,27 +142,6 @@ pub(super) struct RawTokenizer {
     pub(super) prefix_ids: Option<Vec<u32>>,
     #[serde(default)]
     pub(super) suffix_ids: Option<Vec<u32>>,
-}
-
-/// A key or a list of keys.
-#[derive(Clone, Deserialize)]
-#[serde(untagged)]
-pub(super) enum OneOrMany {
-    One(String),
-    Many(Vec<String>),
-}
-
-impl OneOrMany {
-    fn keys(&self) -> Vec<String> {
-        match self {
-            OneOrMany::One(k) => vec![k.clone()],
-            OneOrMany::Many(ks) => ks.clone(),
-        }
-    }
-}
-
-pub(super) fn one() -> f64 {
-    1.0
 }
 
 /// `[[outputs]]`: one engine output sent under one reply key.
@@ -204,9 +216,12 @@ pub struct InputConfig {
     /// Expected wire shape.
     pub shape: Vec<usize>,
     pub layout: Layout,
-    /// `y = ((x·scale + offset) − mean) / (std + eps)`.
-    pub scale: f64,
-    pub offset: f64,
+    /// `y = ((x·scale + offset) − mean) / (std + eps)`: one value or one per feature.
+    pub scale: Vec<f64>,
+    pub offset: Vec<f64>,
+    /// `g` on these features (indices into the wire shape's last axis) between the scale and
+    /// the normalisation.
+    pub map: Option<(FeatureMap, Vec<usize>)>,
     /// Per-feature (length of the wire shape's last axis), per-element, or one value. A
     /// LeRobot `min`/`max` binding is resolved into these (`mean` the midpoint, `std` half
     /// the range, `eps` 0): the same map, written once.
@@ -375,7 +390,7 @@ pub(super) fn tokenizer(
     let state_keys = t
         .state_key
         .as_ref()
-        .map(OneOrMany::keys)
+        .map(OneOrMany::values)
         .unwrap_or_default();
     match (format, state_keys.is_empty()) {
         (crate::tokenizer::Format::Pi05, true) => {
@@ -541,7 +556,7 @@ pub(super) fn inputs(
                 o.tokenizer.as_ref().is_some_and(|t| {
                     t.state_key
                         .as_ref()
-                        .is_some_and(|s| s.keys().contains(&b.key))
+                        .is_some_and(|s| s.values().contains(&b.key))
                 })
             });
             if !is_state || tokens.is_some() || is_text(b) {
@@ -578,13 +593,15 @@ pub(super) fn inputs(
             if matches!(b.layout.as_deref(), Some("hwc_to_chw" | "chw_to_hwc"))
                 || !b.mean.is_empty()
                 || !b.min.is_empty()
-                || b.scale != 1.0
-                || b.offset != 0.0
+                || b.scale.is_some()
+                || b.offset.is_some()
+                || b.map.is_some()
                 || b.allow_non_finite
             {
                 return Err(cx.invalid(
                     k("dtypes"),
-                    "a text binding takes no layout, scale, offset, mean, std or allow_non_finite",
+                    "a text binding takes no layout, scale, offset, map, mean, std or \
+                     allow_non_finite",
                 ));
             }
         }
@@ -651,8 +668,31 @@ pub(super) fn inputs(
                 ));
             }
         }
-        if !b.scale.is_finite() || !b.offset.is_finite() || !b.fill.is_finite() {
-            return Err(cx.invalid(k("scale"), "scale, offset and fill must be finite numbers"));
+        let features = *shape.last().unwrap_or(&1);
+        let mut affine = Vec::with_capacity(2);
+        for (key, v, default) in [("scale", &b.scale, 1.0), ("offset", &b.offset, 0.0)] {
+            let v = v.as_ref().map_or_else(|| vec![default], OneOrMany::values);
+            if v.iter().any(|x| !x.is_finite()) {
+                return Err(cx.invalid(k(key), "values must be finite numbers"));
+            }
+            if v.len() != 1 && v.len() != features {
+                return Err(cx.invalid(
+                    k(key),
+                    format!(
+                        "has {} values; give one, or one per entry of the wire shape's last \
+                         axis ({features})",
+                        v.len()
+                    ),
+                ));
+            }
+            affine.push(v);
+        }
+        let (offset, scale) = (
+            affine.pop().unwrap_or_default(),
+            affine.pop().unwrap_or_default(),
+        );
+        if !b.fill.is_finite() {
+            return Err(cx.invalid(k("fill"), "must be a finite number"));
         }
         let norm = RawNorm {
             mean: &b.mean,
@@ -663,6 +703,40 @@ pub(super) fn inputs(
         };
         let (mean, std, eps) =
             norm.resolve(cx, i, "inputs", &[1, *shape.last().unwrap_or(&1), count])?;
+        let map = match &b.map {
+            None => None,
+            Some(m) => {
+                let Some(g) = FeatureMap::parse(&m.function) else {
+                    let known: Vec<&str> = FeatureMap::NAMES.iter().map(|(n, _)| *n).collect();
+                    return Err(cx.invalid(
+                        k("map.function"),
+                        format!(
+                            "unknown function \"{}\"; known: {}",
+                            m.function,
+                            known.join(", ")
+                        ),
+                    ));
+                };
+                if m.columns.is_empty() || m.columns.iter().any(|&c| c >= features) {
+                    return Err(cx.invalid(
+                        k("map.columns"),
+                        format!(
+                            "give one or more indices into the wire shape's last axis (0 to {})",
+                            features.saturating_sub(1)
+                        ),
+                    ));
+                }
+                let count: usize = shape.iter().product();
+                if mean.len() == count && count != features {
+                    return Err(cx.invalid(
+                        k("map"),
+                        "applies to per-feature statistics; this binding's mean/std are per \
+                         element",
+                    ));
+                }
+                Some((g, m.columns.clone()))
+            }
+        };
         let history = b.history.unwrap_or(1);
         if !(1..=crate::limits::MAX_HISTORY).contains(&history) {
             return Err(cx.invalid(
@@ -690,8 +764,9 @@ pub(super) fn inputs(
             },
             shape,
             layout,
-            scale: b.scale,
-            offset: b.offset,
+            scale,
+            offset,
+            map,
             mean,
             std,
             eps,

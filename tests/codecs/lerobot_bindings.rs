@@ -659,3 +659,75 @@ fn present_tensor_says_whether_an_optional_input_was_sent() {
     let e = compile(&cfg("present_tensor = \"wrist_present\""), &wide).unwrap_err();
     assert!(e.contains("a presence flag is one element"), "{e}");
 }
+
+/// openpi's ALOHA state decode before its normalisation, as pi0.5 puts the state in the prompt:
+/// joint sign flips (`scale` per feature) and the gripper's arcsin map (`map`), then the
+/// statistics, `(g(x·scale + offset) − mean)/(std + eps)`; misuse refused naming the key.
+#[test]
+fn feature_maps_run_between_the_scale_and_the_statistics() {
+    use policyd::transform::FeatureMap;
+    let g = FeatureMap::AlohaGripperToAngular;
+    // openpi's `_gripper_to_angular` on float64, printed by numpy 2.3: past the linear
+    // position's zero (x < −0.466) its arcsin is clipped the other way, as openpi's is.
+    for (x, numpy) in [
+        (0.0, -1.0798655475132917),
+        (0.25, -0.5130776068814178),
+        (0.7, 0.14593607285524643),
+        (1.0, 0.945652797407483),
+        (-0.47, 0.945652797407483),
+        (-2.0, -1.9578524277217162),
+    ] {
+        assert_eq!(g.apply(x), numpy, "x = {x}");
+    }
+    let norm = "scale = [1.0, -1.0, 1.0]\noffset = 0.5\nmean = [0.1, 0.2, 0.3]\n\
+                std = [1.0, 2.0, 0.5]\nmap = { function = \"aloha_gripper_to_angular\", \
+                columns = [2] }";
+    let got = normalised(norm, [0.25, 0.75, 0.2]);
+    let want = [
+        ((0.25 + 0.5 - 0.1) / (1.0 + 1e-6)) as f32,
+        ((-0.75 + 0.5 - 0.2) / (2.0 + 1e-6)) as f32,
+        ((g.apply(0.7) - 0.3) / (0.5 + 1e-6)) as f32,
+    ];
+    assert_eq!(got, want);
+    // Without the map the third feature is affine.
+    let plain = normalised(&norm.replace("map = {", "# map = {"), [0.25, 0.75, 0.2]);
+    assert_eq!(plain[2], ((0.7 - 0.3) / (0.5 + 1e-6)) as f32);
+    let io = state_io();
+    for (bad, key, want) in [
+        (
+            norm.replace("aloha_gripper_to_angular", "nope"),
+            "inputs[0].map.function",
+            "known: aloha_gripper_to_angular",
+        ),
+        (
+            norm.replace("columns = [2]", "columns = [3]"),
+            "inputs[0].map.columns",
+            "0 to 2",
+        ),
+        (
+            norm.replace("scale = [1.0, -1.0, 1.0]", "scale = [1.0, -1.0]"),
+            "inputs[0].scale",
+            "has 2 values",
+        ),
+        (
+            norm.replace("offset = 0.5", "offset = nan"),
+            "inputs[0].offset",
+            "finite",
+        ),
+        (
+            norm.replace("mean = [0.1, 0.2, 0.3]", "mean = [0.1]")
+                .replace("std = [1.0, 2.0, 0.5]", "std = [1.0]"),
+            "",
+            "",
+        ),
+    ] {
+        let r = compile(&STATE_IO.replace("NORM", &bad), &io);
+        if key.is_empty() {
+            // One mean and std for every feature, mapped or not, is fine.
+            assert!(r.is_ok(), "{bad}: {:?}", r.err());
+            continue;
+        }
+        let e = r.unwrap_err();
+        assert!(e.contains(key) && e.contains(want), "{bad}: {e}");
+    }
+}

@@ -14,7 +14,9 @@ openpi's order (`policy_config.create_trained_policy`) and where each step lands
   bindings; a missing camera slot (the right wrist) is LeRobot's `empty_cameras` (−1, masked
   out), which is what openpi's zero uint8 image becomes after its `/255·2 − 1`; DROID's state
   is two keys, which the prefix graph (pi0) or the prompt (pi0.5) concatenates; ALOHA's
-  `adapt_to_pi` state decode runs in the prefix graph (`AdaptToPi`);
+  `adapt_to_pi` state decode runs in the prefix graph (`AdaptToPi`) for pi0, and in the state
+  binding for pi0.5 (whose state is discretised into the prompt before any graph runs): the
+  flips as a per-joint `scale`, the grippers through policyd's `aloha_gripper_to_angular` map;
 - `Normalize`: the bindings' `mean`/`std` with `eps = 1e-6` (z-score), or `min`/`max` with
   `max = q99 + 1e-6` (quantile: `(x − q01)/(q99 − q01 + 1e-6)·2 − 1`);
 - model transforms: `ResizeImages(224, 224)` is the identity on the 224×224 frames openpi's
@@ -261,6 +263,22 @@ CONFIGS = {
                 ("pi0_aloha_pen_uncap", "uncap the pen", False),
             ]
         ),
+        *(
+            TrainConfig(
+                name,
+                True,
+                ALOHA,
+                50,
+                "trossen",
+                bool_mask(6, -1, 6, -1),
+                metadata={"reset_pose": [0, -1.5, 1.5, 0, 0, 0]} if reset else {},
+                default_prompt=prompt,
+            )
+            for name, prompt, reset in [
+                ("pi05_aloha", None, True),
+                ("pi05_aloha_pen_uncap", "uncap the pen", False),
+            ]
+        ),
         # `use_delta_joint_actions=False`; the asset id is the dataset's repo id.
         TrainConfig(
             "pi0_aloha_sim",
@@ -272,18 +290,12 @@ CONFIGS = {
         ),
     ]
 }
-_ALOHA = (
-    "pi0.5 on ALOHA: its state goes into the prompt after adapt_to_pi's arcsin gripper map, "
-    "and policyd discretises only an affinely normalised state (pi0 on ALOHA is exported: the "
-    "map runs in the prefix graph)"
-)
 _FAST = (
     "pi0-FAST: openpi converts only Pi0Config models to PyTorch, and policyd does not serve "
     "FAST's autoregressive decoding yet"
 )
 #: openpi's other published configs, and why each is refused.
 REFUSED = {
-    **{n: _ALOHA for n in ["pi05_aloha", "pi05_aloha_pen_uncap"]},
     **{
         n: _FAST
         for n in [
@@ -549,8 +561,17 @@ def _state_bindings(ckpt: Checkpoint, tensors: bool) -> list[Table]:
         out.append(b)
         part = slice(at, at + n)
         at += n
-        if cfg.robot.adapt_to_pi:
+        if cfg.robot.adapt_to_pi and not cfg.pi05:
             continue  # raw: the prefix graph decodes and normalises it (`AdaptToPi`)
+        if cfg.robot.adapt_to_pi:
+            # pi0.5 discretises the state into the prompt, on the CPU: `_decode_state` as the
+            # binding's per-joint sign (`scale`) and policyd's `aloha_gripper_to_angular`, then
+            # openpi's quantile `Normalize` on the decoded values.
+            b["scale"] = [float(f) for f in FLIP[part]]
+            b["map"] = {
+                "function": "aloha_gripper_to_angular",
+                "columns": [j - part.start for j in GRIPPERS if part.start <= j < part.stop],
+            }
         if cfg.quantile:
             assert s.q01 is not None and s.q99 is not None
             b.update(
@@ -651,7 +672,7 @@ def export(
     if ckpt.frames != RESOLUTION:
         resize = [ResizeWithPad(*ckpt.frames) for _ in cams]
     state_fn = None
-    if cfg.robot.adapt_to_pi:
+    if cfg.robot.adapt_to_pi and not cfg.pi05:
         d = cfg.robot.state_dim
         state_fn = AdaptToPi(ckpt.state.mean[:d], ckpt.state.std[:d])
     g1, g2, prefix_out = pi0.graphs(
