@@ -1,7 +1,8 @@
 //! Loading a graph keeps one copy of its weights. tract decodes a graph's whole protobuf (a
 //! copy of every weight) before it builds its tensors, and glibc kept the memory that copy
 //! left free until policyd returned it after loading (`release_freed_heap`): a real SmolVLA
-//! served on `cpu` at 1.54× its graphs before. A test binary of its own, since it reads the
+//! served on `cpu` at 1.54× its graphs before. And the budget's estimate of tract's
+//! intermediate tensors against what a run takes. A test binary of its own, since it reads the
 //! process's resident memory.
 #![cfg(all(feature = "cpu", target_os = "linux", target_env = "gnu"))]
 
@@ -14,16 +15,16 @@ use tract_onnx::pb::{
     TypeProto, ValueInfoProto,
 };
 
-/// `x [1, n]` through `layers` MatMuls with `[n, n]` weights, each layer's distinct (tract
+/// `x [rows, n]` through `layers` MatMuls with `[n, n]` weights, each layer's distinct (tract
 /// shares equal constants): many tensors of a few MB, as a transformer's weights come.
-fn chain(n: usize, layers: usize) -> Vec<u8> {
+fn chain(rows: usize, n: usize, layers: usize) -> Vec<u8> {
     let info = |name: &str| ValueInfoProto {
         name: name.into(),
         r#type: Some(TypeProto {
             value: Some(Value::TensorType(Tensor {
                 elem_type: DataType::Float as i32,
                 shape: Some(TensorShapeProto {
-                    dim: [1, n]
+                    dim: [rows, n]
                         .iter()
                         .map(|&d| Dimension {
                             value: Some(dimension::Value::DimValue(d as i64)),
@@ -83,6 +84,9 @@ fn chain(n: usize, layers: usize) -> Vec<u8> {
     .encode_to_vec()
 }
 
+/// The tests read the process's memory: one at a time.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 /// Resident anonymous memory of this process, MB.
 fn anonymous_mb() -> f64 {
     let status = std::fs::read_to_string("/proc/self/status").unwrap();
@@ -97,13 +101,14 @@ fn anonymous_mb() -> f64 {
 
 #[test]
 fn a_loaded_graph_holds_its_weights_once() {
+    let _one = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     // 48 layers of 1 MiB: 48 MiB of weights.
     let (n, layers) = (512, 48);
     let weights_mb = (n * n * 4 * layers) as f64 / (1024.0 * 1024.0);
     let dir = std::env::temp_dir().join(format!("policyd-load-memory-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let model = dir.join("chain.onnx");
-    std::fs::write(&model, chain(n, layers)).unwrap();
+    std::fs::write(&model, chain(1, n, layers)).unwrap();
     let toml = format!(
         "[engine]\nmodel = {:?}\n[[inputs]]\nkey = \"x\"\ntensor = \"x\"\ndtypes = [\"float32\"]\n\
          shape = [{n}]\n[[outputs]]\ntensor = \"y\"\n",
@@ -125,4 +130,74 @@ fn a_loaded_graph_holds_its_weights_once() {
         "{held:.0} MiB: the weights were not loaded?"
     );
     drop(engine);
+}
+
+/// This process's resident memory now and at its peak since the last reset, MB.
+fn resident_mb() -> (f64, f64) {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let kb = |key: &str| -> f64 {
+        status
+            .lines()
+            .find(|l| l.starts_with(key))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse().ok())
+            .unwrap()
+    };
+    (kb("VmRSS:") / 1024.0, kb("VmHWM:") / 1024.0)
+}
+
+/// The budget's line for tract's intermediate tensors (`check-config` prints it) against what
+/// a run takes: the process's peak resident memory during one run over its memory before.
+#[test]
+fn the_budget_counts_tracts_intermediate_tensors() {
+    let _one = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    // 16 MiB activations ([4096, 1024] float32) through 4 layers of 4 MiB weights.
+    let (rows, n, layers) = (4096, 1024, 4);
+    let activation_mb = (rows * n * 4) as f64 / (1024.0 * 1024.0);
+    let dir = std::env::temp_dir().join(format!("policyd-intermediates-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let model = dir.join("chain.onnx");
+    std::fs::write(&model, chain(rows, n, layers)).unwrap();
+    let toml = format!(
+        "[engine]\nmodel = {:?}\n[[inputs]]\nkey = \"x\"\ntensor = \"x\"\ndtypes = [\"float32\"]\n\
+         shape = [{rows}, {n}]\n[[outputs]]\ntensor = \"y\"\n",
+        model.display()
+    );
+    let cfg = policyd::config::Config::parse(&toml, "test", None).unwrap();
+    let mut engine = policyd::engine::open(cfg.default_policy()).unwrap();
+    std::fs::remove_dir_all(&dir).ok();
+    let lines = engine.working_memory();
+    let (what, bytes) = lines
+        .iter()
+        .find(|(w, _)| w.contains("intermediate"))
+        .expect("a line for tract's intermediates");
+    let estimate_mb = *bytes as f64 / (1024.0 * 1024.0);
+    let mut inputs = engine.alloc_inputs().unwrap();
+    let mut outputs: Vec<Vec<u8>> = engine
+        .io()
+        .outputs
+        .iter()
+        .map(|s| vec![0u8; s.bytes()])
+        .collect();
+    // A first run sizes whatever tract keeps between runs; the second is the steady state.
+    engine.run(&mut inputs, &mut outputs, false).unwrap();
+    std::fs::write("/proc/self/clear_refs", "5").unwrap();
+    let (before, _) = resident_mb();
+    engine.run(&mut inputs, &mut outputs, false).unwrap();
+    let (_, peak) = resident_mb();
+    drop(engine);
+    // The other test measures a load from a clean heap: return what this one freed.
+    // SAFETY: glibc's malloc_trim only releases free memory.
+    unsafe { libc::malloc_trim(0) };
+    let taken = peak - before;
+    eprintln!("{what}: {estimate_mb:.1} MiB; a run took {taken:.1} MiB");
+    // A layer's input and output are live together: two activations.
+    assert!(
+        (1.9 * activation_mb..3.5 * activation_mb).contains(&estimate_mb),
+        "{estimate_mb:.1} MiB for {activation_mb:.0} MiB activations"
+    );
+    assert!(
+        taken <= estimate_mb * 1.1 + 2.0,
+        "a run took {taken:.1} MiB past the estimate of {estimate_mb:.1} MiB"
+    );
 }

@@ -274,8 +274,9 @@ pub trait Engine: Send {
         let _ = sampling;
         self.run(inputs, outputs, reset)
     }
-    /// Memory the backend allocated for itself at load, outside the slots (device buffers,
-    /// staging, an accelerator's scratch), for the memory budget: `(what, bytes)`.
+    /// Memory the backend allocates for itself, outside the slots (device buffers, staging,
+    /// an accelerator's scratch, the CPU engine's intermediate tensors during a run), for the
+    /// memory budget: `(what, bytes)`.
     fn working_memory(&self) -> Vec<(String, u64)> {
         Vec::new()
     }

@@ -110,7 +110,8 @@ impl Budget {
             s.push_str(&format!("  {what} = {v}\n"));
         }
         s.push_str(&format!(
-            "  total = {} ({:.1} MiB), plus the engine's working memory\n",
+            "  total = {} ({:.1} MiB); not counted: the binary, thread stacks and the \
+             allocator's overhead\n",
             self.total,
             self.total as f64 / (1024.0 * 1024.0)
         ));

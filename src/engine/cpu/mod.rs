@@ -32,6 +32,8 @@ pub struct CpuEngine {
     /// `engine.threads` > 1: the pool tract's matrix products run on, set for each run on
     /// the engine's thread only (each policy has its own).
     executor: Option<tract_linalg::multithread::Executor>,
+    /// [`intermediate_peak`] of the plan: (bytes, steps).
+    intermediates: (u64, usize),
 }
 
 /// An input tensor owned by the slot and shared with tract only while it runs.
@@ -226,6 +228,7 @@ impl CpuEngine {
             .and_then(|m| m.into_runnable())
             .map_err(|e| super::load_error(model, e))?;
         let state = plan.spawn().map_err(|e| super::load_error(model, e))?;
+        let intermediates = intermediate_peak(&plan);
         if let ModelSource::Embedded { bytes, .. } = model {
             // tract has its own copy of the graph and its weights (the data went as read).
             super::release_built_in(bytes);
@@ -237,6 +240,7 @@ impl CpuEngine {
             datum,
             hint: None,
             executor: None,
+            intermediates,
         })
     }
 
@@ -248,6 +252,52 @@ impl CpuEngine {
         });
         self
     }
+}
+
+/// tract's intermediate tensors at their peak during one run, and the plan's step count. tract
+/// frees each value after the last step that reads it (its flush lists), so a non-constant
+/// node's outputs live from the step that computes them to their last reader (the model's
+/// outputs to the end); the peak is the largest total over the steps, counted with
+/// `TypedFact::mem_size` (an exotic fact's buffers included: im2col's, packed operands). The
+/// model's inputs are the slots' buffers, which the budget counts with them; constants are the
+/// weights. A shape tract cannot size (symbolic) counts as nothing.
+pub fn intermediate_peak(plan: &TypedRunnableModel) -> (u64, usize) {
+    use tract_onnx::tract_core::ops::source::TypedSource;
+    let model = plan.model();
+    let order = plan.order_without_consts();
+    let end = order.len();
+    // The last step reading each node's outputs.
+    let mut last = vec![0usize; model.nodes.len()];
+    for (step, &n) in order.iter().enumerate() {
+        for input in &model.nodes[n].inputs {
+            last[input.node] = last[input.node].max(step);
+        }
+    }
+    for o in &model.outputs {
+        last[o.node] = end;
+    }
+    // Sizes enter at their step and leave after their last reader: a difference array.
+    let mut delta = vec![0i128; end + 2];
+    for (step, &n) in order.iter().enumerate() {
+        let node = &model.nodes[n];
+        if node.op_is::<TypedSource>() {
+            continue;
+        }
+        let bytes: u64 = node
+            .outputs
+            .iter()
+            .filter_map(|o| o.fact.mem_size().to_i64().ok())
+            .map(|b| b.max(0) as u64)
+            .sum();
+        delta[step] += i128::from(bytes);
+        delta[last[n].max(step) + 1] -= i128::from(bytes);
+    }
+    let (mut live, mut peak) = (0i128, 0i128);
+    for d in &delta {
+        live += d;
+        peak = peak.max(live);
+    }
+    (peak as u64, end)
 }
 
 /// `vzeroupper` where the CPU has AVX (what compilers emit at the end of AVX code); nothing
@@ -343,6 +393,14 @@ impl Engine for CpuEngine {
 
     fn io(&self) -> &IoSpec {
         &self.io
+    }
+
+    fn working_memory(&self) -> Vec<(String, u64)> {
+        let (bytes, steps) = self.intermediates;
+        vec![(
+            format!("cpu          tract's intermediate tensors at their peak ({steps} steps)"),
+            bytes,
+        )]
     }
 
     fn alloc_inputs(&self) -> Result<Vec<Box<dyn InputBuffer>>, EngineError> {
