@@ -1,28 +1,33 @@
 """openpi's own checkpoints: `policyd-export openpi` on tiny pi0 / pi0.5 checkpoints laid out as
 openpi's converter writes them, served by policyd to openpi-client, equal to openpi's pipeline.
 
-openpi is not installable here, so the reference is its inference re-implemented in this file
-from openpi's source (HEAD 15a9616: `transforms.py`, `policies/{libero,droid}_policy.py`,
-`models/tokenizer.py`, `models_pytorch/pi0_pytorch.py`'s sampling loop), around LeRobot's
-`PI0Pytorch` loaded from the same file by LeRobot's own `from_pretrained`."""
+openpi is not installable here, so the reference is its inference re-implemented in numpy from
+openpi's source (`policyd_export.openpi_reference`, which `policyd-export verify` runs too),
+around LeRobot's `PI0Pytorch` loaded from the same file by LeRobot's own `from_pretrained`, on
+this file's facts about each config."""
 
 from __future__ import annotations
 
-import contextlib
 import json
+import shutil
 import tempfile
 import tomllib
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+import tomli_w
 import torch
 from checkpoints import OPENPI, gemma_tokenizer, openpi_checkpoint, tiny_pi0
 from conftest import check_config
 
+from policyd_export import openpi
 from policyd_export.cli import main
+from policyd_export.openpi import FLIP, Robot, TrainConfig
+from policyd_export.openpi_reference import OpenpiReference, resize_with_pad
 from policyd_export.verify import injected_config, serve
 
 #: openpi's per-config facts the reference needs besides `OPENPI`: quantile normalisation
@@ -76,175 +81,46 @@ def put(obs: dict[str, Any], key: str, value: Any) -> None:
         obs[key] = value
 
 
-# openpi's `aloha_policy` (adapt_to_pi), in numpy as there.
-FLIP = np.array([1, -1, -1, 1, 1, 1, 1, 1, -1, -1, 1, 1, 1, 1])
+def reference(
+    checkpoint: Path, name: str, tokenizer: Path, frames: tuple[int, int] = (224, 224)
+) -> OpenpiReference:
+    """openpi's pipeline (the package's numpy re-implementation, which verify runs too) on
+    this file's own facts about the config, not the exporter's table: a fact the exporter
+    got wrong shows as a difference."""
+    pi05, horizon, asset, _, columns = OPENPI[name]
+    cams, state_keys = keys(name)
+    aloha = "aloha" in name
+    robot = Robot(
+        name,
+        tuple(cams),
+        tuple((k, SIZES[k]) for k in state_keys),
+        columns,
+        chw=aloha,
+        adapt_to_pi=aloha,
+        optional=tuple(cams[1:]) if aloha else (),
+    )
+    delta = DELTA.get(name)
+    cfg = TrainConfig(
+        name,
+        pi05,
+        robot,
+        horizon,
+        asset,
+        delta=None if delta is None else tuple(delta),
+        discrete_state=name in STATE_IN_PROMPT,
+        default_prompt=DEFAULT_PROMPT.get(name),
+    )
+    ckpt = openpi.load(checkpoint, name, frames=frames)
+    return OpenpiReference(replace(ckpt, config=cfg), tokenizer)
 
 
-def gripper_to_angular(v: np.ndarray) -> np.ndarray:
-    v = v * (0.05800 - 0.01844) + 0.01844
-    v = np.arcsin(np.clip((0.022**2 + v**2 - 0.036**2) / (2 * 0.022 * v), -1.0, 1.0))
-    return (v - 0.5476) / (1.6296 - 0.5476)
-
-
-def gripper_from_angular(v: np.ndarray) -> np.ndarray:
-    return (v + 0.5476 - -0.6213) / (1.4910 - -0.6213)
-
-
-@contextlib.contextmanager
-def openpi_loop() -> Iterator[None]:
-    """LeRobot's Euler loop replaced by openpi's (`PI0Pytorch.sample_actions`): float32
-    `dt`, the time accumulated in float32 while `time >= −dt/2`."""
-    import lerobot.policies.pi0.modeling_pi0 as m0
-    import lerobot.policies.pi05.modeling_pi05 as m5
-
-    def loop(denoise: Any, noise: torch.Tensor, num_steps: int, **_: Any) -> torch.Tensor:
-        dt = torch.tensor(-1.0 / num_steps, dtype=torch.float32)
-        x = noise
-        time = torch.tensor(1.0, dtype=torch.float32)
-        while time >= -dt / 2:
-            x = x + dt * denoise(x, time.expand(noise.shape[0]))
-            time = time + dt
-        return x
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(m0, "euler_integrate", loop)
-        mp.setattr(m5, "euler_integrate", loop)
-        yield
-
-
-class Openpi:
-    """openpi's `Policy.infer` for one config, in numpy around LeRobot's model."""
-
-    def __init__(self, checkpoint: Path, name: str, tokenizer: Path):
-        import sentencepiece
-
-        self.name = name
-        pi05, horizon, asset, self.state_dim, self.columns = OPENPI[name]
-        self.pi05 = pi05
-        self.quantile = pi05
-        self.max_len = 200 if pi05 else 48
-        stats = json.loads((checkpoint / "assets" / asset / "norm_stats.json").read_text())
-        self.stats = {
-            k: {s: np.asarray(v, np.float64) for s, v in d.items()}
-            for k, d in stats["norm_stats"].items()
-        }
-        self.sp = sentencepiece.SentencePieceProcessor(model_file=str(tokenizer))
-        if pi05:
-            from lerobot.policies.pi05.configuration_pi05 import PI05Config as Config
-            from lerobot.policies.pi05.modeling_pi05 import PI05Policy as Policy
-        else:
-            from lerobot.policies.pi0.configuration_pi0 import PI0Config as Config
-            from lerobot.policies.pi0.modeling_pi0 import PI0Policy as Policy
-        from lerobot.configs.types import FeatureType, PolicyFeature
-
-        cfg = Config(
-            input_features={
-                "observation.state": PolicyFeature(FeatureType.STATE, (self.state_dim,))
-            },
-            output_features={"action": PolicyFeature(FeatureType.ACTION, (self.columns,))},
-            device="cpu",
-            dtype="float32",
-            chunk_size=horizon,
-            n_action_steps=horizon,
-            tokenizer_max_length=self.max_len,
-        )
-        self.model = Policy.from_pretrained(str(checkpoint), config=cfg).eval().model
-        self._check_loaded(checkpoint)
-
-    def _check_loaded(self, checkpoint: Path) -> None:
-        """LeRobot's loader keeps random weights on a mismatch (and only prints so)."""
-        from safetensors.torch import load_file
-
-        saved = load_file(str(checkpoint / "model.safetensors"))
-        have = self.model.state_dict()
-        for k, v in saved.items():
-            assert torch.equal(have[k], v.to(torch.float32)), k
-
-    def normalize(self, x: np.ndarray, key: str) -> np.ndarray:
-        s = self.stats[key]
-        n = x.shape[-1]
-        if self.quantile:
-            q01, q99 = s["q01"][:n], s["q99"][:n]
-            return (x - q01) / (q99 - q01 + 1e-6) * 2.0 - 1.0
-        return (x - s["mean"][:n]) / (s["std"][:n] + 1e-6)
-
-    def unnormalize(self, x: np.ndarray, key: str) -> np.ndarray:
-        s = self.stats[key]
-        if self.quantile:
-            d = s["q01"].shape[-1]
-            head = (x[..., :d] + 1.0) / 2.0 * (s["q99"] - s["q01"] + 1e-6) + s["q01"]
-            return np.concatenate([head, x[..., d:]], axis=-1)
-        pad = x.shape[-1] - s["mean"].shape[-1]
-        mean = np.pad(s["mean"], (0, pad), constant_values=0.0)
-        std = np.pad(s["std"], (0, pad), constant_values=1.0)
-        return x * (std + 1e-6) + mean
-
-    def tokens(self, prompt: str, state: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
-        cleaned = prompt.strip().replace("_", " ").replace("\n", " ")
-        if state is not None:
-            bins = np.digitize(state, bins=np.linspace(-1, 1, 256 + 1)[:-1]) - 1
-            text = f"Task: {cleaned}, State: {' '.join(map(str, bins))};\nAction: "
-            ids = self.sp.encode(text, add_bos=True)
-        else:
-            ids = self.sp.encode(cleaned, add_bos=True) + self.sp.encode("\n")
-        mask = [True] * min(len(ids), self.max_len) + [False] * (self.max_len - len(ids))
-        ids = (ids + [0] * self.max_len)[: self.max_len]
-        return np.asarray(ids), np.asarray(mask)
-
-    @torch.no_grad()
-    def infer(self, obs: dict[str, Any], noise: np.ndarray) -> np.ndarray:
-        cams, state_keys = keys(self.name)
-        aloha = "aloha" in self.name
-        # Data transforms: the state (DROID: joints + gripper, a bare gripper given an axis;
-        # ALOHA: `_decode_state`, the sign flips and the gripper to its angle).
-        parts = [np.atleast_1d(np.asarray(obs[k], np.float64)) for k in state_keys]
-        state = np.concatenate(parts)
-        if aloha:
-            state = FLIP * state
-            state[[6, 13]] = gripper_to_angular(state[[6, 13]])
-        # Images in openpi's slots (ALOHA's sent channels first), a missing one a zero image
-        # with its mask off (`AlohaInputs`: a wrist camera the request leaves out too).
-        sent = [get(obs, k) if has(obs, k) else None for k in cams]
-        base = np.asarray(sent[0])
-        images = [np.asarray(i) if i is not None else np.zeros_like(base) for i in sent]
-        if aloha:
-            images = [i.transpose(1, 2, 0) for i in images]
-        masks = [i is not None for i in sent] + [False] * (3 - len(images))
-        images += [np.zeros_like(images[0])] * (3 - len(images))
-        # Normalize (state), then the model transforms: tokenize, pad to 32.
-        state = self.normalize(state, "state")
-        in_prompt = self.name in STATE_IN_PROMPT
-        prompt = obs.get("prompt", DEFAULT_PROMPT.get(self.name))  # InjectDefaultPrompt
-        ids, mask = self.tokens(prompt, state if in_prompt else None)
-        padded = np.pad(state, (0, 32 - state.size))
-        # `Observation.from_dict`: uint8 → float32 in [−1, 1], CHW for the PyTorch model.
-        tensors = [
-            torch.from_numpy(i.astype(np.float32) / 255.0 * 2.0 - 1.0).permute(2, 0, 1)[None]
-            for i in images
-        ]
-        img_masks = [torch.tensor([m]) for m in masks]
-        tok = torch.from_numpy(ids)[None]
-        tok_mask = torch.from_numpy(mask)[None]
-        x = torch.from_numpy(noise)[None]
-        with openpi_loop():
-            if self.pi05:
-                out = self.model.sample_actions(tensors, img_masks, tok, tok_mask, noise=x)
-            else:
-                st = torch.from_numpy(padded.astype(np.float32))[None]
-                out = self.model.sample_actions(tensors, img_masks, tok, tok_mask, st, noise=x)
-        actions = out[0].numpy().astype(np.float64)
-        # Unnormalize (actions and the state), AbsoluteActions, the data outputs' columns.
-        actions = self.unnormalize(actions, "actions")
-        mask_delta = DELTA.get(self.name)
-        if mask_delta is not None:
-            raw_state = self.unnormalize(padded.astype(np.float32).astype(np.float64), "state")
-            d = len(mask_delta)
-            actions[:, :d] += np.where(mask_delta, raw_state[:d], 0.0)[None]
-        actions = actions[:, : self.columns]
-        if aloha:  # `_encode_actions`
-            actions = FLIP * actions
-            actions[:, [6, 13]] = gripper_from_angular(actions[:, [6, 13]])
-        return actions
+def norm_stats(checkpoint: Path, name: str) -> dict[str, Any]:
+    asset = OPENPI[name][2]
+    raw = json.loads((checkpoint / "assets" / asset / "norm_stats.json").read_text())
+    return {
+        k: {s: np.asarray(v, np.float64) for s, v in d.items()}
+        for k, d in raw["norm_stats"].items()
+    }
 
 
 def observations(name: str, n: int, seed: int, stats: dict[str, Any]) -> list[dict[str, Any]]:
@@ -265,7 +141,7 @@ def observations(name: str, n: int, seed: int, stats: dict[str, Any]) -> list[di
         state = s["mean"][:d] + s["std"][:d] * 2.0 * rng.standard_normal(d)
         if aloha:
             # Raw ALOHA: joints around the (pi-space) statistics, grippers in [0, 1].
-            state = FLIP * state
+            state = np.asarray(FLIP) * state
             state[[6, 13]] = rng.random(2)
         at = 0
         for k in state_keys:
@@ -286,6 +162,7 @@ class Case:
         self.checkpoint = openpi_checkpoint(root / "checkpoint", name)
         self.bundle = root / "bundle"
         self.tokenizer = tokenizer / "tokenizer.model"
+        self.stats = norm_stats(self.checkpoint, name)
         args = ["openpi", str(self.checkpoint), "--config", name, "--out", str(self.bundle)]
         assert main([*args, "--tokenizer", str(self.tokenizer)]) == 0
 
@@ -316,7 +193,7 @@ def test_served_actions_equal_openpis_pipeline(case: Case, policyd: str) -> None
 
     from policyd_export.bundle import read_manifest
 
-    ref = Openpi(case.checkpoint, case.name, case.tokenizer)
+    ref = reference(case.checkpoint, case.name, case.tokenizer)
     manifest = read_manifest(case.bundle)
     rng = np.random.default_rng(7)
     diffs = []
@@ -326,11 +203,11 @@ def test_served_actions_equal_openpis_pipeline(case: Case, policyd: str) -> None
             client = websocket_client_policy.WebsocketClientPolicy("127.0.0.1", port)
             # openpi's server sends its config's policy_metadata ({} for most).
             assert client.get_server_metadata() == METADATA.get(case.name, {})
-            for obs in observations(case.name, 4, seed=3, stats=ref.stats):
+            for obs in observations(case.name, 4, seed=3, stats=case.stats):
                 noise = rng.standard_normal(manifest["noise"]["shape"]).astype(np.float32)
                 served = np.asarray(client.infer({**obs, "noise": noise})["actions"])
                 want = ref.infer(obs, noise)
-                assert served.shape == want.shape == (OPENPI[case.name][1], ref.columns)
+                assert served.shape == want.shape == (OPENPI[case.name][1], OPENPI[case.name][4])
                 scale = float(np.abs(want).max())
                 diffs.append(float(np.abs(served - want).max()) / scale)
     assert max(diffs) <= 1e-4, diffs
@@ -339,8 +216,8 @@ def test_served_actions_equal_openpis_pipeline(case: Case, policyd: str) -> None
 def test_the_reference_depends_on_what_it_models(case: Case) -> None:
     """So the parity above checks the prompt, the state (pi0's expert, pi0.5's prompt, or
     nothing for pi05_libero) and the delta actions."""
-    ref = Openpi(case.checkpoint, case.name, case.tokenizer)
-    obs = observations(case.name, 2, seed=5, stats=ref.stats)
+    ref = reference(case.checkpoint, case.name, case.tokenizer)
+    obs = observations(case.name, 2, seed=5, stats=case.stats)
     noise = np.random.default_rng(0).standard_normal((OPENPI[case.name][1], 32)).astype("f4")
     a = ref.infer(obs[0], noise)
     scale = float(np.abs(a).max())
@@ -389,7 +266,7 @@ def test_aloha_requests_may_leave_out_a_wrist_camera(
         "left_wrist_0_rgb_present",
         "right_wrist_0_rgb_present",
     ]
-    ref = Openpi(case.checkpoint, case.name, case.tokenizer)
+    ref = reference(case.checkpoint, case.name, case.tokenizer)
     manifest = read_manifest(case.bundle)
     rng = np.random.default_rng(13)
     diffs, moved = [], []
@@ -397,7 +274,7 @@ def test_aloha_requests_may_leave_out_a_wrist_camera(
         served_config, _ = injected_config(case.bundle, manifest, Path(tmp))
         with serve(policyd, served_config) as port:
             client = websocket_client_policy.WebsocketClientPolicy("127.0.0.1", port)
-            obs_list = observations(case.name, 4, seed=9, stats=ref.stats)
+            obs_list = observations(case.name, 4, seed=9, stats=case.stats)
             for i, obs in enumerate(obs_list):
                 left_out = ["cam_right_wrist"] + (["cam_left_wrist"] if i % 2 else [])
                 for cam in left_out:
@@ -414,30 +291,6 @@ def test_aloha_requests_may_leave_out_a_wrist_camera(
                 moved.append(float(np.abs(sent - served).max()) / scale)
     assert max(diffs) <= 1e-4, diffs
     assert min(moved) > 1e-3, moved
-
-
-def resize_with_pad(img: np.ndarray, height: int = 224, width: int = 224) -> np.ndarray:
-    """openpi's `image_tools.resize_with_pad` on an HWC uint8 frame, in float64: the aspect
-    kept (`int(side / ratio)`), jax.image.resize's LINEAR along each axis whose size changes (a
-    triangle of radius max(1, 1/scale) input pixels around each output pixel's centre, the
-    weights normalised), rounded and clipped to uint8, padded with 0 around the centre."""
-    h, w = img.shape[:2]
-    ratio = max(w / width, h / height)
-    rh, rw = int(h / ratio), int(w / ratio)
-    out = img.astype(np.float64)
-    for axis, n_in, n_out in ((0, h, rh), (1, w, rw)):
-        if n_in == n_out:
-            continue
-        scale = n_out / n_in
-        radius = max(1.0, 1.0 / scale)
-        centres = (np.arange(n_out) + 0.5) / scale - 0.5
-        distance = np.abs(centres[:, None] - np.arange(n_in)[None, :]) / radius
-        weights = np.maximum(0.0, 1.0 - distance)
-        weights /= weights.sum(axis=1, keepdims=True)
-        out = np.moveaxis(np.tensordot(weights, out, axes=([1], [axis])), 0, axis)
-    out = np.clip(np.round(out), 0, 255).astype(np.uint8)
-    top, left = (height - rh) // 2, (width - rw) // 2
-    return np.pad(out, ((top, height - rh - top), (left, width - rw - left), (0, 0)))
 
 
 @pytest.mark.parametrize("frames", [(480, 640), (120, 100)])
@@ -462,7 +315,7 @@ def test_frames_of_another_size_are_resized_as_openpi_does(
     cams = [b for b in config["inputs"] if b["key"] in keys(name)[0]]
     assert [b["shape"] for b in cams] == [[*frames, 3]] * 2
     assert all("scale" not in b for b in cams)  # 0..255 into the graph's resize
-    ref = Openpi(ckpt, name, tokenizer / "tokenizer.model")
+    ref = reference(ckpt, name, tokenizer / "tokenizer.model")
     manifest = read_manifest(bundle)
     rng = np.random.default_rng(11)
     diffs = []
@@ -470,7 +323,7 @@ def test_frames_of_another_size_are_resized_as_openpi_does(
         served_config, _ = injected_config(bundle, manifest, Path(tmp))
         with serve(policyd, served_config) as port:
             client = websocket_client_policy.WebsocketClientPolicy("127.0.0.1", port)
-            for obs in observations(name, 3, seed=5, stats=ref.stats):
+            for obs in observations(name, 3, seed=5, stats=norm_stats(ckpt, name)):
                 for k in keys(name)[0]:
                     put(obs, k, rng.integers(0, 256, (*frames, 3), np.uint8))
                 noise = rng.standard_normal(manifest["noise"]["shape"]).astype(np.float32)
@@ -490,6 +343,9 @@ def test_frames_of_another_size_are_resized_as_openpi_does(
                 moved = float(np.abs(ref.infer(squeezed, noise) - want).max()) / scale
                 assert moved > 1e-2, moved
     assert max(diffs) <= 1e-4, diffs
+    # verify's reference resizes the frames itself.
+    verify = ["verify", str(bundle), str(ckpt), "--policyd", policyd, "--observations", "1"]
+    assert main(verify) == 0
 
 
 def export_error(capsys: pytest.CaptureFixture[str], *args: str) -> str:
@@ -608,8 +464,23 @@ def test_openpis_simple_client_loop_runs_against_the_bundle(case: Case, policyd:
             assert action["server_timing"]["infer_ms"] > 0
 
 
-def test_verify_says_it_does_not_cover_openpi_bundles(
-    case: Case, capsys: pytest.CaptureFixture[str]
+def test_verify_compares_the_bundle_with_openpis_pipeline(
+    case: Case, policyd: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert main(["verify", str(case.bundle), str(case.checkpoint)]) == 2
-    assert "exported from an openpi checkpoint" in capsys.readouterr().err
+    """`policyd-export verify` on an openpi bundle: served actions against openpi's pipeline
+    on requests as the config's client sends them, with the statistics the export read (the
+    manifest names them); a bundle whose un-normalisation is off by 0.5 fails it (exit 1)."""
+    args = ["--policyd", policyd, "--observations", "2"]
+    assert main(["verify", str(case.bundle), str(case.checkpoint), *args]) == 0
+    out = capsys.readouterr().out
+    assert out.count("policyd vs openpi actions") == 2 and "all 4 checks passed" in out, out
+    wrong = tmp_path / "bundle"
+    shutil.copytree(case.bundle, wrong)
+    config = tomllib.loads((wrong / "policyd.toml").read_text())
+    action = config["outputs"][0]
+    for key in ("mean", "min", "max"):
+        if key in action:
+            action[key][0] += 0.5
+    (wrong / "policyd.toml").write_text(tomli_w.dumps(config))
+    assert main(["verify", str(wrong), str(case.checkpoint), *args]) == 1
+    assert "FAIL" in capsys.readouterr().out

@@ -3,7 +3,7 @@
     policyd-export lerobot CHECKPOINT_DIR --out BUNDLE_DIR [--force]
     policyd-export openpi CHECKPOINT_DIR --config NAME --out BUNDLE_DIR [--norm-stats DIR]
                           [--frame-size HxW]
-    policyd-export verify BUNDLE_DIR CHECKPOINT_DIR [--policyd PATH]
+    policyd-export verify BUNDLE_DIR CHECKPOINT_DIR [--policyd PATH] [--norm-stats FILE]
     policyd-export rewrite IN.onnx OUT.onnx
 
 Exit status: 0 done, 1 verify found a difference, 2 bad input (the message says what to fix).
@@ -99,6 +99,7 @@ def _openpi(args: argparse.Namespace) -> int:
     for g in exported.graphs:
         print(f"  {g.file}: onnxruntime vs torch max abs diff {g.max_abs_diff:.2e}")
     print(f"next: policyd check-config {out / bundle.CONFIG}")
+    print(f"      policyd-export verify {out} {args.checkpoint}")
     print(f"      policyd --config {out / bundle.CONFIG}   (openpi's clients, port 8000)")
     return 0
 
@@ -112,6 +113,7 @@ def _verify(args: argparse.Namespace) -> int:
         policyd=args.policyd,
         n=args.observations,
         rtol=args.rtol,
+        norm_stats=Path(args.norm_stats) if args.norm_stats else None,
     )
     print(table(rows))
     failed = [r for r in rows if not r.ok]
@@ -225,10 +227,11 @@ def parser() -> argparse.ArgumentParser:
     o.set_defaults(run=_openpi)
     v = sub.add_parser(
         "verify",
-        help="serve a bundle with policyd and compare its actions with LeRobot's",
+        help="serve a bundle with policyd and compare its actions with LeRobot's (or openpi's)",
         description="Serve BUNDLE with policyd, send observations with openpi-client, and "
-        "compare each reply with LeRobot's own inference from CHECKPOINT. Exit 1 on a "
-        "difference past the tolerance.",
+        "compare each reply with LeRobot's own inference from CHECKPOINT (for a bundle of an "
+        "openpi checkpoint: openpi's pipeline, re-implemented from openpi's source, around "
+        "the same weights). Exit 1 on a difference past the tolerance.",
     )
     v.add_argument("bundle")
     v.add_argument("checkpoint")
@@ -239,6 +242,10 @@ def parser() -> argparse.ArgumentParser:
         type=float,
         default=1e-4,
         help="tolerance relative to the largest action magnitude (default 1e-4)",
+    )
+    v.add_argument(
+        "--norm-stats",
+        help="an openpi bundle's norm_stats.json (default: the file the export read)",
     )
     v.set_defaults(run=_verify)
     r = sub.add_parser(

@@ -567,10 +567,10 @@ def _state_bindings(ckpt: Checkpoint, tensors: bool) -> list[Table]:
             # pi0.5 discretises the state into the prompt, on the CPU: `_decode_state` as the
             # binding's per-joint sign (`scale`) and policyd's `aloha_gripper_to_angular`, then
             # openpi's quantile `Normalize` on the decoded values.
-            b["scale"] = [float(f) for f in FLIP[part]]
+            b["scale"] = [float(f) for f in FLIP[at - n : at]]
             b["map"] = {
                 "function": "aloha_gripper_to_angular",
-                "columns": [j - part.start for j in GRIPPERS if part.start <= j < part.stop],
+                "columns": [j - (at - n) for j in GRIPPERS if at - n <= j < at],
             }
         if cfg.quantile:
             assert s.q01 is not None and s.q99 is not None
@@ -729,7 +729,7 @@ def export(
     inputs.append(
         {"key": "prompt", "tensor": "tokens", "dtypes": ["text"], "tokenizer": tokenizer_table}
     )
-    return flow_pipeline(
+    exported = flow_pipeline(
         "pi05" if cfg.pi05 else "pi0",
         [g1, g2],
         prefix_out,
@@ -743,3 +743,5 @@ def export(
         action_dim=cfg.robot.columns,
         prompt_key="prompt",
     )
+    exported.manifest["norm_stats"] = str(ckpt.norm_stats.resolve())
+    return exported

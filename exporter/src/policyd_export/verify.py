@@ -1,4 +1,5 @@
-"""`policyd-export verify`: the bundle served by policyd against LeRobot, on the same observations.
+"""`policyd-export verify`: the bundle served by policyd against its framework (LeRobot, or
+openpi's pipeline for an openpi bundle), on the same observations.
 
 policyd serves the bundle's own config; the official openpi-client sends a sequence of
 observations (LeRobot key names, uint8 HWC images) on one connection, as a robot would, and
@@ -20,13 +21,14 @@ import tempfile
 import time
 import tomllib
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import tomli_w
+from numpy.typing import NDArray
 
 from .bundle import CONFIG, Manifest, read_manifest
 from .checkpoint import Checkpoint
@@ -186,6 +188,10 @@ def served(binary: str, config: Path | None, timeout: float = 120.0) -> Iterator
         log.close()
 
 
+#: One observation's reference actions, given the request's noise (initial, per step).
+Want = Callable[[dict[str, Any], NDArray[Any] | None, NDArray[Any] | None], NDArray[Any]]
+
+
 def verify(
     bundle: Path,
     checkpoint: Path,
@@ -193,24 +199,16 @@ def verify(
     n: int = 4,
     rtol: float = 1e-4,
     seed: int = 0,
+    norm_stats: Path | None = None,
 ) -> list[Row]:
-    """Every check as a row: the export's graph checks, then one per served observation."""
-    try:
-        from openpi_client import websocket_client_policy
-    except ImportError:
-        raise ExportError(
-            "openpi-client is not installed: `pip install --no-deps openpi-client==0.1.2 "
-            "msgpack websockets dm-tree` (it pins numpy<2, which lerobot 0.6.1 does not allow)"
-        ) from None
-    from .reference import Reference
-
+    """Every check as a row: the export's graph checks, then one per served observation,
+    against LeRobot's own inference (a LeRobot bundle) or openpi's pipeline (an openpi one;
+    `norm_stats`: its statistics, where the export was given them with --norm-stats)."""
     manifest = read_manifest(bundle)
     if manifest["policy_type"].startswith("openpi/"):
-        raise ExportError(
-            f"{bundle}: exported from an openpi checkpoint; verify compares with LeRobot's own "
-            "processors, which are not openpi's transforms. Drive it with openpi's client "
-            "(docs/openpi.md); the exporter's tests check such bundles against openpi's pipeline"
-        )
+        return _verify_openpi(bundle, checkpoint, manifest, policyd, n, rtol, seed, norm_stats)
+    from .reference import Reference
+
     ckpt = load_checkpoint(checkpoint)
     if ckpt.type != manifest["policy_type"]:
         raise ExportError(
@@ -218,18 +216,80 @@ def verify(
             f"{manifest['policy_type']} one"
         )
     binary = find_policyd(policyd)
+    reference = Reference(ckpt)
+    requests = observations(ckpt, n, seed, manifest.get("prompt_key"))
+    return _compare(binary, bundle, manifest, requests, reference.actions, rtol, seed, "LeRobot")
+
+
+def _verify_openpi(
+    bundle: Path,
+    checkpoint: Path,
+    manifest: Manifest,
+    policyd: str | None,
+    n: int,
+    rtol: float,
+    seed: int,
+    norm_stats: Path | None,
+) -> list[Row]:
+    """An openpi bundle against openpi's pipeline (`openpi_reference`) on requests as the
+    config's openpi client sends them, with the statistics the export read."""
+    from . import openpi
+    from .openpi_reference import OpenpiReference
+    from .openpi_reference import observations as openpi_observations
+
+    name = manifest["policy_type"].removeprefix("openpi/")
+    stats = norm_stats
+    if stats is None and manifest.get("norm_stats"):
+        recorded = Path(manifest["norm_stats"])
+        if not recorded.is_file():
+            raise ExportError(
+                f"{recorded}: the statistics this bundle was exported with are gone; pass "
+                "--norm-stats (the norm_stats.json given to the export)"
+            )
+        stats = recorded
+    cameras = [i for i in manifest["inputs"] if i["type"] == "VISUAL"]
+    h, w = cameras[0]["shape"][1:]
+    ckpt = openpi.load(checkpoint, name, stats, (h, w))
+    binary = find_policyd(policyd)
+    reference = OpenpiReference(ckpt, bundle / openpi.TOKENIZER_FILE)
+    requests = openpi_observations(ckpt, n, seed)
+
+    def want(obs: dict[str, Any], noise: NDArray[Any] | None, _: Any) -> NDArray[Any]:
+        assert noise is not None
+        return reference.infer(obs, noise)
+
+    return _compare(binary, bundle, manifest, requests, want, rtol, seed, "openpi")
+
+
+def _compare(
+    binary: str,
+    bundle: Path,
+    manifest: Manifest,
+    requests: list[dict[str, Any]],
+    want: Want,
+    rtol: float,
+    seed: int,
+    framework: str,
+) -> list[Row]:
+    """Serves the bundle (noise injected), sends `requests` in order with openpi-client on one
+    connection, and compares each reply's actions with `want`'s."""
+    try:
+        from openpi_client import websocket_client_policy
+    except ImportError:
+        raise ExportError(
+            "openpi-client is not installed: `pip install --no-deps openpi-client==0.1.2 "
+            "msgpack websockets dm-tree` (it pins numpy<2, which lerobot 0.6.1 does not allow)"
+        ) from None
     rows = [
         Row(f"{g['file']}: onnxruntime vs torch (at export)", g["max_abs_diff"], 1e-4)
         for g in manifest["graphs"]
     ]
-    reference = Reference(ckpt)
     rng = np.random.default_rng(seed + 1)
     with tempfile.TemporaryDirectory() as tmp:
         config, step_noise = injected_config(bundle, manifest, Path(tmp))
         with serve(binary, config) as port:
             client = websocket_client_policy.WebsocketClientPolicy("127.0.0.1", port)
-            prompt_key = manifest.get("prompt_key")
-            for i, obs in enumerate(observations(ckpt, n, seed, prompt_key)):
+            for i, obs in enumerate(requests):
                 request = dict(obs)
                 noise = steps = None
                 if "noise" in manifest:
@@ -241,15 +301,15 @@ def verify(
                         steps = rng.standard_normal((count, noise.size)).astype(np.float32)
                         request["step_noise"] = steps
                 served = np.asarray(client.infer(request)["actions"], dtype=np.float64)
-                want = reference.actions(obs, noise, steps).astype(np.float64)
-                if served.shape != want.shape:
+                expected = np.asarray(want(obs, noise, steps), dtype=np.float64)
+                if served.shape != expected.shape:
                     raise ExportError(
-                        f"policyd answered actions of shape {list(served.shape)}, LeRobot "
-                        f"{list(want.shape)}"
+                        f"policyd answered actions of shape {list(served.shape)}, {framework} "
+                        f"{list(expected.shape)}"
                     )
-                scale = float(np.abs(want).max()) or 1.0
-                what = f"observation {i + 1}: policyd vs LeRobot actions {list(want.shape)}"
-                rows.append(Row(what, float(np.abs(served - want).max()), rtol * scale))
+                scale = float(np.abs(expected).max()) or 1.0
+                what = f"observation {i + 1}: policyd vs {framework} actions {list(expected.shape)}"
+                rows.append(Row(what, float(np.abs(served - expected).max()), rtol * scale))
     return rows
 
 

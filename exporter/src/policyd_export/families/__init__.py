@@ -42,6 +42,8 @@ class Signature(TypedDict):
     sampler: NotRequired[Table]
     #: The request key of the prompt (a VLA's task).
     prompt_key: NotRequired[str]
+    #: openpi: the `norm_stats.json` the export read (verify reads it again).
+    norm_stats: NotRequired[str]
 
 
 @dataclass

@@ -1,0 +1,275 @@
+"""openpi's own inference on one observation: what an openpi bundle's served actions must equal.
+
+openpi is not installable (not on PyPI), so its `Policy.infer` is re-implemented here in numpy
+from its source (HEAD 15a9616: `transforms.py`, `policies/{libero,droid,aloha}_policy.py`,
+`shared/image_tools.py`, `models/tokenizer.py`, `models_pytorch/pi0_pytorch.py`'s sampling
+loop), for the training config a `Checkpoint` carries, around LeRobot's `PI0Pytorch` loaded
+from the same file by LeRobot's own `from_pretrained` (and checked tensor by tensor, since that
+loader keeps random weights where a name does not match). Nothing here shares code with the
+bundle's path: that one is graphs and policyd's bindings; this one is numpy and torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from numpy.typing import NDArray
+
+from .errors import ExportError
+from .openpi import EPS, FLIP, GRIPPERS, RESOLUTION, Checkpoint, Stats, lerobot_config
+
+F64 = NDArray[np.float64]
+
+
+def gripper_to_angular(v: F64) -> F64:
+    """`aloha_policy._gripper_to_angular`, as numpy runs it."""
+    v = v * (0.05800 - 0.01844) + 0.01844
+    v = np.arcsin(np.clip((0.022**2 + v**2 - 0.036**2) / (2 * 0.022 * v), -1.0, 1.0))
+    return (v - 0.5476) / (1.6296 - 0.5476)
+
+
+def gripper_from_angular(v: F64) -> F64:
+    """`aloha_policy._gripper_from_angular`."""
+    return (v + 0.5476 - -0.6213) / (1.4910 - -0.6213)
+
+
+def resize_with_pad(img: NDArray[Any], height: int = 224, width: int = 224) -> NDArray[np.uint8]:
+    """`image_tools.resize_with_pad` on an HWC uint8 frame, in float64: the aspect kept
+    (`int(side / ratio)`), jax.image.resize's LINEAR along each axis whose size changes (a
+    triangle of radius max(1, 1/scale) input pixels around each output pixel's centre, the
+    weights normalised), rounded and clipped to uint8, padded with 0 around the centre."""
+    h, w = img.shape[:2]
+    ratio = max(w / width, h / height)
+    rh, rw = int(h / ratio), int(w / ratio)
+    out = img.astype(np.float64)
+    for axis, n_in, n_out in ((0, h, rh), (1, w, rw)):
+        if n_in == n_out:
+            continue
+        scale = n_out / n_in
+        radius = max(1.0, 1.0 / scale)
+        centres = (np.arange(n_out) + 0.5) / scale - 0.5
+        distance = np.abs(centres[:, None] - np.arange(n_in)[None, :]) / radius
+        weights = np.maximum(0.0, 1.0 - distance)
+        weights /= weights.sum(axis=1, keepdims=True)
+        out = np.moveaxis(np.tensordot(weights, out, axes=([1], [axis])), 0, axis)
+    small = np.clip(np.round(out), 0, 255).astype(np.uint8)
+    top, left = (height - rh) // 2, (width - rw) // 2
+    return np.pad(small, ((top, height - rh - top), (left, width - rw - left), (0, 0)))
+
+
+@contextlib.contextmanager
+def openpi_loop() -> Iterator[None]:
+    """LeRobot's Euler loop replaced by openpi's (`PI0Pytorch.sample_actions`): float32 `dt`,
+    the time accumulated in float32 while `time >= −dt/2`."""
+    import lerobot.policies.pi0.modeling_pi0 as m0
+    import lerobot.policies.pi05.modeling_pi05 as m5
+
+    def loop(denoise: Any, noise: torch.Tensor, num_steps: int, **_: Any) -> torch.Tensor:
+        dt = torch.tensor(-1.0 / num_steps, dtype=torch.float32)
+        x = noise
+        time = torch.tensor(1.0, dtype=torch.float32)
+        while time >= -dt / 2:
+            x = x + dt * denoise(x, time.expand(noise.shape[0]))
+            time = time + dt
+        return x
+
+    saved = m0.euler_integrate, m5.euler_integrate
+    m0.euler_integrate = m5.euler_integrate = loop
+    try:
+        yield
+    finally:
+        m0.euler_integrate, m5.euler_integrate = saved
+
+
+def _get(obs: dict[str, Any], key: str) -> Any:
+    """A request value by policyd's key (openpi's nested `images` map joined with `/`)."""
+    head, _, rest = key.partition("/")
+    if rest and isinstance(obs.get(head), dict):
+        return obs[head].get(rest)
+    return obs.get(key)
+
+
+@dataclass
+class _Norm:
+    stats: Stats
+    quantile: bool
+
+    def normalize(self, x: F64) -> F64:
+        n = x.shape[-1]
+        s = self.stats
+        if self.quantile:
+            assert s.q01 is not None and s.q99 is not None
+            q01, q99 = s.q01[:n], s.q99[:n]
+            return (x - q01) / (q99 - q01 + EPS) * 2.0 - 1.0
+        return (x - s.mean[:n]) / (s.std[:n] + EPS)
+
+    def unnormalize(self, x: F64) -> F64:
+        """Dimensions past the statistics pass through (openpi pads them: quantile as they
+        are, z-score as `x·(1 + 1e-6)`)."""
+        s = self.stats
+        if self.quantile:
+            assert s.q01 is not None and s.q99 is not None
+            d = s.q01.shape[-1]
+            head = (x[..., :d] + 1.0) / 2.0 * (s.q99 - s.q01 + EPS) + s.q01
+            return np.concatenate([head, x[..., d:]], axis=-1)
+        pad = x.shape[-1] - s.mean.shape[-1]
+        mean = np.pad(s.mean, (0, pad), constant_values=0.0)
+        std = np.pad(s.std, (0, pad), constant_values=1.0)
+        return x * (std + EPS) + mean
+
+
+class OpenpiReference:
+    """openpi's `Policy.infer` for `ckpt.config` on requests as openpi's clients send them
+    (frames of `ckpt.frames`), with the initial noise given."""
+
+    def __init__(self, ckpt: Checkpoint, tokenizer: Path):
+        import sentencepiece
+
+        self.ckpt = ckpt
+        cfg = ckpt.config
+        self.state_norm = _Norm(ckpt.state, cfg.quantile)
+        self.action_norm = _Norm(ckpt.actions, cfg.quantile)
+        self.sp = sentencepiece.SentencePieceProcessor(model_file=str(tokenizer))
+        if cfg.pi05:
+            from lerobot.policies.pi05.modeling_pi05 import PI05Policy as Policy
+        else:
+            from lerobot.policies.pi0.modeling_pi0 import PI0Policy as Policy
+        policy = Policy.from_pretrained(str(ckpt.path), config=lerobot_config(ckpt))
+        self.model = policy.eval().model
+        self._check_loaded()
+
+    def _check_loaded(self) -> None:
+        from safetensors.torch import load_file
+
+        saved = load_file(str(self.ckpt.path / "model.safetensors"))
+        have = self.model.state_dict()
+        wrong = [
+            k for k, v in saved.items() if k not in have or not torch.equal(have[k], v.float())
+        ]
+        if wrong:
+            raise ExportError(
+                f"{self.ckpt.path}: LeRobot's from_pretrained did not load {len(wrong)} tensors "
+                f"as saved (first: {wrong[0]}); the reference would run random weights"
+            )
+
+    def tokens(self, prompt: str, state: F64 | None) -> tuple[NDArray[Any], NDArray[Any]]:
+        """`TokenizePrompt`: pi0's `cleaned + "\\n"`, or pi0.5's `Task: …, State: …;\\nAction: `
+        with the state's 256 bins (`np.digitize`)."""
+        n = self.ckpt.config.max_token_len
+        cleaned = prompt.strip().replace("_", " ").replace("\n", " ")
+        if state is not None:
+            bins = np.digitize(state, bins=np.linspace(-1, 1, 256 + 1)[:-1]) - 1
+            text = f"Task: {cleaned}, State: {' '.join(map(str, bins))};\nAction: "
+            ids = self.sp.encode(text, add_bos=True)
+        else:
+            ids = self.sp.encode(cleaned, add_bos=True) + self.sp.encode("\n")
+        mask = [True] * min(len(ids), n) + [False] * (n - len(ids))
+        ids = (ids + [0] * n)[:n]
+        return np.asarray(ids), np.asarray(mask)
+
+    @torch.no_grad()
+    def infer(self, obs: dict[str, Any], noise: NDArray[Any]) -> F64:
+        cfg = self.ckpt.config
+        robot = cfg.robot
+        # Data transforms: the state's parts (DROID's gripper may be a bare number), ALOHA's
+        # `_decode_state` (sign flips, the grippers to their angles).
+        parts = [np.atleast_1d(np.asarray(_get(obs, k), np.float64)) for k, _ in robot.state]
+        state = np.concatenate(parts)
+        if robot.adapt_to_pi:
+            state = np.asarray(FLIP, np.float64) * state
+            state[list(GRIPPERS)] = gripper_to_angular(state[list(GRIPPERS)])
+        # Cameras in openpi's slots (ALOHA's sent channels first), HWC; a camera the request
+        # leaves out, and the slots past the robot's, a zero image with its mask off.
+        sent = [_get(obs, k) for k in robot.cameras]
+        frames = [
+            None if f is None else np.asarray(f).transpose(1, 2, 0) if robot.chw else np.asarray(f)
+            for f in sent
+        ]
+        # `ResizeImages(224, 224)`: the identity on frames of that size.
+        frames = [
+            f if f is None or f.shape[:2] == RESOLUTION else resize_with_pad(f, *RESOLUTION)
+            for f in frames
+        ]
+        zero = np.zeros((*RESOLUTION, 3), np.uint8)
+        masks = [f is not None for f in frames] + [False] * (3 - len(frames))
+        images = [zero if f is None else f for f in frames] + [zero] * (3 - len(frames))
+        # Normalize, then the model transforms: the prompt (the config's default for a request
+        # without one), the state padded to the model's width.
+        state = self.state_norm.normalize(state)
+        prompt = obs.get("prompt", cfg.default_prompt)
+        if prompt is None:
+            raise ExportError("the observation has no prompt and the config no default")
+        ids, mask = self.tokens(prompt, state if cfg.state_in_prompt else None)
+        width = int(self.ckpt.model["action_dim"])
+        padded = np.pad(state, (0, width - state.size))
+        # `Observation.from_dict`: uint8 → float32 in [−1, 1], CHW for the PyTorch model.
+        tensors = [
+            torch.from_numpy(i.astype(np.float32) / 255.0 * 2.0 - 1.0).permute(2, 0, 1)[None]
+            for i in images
+        ]
+        img_masks = [torch.tensor([m]) for m in masks]
+        tok, tok_mask = torch.from_numpy(ids)[None], torch.from_numpy(mask)[None]
+        x = torch.from_numpy(np.asarray(noise, np.float32))[None]
+        with openpi_loop():
+            if cfg.pi05:
+                out = self.model.sample_actions(tensors, img_masks, tok, tok_mask, noise=x)
+            else:
+                st = torch.from_numpy(padded.astype(np.float32))[None]
+                out = self.model.sample_actions(tensors, img_masks, tok, tok_mask, st, noise=x)
+        actions = self.action_norm.unnormalize(out[0].numpy().astype(np.float64))
+        # `AbsoluteActions`: the state after its normalise/un-normalise round trip in float32,
+        # added to the masked columns.
+        if cfg.delta is not None:
+            raw_state = self.state_norm.unnormalize(padded.astype(np.float32).astype(np.float64))
+            d = len(cfg.delta)
+            actions[:, :d] += np.where(cfg.delta, raw_state[:d], 0.0)[None]
+        actions = actions[:, : robot.columns]
+        if robot.adapt_to_pi:  # `_encode_actions`
+            actions = np.asarray(FLIP, np.float64) * actions
+            actions[:, list(GRIPPERS)] = gripper_from_angular(actions[:, list(GRIPPERS)])
+        return actions
+
+
+#: Prompts openpi's examples send.
+PROMPTS = ["pick up the red cube", "put_the bowl on the stove ", "fold the towel"]
+
+
+def observations(ckpt: Checkpoint, n: int, seed: int) -> list[dict[str, Any]]:
+    """Requests as the config's openpi client sends them: uint8 frames of `ckpt.frames`
+    (ALOHA's channels first, in the nested `images` map), the state spread across the
+    statistics (ALOHA: raw joints, grippers in [0, 1]), a task (every other one left out where
+    the config has a default prompt)."""
+    cfg = ckpt.config
+    robot = cfg.robot
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        obs: dict[str, Any] = {}
+        for key in robot.cameras:
+            shape = (3, *ckpt.frames) if robot.chw else (*ckpt.frames, 3)
+            frame = rng.integers(0, 256, shape, np.uint8)
+            head, _, rest = key.partition("/")
+            if head == "images":
+                obs.setdefault("images", {})[rest] = frame
+            else:
+                obs[key] = frame
+        d = robot.state_dim
+        s = ckpt.state
+        state = s.mean[:d] + 2.0 * s.std[:d] * rng.standard_normal(d)
+        if robot.adapt_to_pi:
+            state = np.asarray(FLIP, np.float64) * state
+            state[list(GRIPPERS)] = rng.random(len(GRIPPERS))
+        at = 0
+        for key, size in robot.state:
+            obs[key] = state[at : at + size]
+            at += size
+        if cfg.default_prompt is None or i % 2:
+            obs["prompt"] = PROMPTS[(seed + i) % len(PROMPTS)]
+        out.append(obs)
+    return out
