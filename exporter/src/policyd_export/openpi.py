@@ -248,7 +248,7 @@ CONFIGS = {
         *(
             TrainConfig(
                 name,
-                False,
+                name.startswith("pi05"),
                 ALOHA,
                 50,
                 "trossen",
@@ -261,20 +261,6 @@ CONFIGS = {
                 ("pi0_aloha_towel", "fold the towel", True),
                 ("pi0_aloha_tupperware", "open the tupperware and put the food on the plate", True),
                 ("pi0_aloha_pen_uncap", "uncap the pen", False),
-            ]
-        ),
-        *(
-            TrainConfig(
-                name,
-                True,
-                ALOHA,
-                50,
-                "trossen",
-                bool_mask(6, -1, 6, -1),
-                metadata={"reset_pose": [0, -1.5, 1.5, 0, 0, 0]} if reset else {},
-                default_prompt=prompt,
-            )
-            for name, prompt, reset in [
                 ("pi05_aloha", None, True),
                 ("pi05_aloha_pen_uncap", "uncap the pen", False),
             ]
