@@ -224,7 +224,25 @@ def main() -> None:
         print(
             f"check-config: exit {r.returncode}, {secs:.0f} s, peak RSS {peak:.2f} GB"
         )
-        print("\n".join(line for line in r.stdout.splitlines() if "total" in line))
+        lines = r.stdout.splitlines()
+        print(
+            "\n".join(
+                line for line in lines if "total" in line or "intermediate" in line
+            )
+        )
+        # Issue 36's bound: 1.25 × the weights plus the plan's buffers (the budget's other
+        # lines: slots, connections, tokenizer, the engine's intermediate tensors).
+        weights = next(
+            int(x.rsplit("= ", 1)[1]) for x in lines if "weights as stored" in x
+        )
+        total = next(
+            int(x.split("= ", 1)[1].split()[0]) for x in lines if "total = " in x
+        )
+        bound = 1.25 * weights + (total - weights)
+        print(
+            f"bound: 1.25 × {weights / 1e9:.3f} GB + {(total - weights) / 1e9:.3f} GB = "
+            f"{bound / 1e9:.2f} GB"
+        )
         secs, peak, _, r = timed(
             [str(exe), "verify", str(bundle), str(ckpt), "--policyd", args.policyd]
             + ["--observations", "2"]
