@@ -78,7 +78,11 @@ pub(super) struct RawInput {
 
 /// One value (a key, a number) or a list of them.
 #[derive(Clone, Debug, Deserialize)]
-#[serde(untagged)]
+#[serde(
+    untagged,
+    expecting = "one value or a list of them (a number, or numbers, for scale and offset; a \
+                 key, or keys, for state_key)"
+)]
 pub(super) enum OneOrMany<T> {
     One(T),
     Many(Vec<T>),

@@ -715,6 +715,11 @@ fn feature_maps_run_between_the_scale_and_the_statistics() {
             "finite",
         ),
         (
+            norm.replace("offset = 0.5", "offset = \"half\""),
+            "offset = \"half\"",
+            "a number, or numbers, for scale and offset",
+        ),
+        (
             norm.replace("mean = [0.1, 0.2, 0.3]", "mean = [0.1]")
                 .replace("std = [1.0, 2.0, 0.5]", "std = [1.0]"),
             "",
