@@ -261,7 +261,7 @@ impl CpuEngine {
 /// `TypedFact::mem_size` (an exotic fact's buffers included: im2col's, packed operands). The
 /// model's inputs are the slots' buffers, which the budget counts with them; constants are the
 /// weights. A shape tract cannot size (symbolic) counts as nothing.
-pub fn intermediate_peak(plan: &TypedRunnableModel) -> (u64, usize) {
+fn intermediate_peak(plan: &TypedRunnableModel) -> (u64, usize) {
     use tract_onnx::tract_core::ops::source::TypedSource;
     let model = plan.model();
     let order = plan.order_without_consts();
