@@ -193,30 +193,23 @@ impl Plan {
                     ),
                 ));
             }
+            // One scale and offset with at most one statistic, or per-element statistics (the
+            // config allows neither with a list of scales or a map): the scalar form, which
+            // vectorises. Otherwise, coefficients per feature.
             let features = *b.shape.last().unwrap_or(&1);
-            let per_element = b.mean.len() > features;
-            let affine = match (&b.scale[..], &b.offset[..]) {
-                // Per-element statistics take the scalar form's indexing (scale and offset
-                // are then one value each: a list is one per feature).
-                (&[scale], &[offset]) if per_element || (b.map.is_none() && b.mean.len() <= 1) => {
+            let affine = match (&b.scale[..], &b.offset[..], &b.map) {
+                (&[scale], &[offset], None) if b.mean.len() <= 1 || b.mean.len() > features => {
                     Affine::normalize(scale, offset, &b.mean, &b.std, b.eps)
                 }
-                (scale, offset) if !per_element => Affine::per_feature(
+                (scale, offset, map) => Affine::per_feature(
                     features,
                     scale,
                     offset,
                     &b.mean,
                     &b.std,
                     b.eps,
-                    b.map.as_ref().map(|(g, c)| (*g, &c[..])),
+                    map.as_ref().map(|(g, c)| (*g, &c[..])),
                 ),
-                _ => {
-                    return Err(invalid(
-                        k("scale"),
-                        "one scale and offset per feature cannot combine with per-element mean \
-                         and std: give one value each",
-                    ));
-                }
             };
             let inputs_affine = affine.clone();
             let frame_elements = spec.elements() / b.history;

@@ -132,8 +132,9 @@ impl Plan {
         }
     }
 
-    /// The raw (pre-normalisation, after a feature map) values of the similarity filter's input, from a decoded
-    /// slot, into `out`. `None` when the filter is off.
+    /// The raw (pre-normalisation; after a feature's map, where it has one) values of the
+    /// similarity filter's input, from a decoded slot, into `out`. `None` when the filter is
+    /// off.
     pub fn similarity_state<'o>(
         &self,
         bufs: &mut [Box<dyn InputBuffer>],

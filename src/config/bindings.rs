@@ -673,8 +673,7 @@ pub(super) fn inputs(
             }
         }
         let features = *shape.last().unwrap_or(&1);
-        let mut affine = Vec::with_capacity(2);
-        for (key, v, default) in [("scale", &b.scale, 1.0), ("offset", &b.offset, 0.0)] {
+        let per_feature = |key: &str, v: &Option<OneOrMany<f64>>, default: f64| {
             let v = v.as_ref().map_or_else(|| vec![default], OneOrMany::values);
             if v.iter().any(|x| !x.is_finite()) {
                 return Err(cx.invalid(k(key), "values must be finite numbers"));
@@ -689,12 +688,10 @@ pub(super) fn inputs(
                     ),
                 ));
             }
-            affine.push(v);
-        }
-        let (offset, scale) = (
-            affine.pop().unwrap_or_default(),
-            affine.pop().unwrap_or_default(),
-        );
+            Ok(v)
+        };
+        let scale = per_feature("scale", &b.scale, 1.0)?;
+        let offset = per_feature("offset", &b.offset, 0.0)?;
         if !b.fill.is_finite() {
             return Err(cx.invalid(k("fill"), "must be a finite number"));
         }
@@ -705,8 +702,16 @@ pub(super) fn inputs(
             max: &b.max,
             eps: b.eps,
         };
-        let (mean, std, eps) =
-            norm.resolve(cx, i, "inputs", &[1, *shape.last().unwrap_or(&1), count])?;
+        let (mean, std, eps) = norm.resolve(cx, i, "inputs", &[1, features, count])?;
+        // Per-element statistics index the whole tensor; a list of scales, or a map, indexes
+        // its features.
+        if mean.len() == count && count != features && (scale.len() > 1 || offset.len() > 1) {
+            return Err(cx.invalid(
+                k("scale"),
+                "one scale and offset per feature cannot combine with per-element mean and \
+                 std: give one value each",
+            ));
+        }
         let map = match &b.map {
             None => None,
             Some(m) => {
@@ -730,7 +735,6 @@ pub(super) fn inputs(
                         ),
                     ));
                 }
-                let count: usize = shape.iter().product();
                 if mean.len() == count && count != features {
                     return Err(cx.invalid(
                         k("map"),

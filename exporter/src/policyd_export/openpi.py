@@ -545,18 +545,18 @@ def _state_bindings(ckpt: Checkpoint, tensors: bool) -> list[Table]:
         if tensors:
             b["tensor"] = key.rsplit("/", 1)[-1]
         out.append(b)
-        part = slice(at, at + n)
-        at += n
+        start, at = at, at + n
+        part = slice(start, at)
         if cfg.robot.adapt_to_pi and not cfg.pi05:
             continue  # raw: the prefix graph decodes and normalises it (`AdaptToPi`)
         if cfg.robot.adapt_to_pi:
             # pi0.5 discretises the state into the prompt, on the CPU: `_decode_state` as the
             # binding's per-joint sign (`scale`) and policyd's `aloha_gripper_to_angular`, then
             # openpi's quantile `Normalize` on the decoded values.
-            b["scale"] = [float(f) for f in FLIP[at - n : at]]
+            b["scale"] = [float(f) for f in FLIP[start:at]]
             b["map"] = {
                 "function": "aloha_gripper_to_angular",
-                "columns": [j - (at - n) for j in GRIPPERS if at - n <= j < at],
+                "columns": [j - start for j in GRIPPERS if start <= j < at],
             }
         if cfg.quantile:
             assert s.q01 is not None and s.q99 is not None
