@@ -197,6 +197,140 @@ def test_a_base_model_not_on_this_machine_is_named_with_the_command(
     assert not (tmp_path / "b").exists()
 
 
+#: A VLM's own Python: writes the marker when imported, then fails (the test needs no more).
+EVIL = """import pathlib
+pathlib.Path({marker!r}).write_text("ran")
+raise RuntimeError("the checkpoint's own code ran")
+"""
+
+
+def _evil_vlm(vlm: Path, at: Path, marker: Path) -> Path:
+    """A copy of the tiny VLM whose config.json's `auto_map` names a marker-writing `evil.py`."""
+    import json
+    import shutil
+
+    shutil.copytree(vlm, at)
+    (at / "evil.py").write_text(EVIL.format(marker=str(marker)))
+    config = json.loads((at / "config.json").read_text())
+    config["auto_map"] = {"AutoConfig": "evil.EvilConfig"}
+    (at / "config.json").write_text(json.dumps(config))
+    return at
+
+
+def _naming(ckpt: Path, base: Path, base_name: str, vlm_name: str) -> None:
+    """Points the checkpoint at `base_name` and both of GR00T's VLM reads at `vlm_name`."""
+    import json
+
+    for file, key, value in [
+        (ckpt / "config.json", "base_model_path", base_name),
+        (base / "config.json", "model_name", vlm_name),
+    ]:
+        config = json.loads(file.read_text())
+        config[key] = value
+        file.write_text(json.dumps(config))
+    pre = ckpt / "policy_preprocessor.json"
+    text = json.loads(pre.read_text())
+    for step in text["steps"]:
+        if "model_name" in step.get("config", {}):
+            step["config"]["model_name"] = vlm_name
+    pre.write_text(json.dumps(text))
+
+
+def _hostile(bundle: Exported, tmp_path: Path, layout: str, monkeypatch: Any) -> Path:
+    """The checkpoint naming a VLM with code, as a Hub id in the HF cache, as an absolute path,
+    or as relative names inside one downloaded directory (which is then the current one)."""
+    import shutil
+
+    marker = tmp_path / "marker"
+    root = bundle.checkpoint.parent
+    if layout == "relative":
+        ckpt = tmp_path / "download"
+        shutil.copytree(bundle.checkpoint, ckpt)
+        shutil.copytree(root / "base", ckpt / "base")
+        _evil_vlm(root / "vlm", ckpt / "vlm", marker)
+        _naming(ckpt, ckpt / "base", "base", "vlm")
+        monkeypatch.chdir(ckpt)
+        return ckpt
+    ckpt = tmp_path / "checkpoint"
+    shutil.copytree(bundle.checkpoint, ckpt)
+    base = shutil.copytree(root / "base", tmp_path / "base")
+    if layout == "absolute":
+        vlm = _evil_vlm(root / "vlm", tmp_path / "vlm", marker)
+        _naming(ckpt, base, str(base), str(vlm))
+    else:  # a Hub id whose snapshot is in the cache
+        import huggingface_hub.constants
+
+        hub = tmp_path / "hub"
+        repo = hub / "models--someone--vlm"
+        _evil_vlm(root / "vlm", repo / "snapshots" / "0123abcd", marker)
+        (repo / "refs").mkdir()
+        (repo / "refs" / "main").write_text("0123abcd")
+        monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(hub))
+        _naming(ckpt, base, str(base), "someone/vlm")
+    return ckpt
+
+
+@pytest.mark.parametrize("layout", ["hub-cache", "absolute", "relative"])
+def test_a_vlm_with_its_own_code_is_refused_not_run(
+    layout: str,
+    bundle: Exported,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """LeRobot loads GR00T's VLM with `trust_remote_code=True`: an `auto_map` in the VLM's
+    config would run its `.py`. The export and verify refuse it, naming the file, the key and
+    the flag, and nothing runs (no marker)."""
+    from policyd_export.cli import main
+
+    ckpt = _hostile(bundle, tmp_path, layout, monkeypatch)
+    for argv in (
+        ["lerobot", str(ckpt), "--out", str(tmp_path / "b")],
+        ["verify", str(bundle.bundle), str(ckpt)],
+    ):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert "config.json" in err and "auto_map" in err and "--trust-remote-code" in err, err
+        assert "evil.py" in err, err
+        assert not (tmp_path / "marker").exists()
+    if layout == "relative":
+        # Resolved against the checkpoint's directory, not the current one: the same refusal
+        # from anywhere, naming the checkpoint's own vlm/.
+        monkeypatch.chdir(tmp_path)
+        assert main(["lerobot", str(ckpt), "--out", str(tmp_path / "b")]) == 2
+        err = capsys.readouterr().err
+        assert str(ckpt / "vlm" / "config.json") in err, err
+    assert not (tmp_path / "marker").exists()
+
+
+def test_the_flag_lets_the_vlms_code_run(
+    bundle: Exported, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With `--trust-remote-code` the same checkpoint's code runs (the marker appears): the
+    refusals above are what keeps it from running, and the test sees execution."""
+    from policyd_export.cli import main
+
+    ckpt = _hostile(bundle, tmp_path, "absolute", monkeypatch)
+    main(["lerobot", str(ckpt), "--out", str(tmp_path / "b"), "--trust-remote-code"])
+    assert (tmp_path / "marker").read_text() == "ran"
+
+
+def test_transformers_own_loader_is_refused_for_the_whole_command(
+    bundle: Exported, tmp_path: Path
+) -> None:
+    """The backstop for a path the directory checks did not foresee: under the command's
+    guard, transformers' dynamic-module loader refuses even when its caller passes
+    `trust_remote_code=True`, and nothing runs."""
+    from transformers import AutoConfig
+
+    from policyd_export.remote_code import RemoteCodeRefused, guard
+
+    vlm = _evil_vlm(bundle.checkpoint.parent / "vlm", tmp_path / "vlm", tmp_path / "marker")
+    with guard(False), pytest.raises(RemoteCodeRefused, match="--trust-remote-code"):
+        AutoConfig.from_pretrained(str(vlm), trust_remote_code=True)
+    assert not (tmp_path / "marker").exists()
+
+
 def test_the_position_ids_patch_fails_loudly_when_transformers_changes(
     bundle: Exported, reference: Reference
 ) -> None:

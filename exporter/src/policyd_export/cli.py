@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from .errors import ExportError
+from .remote_code import FLAG, guard
 
 SUPPORTED_HELP = "supported policy types: act, diffusion, groot, pi0, pi05, smolvla"
 
@@ -150,6 +151,15 @@ def _rewrite(args: argparse.Namespace) -> int:
     return 0
 
 
+def _trust_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        FLAG,
+        action="store_true",
+        help="let transformers import Python that came with the checkpoint or a model it names "
+        "(an `auto_map` in their configs); refused by default",
+    )
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="policyd-export",
@@ -193,6 +203,7 @@ def parser() -> argparse.ArgumentParser:
         "--policy.pretrained_name_or_path, e.g. a Hub id); repeatable. The checkpoint's own "
         "path, and its Hub id when it lies in the Hugging Face cache, are always mapped",
     )
+    _trust_flag(e)
     e.set_defaults(run=_lerobot)
     o = sub.add_parser(
         "openpi",
@@ -247,6 +258,7 @@ def parser() -> argparse.ArgumentParser:
         "--norm-stats",
         help="an openpi bundle's norm_stats.json (default: the file the export read)",
     )
+    _trust_flag(v)
     v.set_defaults(run=_verify)
     r = sub.add_parser(
         "rewrite",
@@ -266,7 +278,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     args = parser().parse_args(argv)
     try:
-        code: int = args.run(args)
+        with guard(getattr(args, "trust_remote_code", False)):
+            code: int = args.run(args)
         return code
     except ExportError as e:
         print(f"policyd-export: error: {e}", file=sys.stderr)

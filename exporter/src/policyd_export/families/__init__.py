@@ -18,6 +18,7 @@ from torch import nn
 from ..checkpoint import Checkpoint
 from ..errors import ExportError
 from ..graphs import Graph
+from ..remote_code import check_dir, resolve
 
 #: A TOML table as written: the bundle's `policyd.toml` and its sections.
 Table = dict[str, Any]
@@ -172,11 +173,13 @@ class FlatInputs(nn.Module):
         return self.run(batch)
 
 
-def local_file(name: str, file: str) -> Path | None:
-    """`file` of a model named `name` by a checkpoint: in `name` if it is a directory, else in
-    the local Hugging Face cache (nothing is downloaded); None when it is in neither."""
-    if Path(name).is_dir():
-        path = Path(name) / file
+def local_file(name: str, file: str, ckpt_dir: Path) -> Path | None:
+    """`file` of a model named `name` by the checkpoint in `ckpt_dir`: in `name` if it is a
+    directory (a relative name against `ckpt_dir`, never the current directory), else in the
+    local Hugging Face cache (nothing is downloaded); None when it is in neither."""
+    directory = resolve(name, ckpt_dir)
+    if directory is not None:
+        path = directory / file
         return path if path.is_file() else None
     try:
         from huggingface_hub import try_to_load_from_cache
@@ -202,6 +205,12 @@ def load_policy(ckpt: Checkpoint) -> Any:  # a LeRobot PreTrainedPolicy (LeRobot
         raise ExportError(f"{ckpt.path / 'config.json'}: LeRobot cannot read it: {e}") from e
     if getattr(cfg, "pretrained_backbone_weights", None):
         cfg.pretrained_backbone_weights = None
+    # SmolVLA builds its VLM from this name's config.json (transformers would read a relative
+    # name against the current directory): resolved against the checkpoint's, and checked.
+    vlm = getattr(cfg, "vlm_model_name", None)
+    if isinstance(vlm, str) and (found := resolve(vlm, ckpt.path)) is not None:
+        check_dir(found, "the VLM's config")
+        cfg.vlm_model_name = str(found)
     cfg.device = "cpu"
     try:
         policy = get_policy_class(ckpt.type).from_pretrained(str(ckpt.path), config=cfg)

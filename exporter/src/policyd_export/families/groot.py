@@ -43,7 +43,8 @@ from torch import nn
 
 from .. import graphs
 from ..checkpoint import Checkpoint
-from ..errors import ExportError
+from ..errors import ExportError, read_json
+from ..remote_code import check_dir, resolve
 from . import OBS_STATE, Exported, flow_pipeline, local_file
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -362,23 +363,44 @@ class Step(nn.Module):
 # --- loading without the Hub -----------------------------------------------------------------
 
 
-def _dir_of(name: str, what: str, option: str, needs: str) -> Path:
-    """A model named by the checkpoint, as a local directory: the name itself, or its snapshot
-    in the Hugging Face cache (nothing is downloaded)."""
-    if Path(name).is_dir():
-        return Path(name)
-    cached = local_file(name, "config.json")
+def _dir_of(name: str, ckpt_dir: Path, what: str, option: str, needs: str) -> Path:
+    """A model named by the checkpoint, as a local directory: the name itself (a relative one
+    against the checkpoint's directory, never the current one), or its snapshot in the Hugging
+    Face cache (nothing is downloaded)."""
+    found = resolve(name, ckpt_dir)
+    if found is not None:
+        return found
+    cached = local_file(name, "config.json", ckpt_dir)
     if cached is not None:
         return cached.parent
     raise ExportError(
-        f"GR00T needs {what} {name!r} ({needs}), which is neither a local directory nor in the "
-        f"Hugging Face cache: `huggingface-cli download {name} --include '*.json'` (no weights "
-        f"needed), or pass {option} DIR"
+        f"GR00T needs {what} {name!r} ({needs}), which is neither a directory (a relative name "
+        f"is read against {ckpt_dir}) nor in the Hugging Face cache: `huggingface-cli download "
+        f"{name} --include '*.json'` (no weights needed), or pass {option} DIR"
     )
 
 
+def _backbone_dir(base: Path, ckpt_dir: Path, given: Path | None) -> Path | None:
+    """The VLM whose config GR00T builds its backbone from (the base config's `model_name`),
+    resolved as [`_dir_of`] does (`given`, the `--vlm` directory, where it cannot be) and
+    checked for code; None for the name LeRobot builds from a config of its own
+    (Cosmos-Reason2-2B, read from no directory)."""
+    config = read_json(base / "config.json", "the GR00T base model's config")
+    name = config.get("model_name") if isinstance(config, dict) else None
+    if not isinstance(name, str) or name.rstrip("/") == "nvidia/Cosmos-Reason2-2B":
+        return None
+    try:
+        found = _dir_of(name, ckpt_dir, "the VLM", "--vlm", "its config.json: the backbone's sizes")
+    except ExportError:
+        if given is None:
+            raise
+        found = given
+    check_dir(found, "GR00T's backbone config")
+    return found
+
+
 @contextlib.contextmanager
-def _from_config(base: Path) -> Iterator[None]:
+def _from_config(base: Path, backbone: Path | None) -> Iterator[None]:
     """LeRobot's `GrootPolicy.__init__` loads the base model's weights (3B parameters) only for
     the checkpoint's own to replace them: while the policy is built, GR00T is built from the
     base's `config.json` alone (the backbone from its config too, as LeRobot does)."""
@@ -389,6 +411,8 @@ def _from_config(base: Path) -> Iterator[None]:
         @staticmethod
         def from_pretrained(**kwargs: Any) -> Any:
             cfg = GR00TN17Config.from_pretrained(str(base))
+            if backbone is not None:
+                cfg.model_name = str(backbone)
             for key in ("num_inference_timesteps", "rtc_ramp_rate", "tune_top_llm_layers"):
                 if key in kwargs:
                     setattr(cfg, key, kwargs[key])
@@ -418,14 +442,17 @@ def load(ckpt: Checkpoint, base: Path | None, vlm: Path | None) -> tuple[Any, An
     except Exception as e:
         raise ExportError(f"{ckpt.path / 'config.json'}: LeRobot cannot read it: {e}") from e
     name = str(cfg.base_model_path)
-    base_dir = base or _dir_of(name, "its base model", "--base", "config.json: the network's sizes")
+    base_dir = base or _dir_of(
+        name, ckpt.path, "its base model", "--base", "config.json: the network's sizes"
+    )
     if not (base_dir / "config.json").is_file():
         raise ExportError(f"{base_dir / 'config.json'}: missing (the GR00T base model's sizes)")
+    backbone = _backbone_dir(base_dir, ckpt.path, vlm)
     cfg.base_model_path = str(base_dir)
     cfg.device = "cpu"
     cfg.use_bf16 = False
     try:
-        with _from_config(base_dir):
+        with _from_config(base_dir, backbone):
             policy = GrootPolicy.from_pretrained(str(ckpt.path), config=cfg)
         pre, post = make_groot_pre_post_processors_from_pretrained(cfg, str(ckpt.path))
     except ExportError:
@@ -439,10 +466,12 @@ def load(ckpt: Checkpoint, base: Path | None, vlm: Path | None) -> tuple[Any, An
         )
     vlm_dir = vlm or _dir_of(
         step.model_name,
+        ckpt.path,
         "the VLM",
         "--vlm",
         "its tokenizer.json, chat template and image processor config",
     )
+    check_dir(vlm_dir, "the VLM's tokenizer and processors")
     step.model_name = str(vlm_dir)
     return policy.eval(), pre, post, vlm_dir
 

@@ -33,6 +33,7 @@ from .. import graphs as graphs_
 from ..bindings import input_binding, output_binding, relative_actions
 from ..checkpoint import Checkpoint, Feature
 from ..errors import ExportError
+from ..remote_code import RemoteCodeRefused, check_dir
 from . import Exported, Table, lerobot_flow, local_file
 
 OBS_STATE = "observation.state"
@@ -177,7 +178,7 @@ def _tokenizer(ckpt: Checkpoint, out: Path, given: Path | None) -> tuple[dict[st
     if given is not None:
         candidates.append(given / TOKENIZER_FILE if given.is_dir() else given)
     if name:
-        candidates.append(local_file(name, TOKENIZER_FILE))
+        candidates.append(local_file(name, TOKENIZER_FILE, ckpt.path))
     found = next((c for c in candidates if c is not None and c.is_file()), None)
     if found is None:
         raise ExportError(
@@ -189,9 +190,12 @@ def _tokenizer(ckpt: Checkpoint, out: Path, given: Path | None) -> tuple[dict[st
     shutil.copy(found, out / TOKENIZER_FILE)
     from transformers import AutoTokenizer
 
+    check_dir(found.parent, "the tokenizer")
     try:
         tok = AutoTokenizer.from_pretrained(str(found.parent))
         pad = int(tok.pad_token_id or 0)
+    except RemoteCodeRefused:
+        raise
     except Exception:  # only the .model: Gemma's pad id
         pad = 0
     return t, pad

@@ -32,6 +32,7 @@ from .. import graphs
 from ..bindings import input_binding, output_binding
 from ..checkpoint import Checkpoint
 from ..errors import ExportError
+from ..remote_code import check_dir
 from . import OBS_STATE, Exported, lerobot_flow, local_file
 from .pi0 import Step  # the cache rebuilt from the stacked keys and values, `denoise_step`
 
@@ -74,7 +75,7 @@ def _tokenizer(ckpt: Checkpoint, vlm: str, out: Path) -> tuple[dict[str, Any], i
     the pad id and the BOS token the tokenizer adds (if any)."""
     t = ckpt.tokenizer or {}
     name = str(t.get("tokenizer_name") or vlm)
-    file = local_file(name, TOKENIZER_FILE)
+    file = local_file(name, TOKENIZER_FILE, ckpt.path)
     if file is None:
         raise ExportError(
             f"SmolVLA tokenizes with its VLM {name!r}, whose {TOKENIZER_FILE} is neither a local "
@@ -84,6 +85,7 @@ def _tokenizer(ckpt: Checkpoint, vlm: str, out: Path) -> tuple[dict[str, Any], i
     shutil.copy(file, out / TOKENIZER_FILE)
     from transformers import AutoTokenizer
 
+    check_dir(file.parent, "the tokenizer")
     tok = AutoTokenizer.from_pretrained(str(file.parent))
     plain = tok("pick", add_special_tokens=False)["input_ids"]
     full = tok("pick")["input_ids"]
