@@ -20,6 +20,9 @@ pub const MAX_TOKENS: usize = 4096;
 pub const MAX_PROMPT_BYTES: usize = 1 << 20;
 /// Largest state a pi0.5 prompt carries, in values.
 pub const MAX_PROMPT_STATE: usize = 256;
+/// Most inputs a pi0.5 tokenizer's `state_key` concatenates into the prompt (openpi's DROID
+/// has two: joints and gripper).
+pub const MAX_STATE_KEYS: usize = 16;
 /// Largest `sampler.max_steps` (DDPM's 1000 training timesteps, one step each).
 pub const MAX_SAMPLER_STEPS: usize = 1000;
 /// Largest `[[inputs]] history`: frames of one key an engine input holds (LeRobot's
@@ -67,5 +70,8 @@ pub fn element_count(shape: &[usize]) -> Option<usize> {
 
 /// The frame guard's read buffer under tungstenite, per connection.
 pub const FRAME_GUARD_BUFFER: usize = 16 * 1024;
+/// What a connection's write buffer may hold beside its largest frame: control frames (a
+/// pong, a close: 131 bytes each at most), an error reply and frame headers.
+pub const WS_WRITE_SLACK: usize = 64 * 1024;
 /// tungstenite's read buffer, allocated per connection (counted in the memory budget).
 pub const WS_READ_BUFFER: usize = 128 * 1024;

@@ -77,6 +77,34 @@ macro_rules! log_limited {
     }};
 }
 
+/// Any text shown with its control characters escaped (`\n`, `\u{1b}`): what the logger does
+/// to every line, so that no string a client sent can end a log line and start one of its own
+/// (journald reads a line that starts `<0>` as an emergency).
+pub struct Escaped<T>(pub T);
+
+impl<T: std::fmt::Display> std::fmt::Display for Escaped<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        struct Escaping<'a, 'b>(&'a mut std::fmt::Formatter<'b>);
+        impl std::fmt::Write for Escaping<'_, '_> {
+            fn write_str(&mut self, s: &str) -> std::fmt::Result {
+                for part in s.split_inclusive(char::is_control) {
+                    let mut chars = part.chars();
+                    match chars.next_back() {
+                        Some(c) if c.is_control() => {
+                            self.0.write_str(chars.as_str())?;
+                            write!(self.0, "{}", c.escape_default())?;
+                        }
+                        _ => self.0.write_str(part)?,
+                    }
+                }
+                Ok(())
+            }
+        }
+        use std::fmt::Write;
+        write!(Escaping(f), "{}", self.0)
+    }
+}
+
 /// [`log_limited!`](crate::log_limited) at warning level.
 #[macro_export]
 macro_rules! warn_limited {
@@ -88,6 +116,15 @@ macro_rules! warn_limited {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn control_characters_are_shown_escaped() {
+        let forged = "x\n<0>policyd::app: INJECTED\r\u{1b}[31m é";
+        let shown = Escaped(forged).to_string();
+        assert_eq!(shown, "x\\n<0>policyd::app: INJECTED\\r\\u{1b}[31m é");
+        assert!(!shown.chars().any(char::is_control));
+        assert_eq!(Escaped(format_args!("a{}b", '\n')).to_string(), "a\\nb");
+    }
 
     #[test]
     fn one_line_a_second_then_the_count_left_out() {

@@ -54,8 +54,11 @@ fn init_logging(format: LogFormat) {
         LogFormat::Plain => false,
         LogFormat::Auto => std::env::var_os("JOURNAL_STREAM").is_some(),
     };
+    use policyd::log_limit::Escaped;
+    use std::io::Write;
+    // Every line's control characters are escaped here, whatever a call site forgot: a client's
+    // string cannot end a line and forge the next (with journald, a `<0>` emergency).
     if journal {
-        use std::io::Write;
         // sd-daemon(3) priority prefixes, which journald turns into the entry's priority.
         b.format(|f, r| {
             let prio = match r.level() {
@@ -64,7 +67,18 @@ fn init_logging(format: LogFormat) {
                 log::Level::Info => 6,
                 log::Level::Debug | log::Level::Trace => 7,
             };
-            writeln!(f, "<{prio}>{}: {}", r.target(), r.args())
+            writeln!(f, "<{prio}>{}: {}", r.target(), Escaped(r.args()))
+        });
+    } else {
+        b.format(|f, r| {
+            writeln!(
+                f,
+                "[{} {:<5} {}] {}",
+                f.timestamp(),
+                r.level(),
+                r.target(),
+                Escaped(r.args())
+            )
         });
     }
     b.init();

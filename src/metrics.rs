@@ -43,6 +43,11 @@ pub struct RefusedLabels {
     reason: &'static str,
 }
 
+/// Why the WebSocket port refused a connection, for `reason` labels: at
+/// `server.max_connections`, the peer address at its `server.max_connections_per_peer`, too
+/// many handshakes in progress.
+pub const CONNECTION_REFUSALS: [&str; 3] = ["limit", "peer_share", "handshakes"];
+
 /// LeRobot's gRPC calls, for `rpc` labels.
 pub const LEROBOT_RPCS: [&str; 4] = [
     "Ready",
@@ -54,9 +59,10 @@ pub const LEROBOT_RPCS: [&str; 4] = [
 /// Why the LeRobot service refused something, for `reason` labels: a peer off the allow-list,
 /// a payload over the cap, too many observations arriving at once, a broken chunk stream, a pickle the strict reader refused, a
 /// payload that read but does not fit the policy, a policy setup it cannot serve.
-pub const LEROBOT_REFUSALS: [&str; 10] = [
+pub const LEROBOT_REFUSALS: [&str; 11] = [
     "peer",
     "connections",
+    "peer_share",
     "oversize",
     "busy",
     "slow",
@@ -103,6 +109,8 @@ pub struct Metrics {
     pub lerobot_refused: Family<RefusedLabels, Counter>,
     /// `GetActions` long polls that ended with no chunk.
     pub lerobot_long_poll_timeouts: Counter,
+    /// WebSocket connections refused, by reason ([`CONNECTION_REFUSALS`]).
+    pub connections_refused: Family<RefusedLabels, Counter>,
 }
 
 impl Default for Metrics {
@@ -124,7 +132,13 @@ impl Default for Metrics {
             lerobot_rpcs: Family::default(),
             lerobot_refused: Family::default(),
             lerobot_long_poll_timeouts: Counter::default(),
+            connections_refused: Family::default(),
         };
+        for reason in CONNECTION_REFUSALS {
+            let _ = m
+                .connections_refused
+                .get_or_create(&RefusedLabels { reason });
+        }
         for rpc in LEROBOT_RPCS {
             let _ = m.lerobot_rpcs.get_or_create(&RpcLabels { rpc });
         }
@@ -186,6 +200,12 @@ impl Metrics {
     }
 
     /// Counts a LeRobot refusal (one of [`LEROBOT_REFUSALS`]).
+    pub fn connection_refused(&self, reason: &'static str) {
+        self.connections_refused
+            .get_or_create(&RefusedLabels { reason })
+            .inc();
+    }
+
     pub fn lerobot_refused(&self, reason: &'static str) {
         self.lerobot_refused
             .get_or_create(&RefusedLabels { reason })

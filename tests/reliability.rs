@@ -179,7 +179,11 @@ fn rss_kib() -> u64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ten_times_max_connections_at_once_get_503_beyond_the_limit() {
-    let srv = start("max_connections = 4", Behaviour::default()).await;
+    let srv = start(
+        "max_connections = 4\nmax_connections_per_peer = 4",
+        Behaviour::default(),
+    )
+    .await;
     let before = rss_kib();
     let mut tasks = Vec::new();
     for _ in 0..40 {
@@ -251,7 +255,7 @@ async fn slow_loris_heads_are_closed_at_the_handshake_timeout() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn half_sent_frames_are_closed_at_the_frame_timeout_while_others_are_served() {
     let srv = start(
-        "frame_timeout_s = 0.3\nmax_connections = 16",
+        "frame_timeout_s = 0.3\nmax_connections = 16\nmax_connections_per_peer = 16",
         Behaviour::default(),
     )
     .await;
@@ -485,7 +489,7 @@ async fn soak_four_clients_at_50_hz() {
         .and_then(|s| s.parse().ok())
         .unwrap_or(20);
     let srv = start(
-        "max_connections = 4",
+        "max_connections = 4\nmax_connections_per_peer = 4",
         Behaviour {
             compute: Duration::from_millis(2),
             ..Default::default()

@@ -2,7 +2,9 @@
 //! loopback port with a demo model: SIGHUP five times in a row while clients send, SIGTERM
 //! under load (what was read is answered, then 1001 and exit 0), SIGINT twice (the second
 //! exits at once), and a client that sends LIBERO frames back to back for 20 s
-//! (`POLICYD_HOSTILE_SECS`) and never reads (memory stays bounded, others are served).
+//! (`POLICYD_HOSTILE_SECS`) and never reads (memory stays bounded, others are served, and it
+//! is closed after `server.write_timeout_s`); four connections flooding pings without reading
+//! the pongs (issue 49) for as long.
 
 use std::io::{Read, Write};
 use std::path::PathBuf;
@@ -45,6 +47,11 @@ fn free_port() -> u16 {
 /// Writes `config` (a demo config's text, its model path made absolute) and starts policyd
 /// on it, logging to `dir/log`; returns once `/healthz` answers 200.
 fn spawn(name: &str, config: &str) -> Server {
+    spawn_with(name, config, &[])
+}
+
+/// [`spawn`] with more command-line arguments.
+fn spawn_with(name: &str, config: &str, args: &[&str]) -> Server {
     let dir = std::env::temp_dir().join(format!("policyd-{name}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temp dir");
     std::fs::write(dir.join("policyd.toml"), config).expect("config");
@@ -57,6 +64,7 @@ fn spawn(name: &str, config: &str) -> Server {
         .arg(dir.join("policyd.toml"))
         .arg("--port")
         .arg(port.to_string())
+        .args(args)
         .env("RUST_LOG", "info")
         .stdout(Stdio::null())
         .stderr(log)
@@ -381,6 +389,10 @@ async fn sigint_twice_exits_at_once_instead_of_draining() {
     );
 }
 
+/// The two floods below each load both cores for their whole run: run one at a time, so that
+/// neither's proof (back-pressure, memory) depends on the other's timing.
+static FLOODS: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 /// How long the never-reading client sends.
 fn hostile_secs() -> u64 {
     std::env::var("POLICYD_HOSTILE_SECS")
@@ -401,6 +413,7 @@ fn client_frame(payload: &[u8]) -> Vec<u8> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_sending_libero_frames_without_reading_is_contained() {
+    let _one_at_a_time = FLOODS.lock().await;
     let mut srv = spawn("hog", &demo("libero"));
     let mut ws = connect(srv.port, "/").await;
     for i in 0..5 {
@@ -420,7 +433,8 @@ async fn a_client_sending_libero_frames_without_reading_is_contained() {
             .unwrap();
         let frame = client_frame(&libero_observation(9));
         let (mut at, mut frames, mut blocked) = (0usize, 0u64, 0u64);
-        let end = Instant::now() + Duration::from_secs(secs);
+        let start = Instant::now();
+        let end = start + Duration::from_secs(secs);
         while Instant::now() < end {
             match tcp.write(&frame[at..]) {
                 Ok(n) => {
@@ -438,10 +452,12 @@ async fn a_client_sending_libero_frames_without_reading_is_contained() {
                 {
                     blocked += 1;
                 }
-                Err(e) => panic!("the server dropped the never-reading client: {e}"),
+                // The server closes a client that leaves its replies unread for
+                // server.write_timeout_s (10 s by default).
+                Err(_) => return (frames, blocked, Some(start.elapsed())),
             }
         }
-        (frames, blocked)
+        (frames, blocked, None)
     });
     // Meanwhile another client is served, and the server's memory stays put.
     let (mut served, mut worst, mut peak) = (0u64, Duration::ZERO, before);
@@ -456,12 +472,21 @@ async fn a_client_sending_libero_frames_without_reading_is_contained() {
         peak = peak.max(srv.rss_kib());
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    let (frames, blocked) = hog.join().unwrap();
+    let (frames, blocked, dropped) = hog.join().unwrap();
     let grown = peak.saturating_sub(before);
     eprintln!(
-        "hog: {frames} frames written, {blocked} blocked writes in {secs} s; other client: \
-         {served} replies, slowest {worst:?}; server RSS {before} KiB, peak +{grown} KiB"
+        "hog: {frames} frames written, {blocked} blocked writes in {secs} s, closed by the \
+         server after {dropped:?}; other client: {served} replies, slowest {worst:?}; server \
+         RSS {before} KiB, peak +{grown} KiB"
     );
+    // Its replies are small (a few MB in all fit the kernel's socket buffers), so it may or
+    // may not be closed for not reading within the run; never before server.write_timeout_s.
+    if let Some(after) = dropped {
+        assert!(
+            after >= Duration::from_secs(8),
+            "closed after {after:?}, before server.write_timeout_s = 10"
+        );
+    }
     assert!(
         blocked > 0,
         "the server read everything: no back-pressure was exercised"
@@ -472,4 +497,211 @@ async fn a_client_sending_libero_frames_without_reading_is_contained() {
     );
     assert!(grown < 32 * 1024, "RSS grew {grown} KiB");
     srv.healthy_then_stopped();
+}
+
+/// A masked client ping with a 125-byte payload (the most a control frame carries).
+fn client_ping() -> Vec<u8> {
+    let mut f = vec![0x89, 0x80 | 125];
+    let mask = [0x11, 0x22, 0x33, 0x44];
+    f.extend_from_slice(&mask);
+    f.extend((0..125u8).map(|i| i ^ mask[usize::from(i) % 4]));
+    f
+}
+
+/// A WebSocket connection from another loopback address (`127.0.0.2`): another host to the
+/// server's per-address share.
+async fn connect_from(ip: &str, port: u16) -> Ws {
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind(format!("{ip}:0").parse().unwrap()).unwrap();
+    let tcp = socket
+        .connect(format!("127.0.0.1:{port}").parse().unwrap())
+        .await
+        .expect("connects");
+    let (mut ws, _) = tokio_tungstenite::client_async(
+        format!("ws://127.0.0.1:{port}/"),
+        tokio_tungstenite::MaybeTlsStream::Plain(tcp),
+    )
+    .await
+    .expect("upgrades");
+    assert!(matches!(ws.next().await, Some(Ok(Message::Binary(_)))));
+    ws
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_ping_flood_that_never_reads_the_pongs_stays_bounded() {
+    let _one_at_a_time = FLOODS.lock().await;
+    // Four connections send pings as fast as the socket takes them and never read: each pong
+    // the server owes used to pile up in tungstenite's write buffer (~30 MB/s). Now the buffer
+    // is bounded (one pong waits, replaced by the next), and a connection whose peer does not
+    // read is closed after server.write_timeout_s; the flooders reconnect and go on.
+    let mut srv = spawn("pingflood", &demo("libero"));
+    let mut robot = connect_from("127.0.0.2", srv.port).await;
+    for i in 0..5 {
+        robot
+            .send(Message::Binary(libero_observation(i).into()))
+            .await
+            .unwrap();
+        action_rows(&next(&mut robot).await.unwrap().unwrap()).unwrap();
+    }
+    let before = srv.rss_kib();
+    let secs = hostile_secs();
+    let port = srv.port;
+    let stop = Arc::new(AtomicBool::new(false));
+    let flooders: Vec<_> = (0..4)
+        .map(|_| {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                let ping = client_ping();
+                let (mut pings, mut reconnects) = (0u64, 0u64);
+                while !stop.load(Ordering::Relaxed) {
+                    let Ok(mut tcp) = std::net::TcpStream::connect(("127.0.0.1", port)) else {
+                        std::thread::sleep(Duration::from_millis(50));
+                        continue;
+                    };
+                    reconnects += 1;
+                    tcp.set_write_timeout(Some(Duration::from_millis(100)))
+                        .unwrap();
+                    if tcp.write_all(common::UPGRADE).is_err() {
+                        continue;
+                    }
+                    let mut at = 0;
+                    while !stop.load(Ordering::Relaxed) {
+                        match tcp.write(&ping[at..]) {
+                            Ok(0) => break,
+                            Ok(n) => {
+                                at += n;
+                                if at == ping.len() {
+                                    at = 0;
+                                    pings += 1;
+                                }
+                            }
+                            Err(e)
+                                if matches!(
+                                    e.kind(),
+                                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                                ) => {}
+                            Err(_) => break, // closed by the server: reconnect
+                        }
+                    }
+                }
+                (pings, reconnects)
+            })
+        })
+        .collect();
+    let (mut served, mut peak) = (0u64, before);
+    let end = Instant::now() + Duration::from_secs(secs);
+    while Instant::now() < end {
+        robot
+            .send(Message::Binary(libero_observation(1).into()))
+            .await
+            .unwrap();
+        action_rows(&next(&mut robot).await.unwrap().unwrap()).unwrap();
+        served += 1;
+        peak = peak.max(srv.rss_kib());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    stop.store(true, Ordering::Relaxed);
+    let (mut pings, mut connections) = (0, 0);
+    for f in flooders {
+        let (p, c) = f.join().unwrap();
+        pings += p;
+        connections += c;
+    }
+    let grown = peak.saturating_sub(before);
+    eprintln!(
+        "ping flood: {pings} pings over {connections} connections in {secs} s; the robot got \
+         {served} replies; server RSS {before} KiB, peak +{grown} KiB"
+    );
+    assert!(pings > 10_000, "the flood did not flood: {pings} pings");
+    assert!(served >= secs, "the robot was starved: {served} replies");
+    assert!(grown < 32 * 1024, "RSS grew {grown} KiB under the flood");
+    srv.healthy_then_stopped();
+}
+
+/// Issue 49, item 4: the lines any peer can provoke are rate-limited (one client opening and
+/// closing connections, and one sending refused frames on the vllm-omni route, used to write
+/// ~5,000 and ~7,800 lines a second), and a client's string cannot forge a journal line: a
+/// dtype of `x\n<0>policyd::app: INJECTED` used to end the line and start an emergency entry.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn peers_cannot_flood_the_log_or_forge_a_line_in_it() {
+    let srv = spawn_with("logflood", &demo("libero"), &["--log-format", "journal"]);
+    let before = srv.log().lines().count();
+    let secs = 3;
+    // Connections opened and closed as fast as the server takes them.
+    let port = srv.port;
+    let churn = tokio::spawn(async move {
+        let end = Instant::now() + Duration::from_secs(secs);
+        let mut n = 0u64;
+        while Instant::now() < end {
+            if let Ok((mut ws, _)) =
+                tokio_tungstenite::connect_async(format!("ws://127.0.0.1:{port}/")).await
+            {
+                let _ = ws.close(None).await;
+                n += 1;
+            }
+        }
+        n
+    });
+    // Refused frames on the vllm-omni route (which keeps the socket open after an error),
+    // the first with the forged dtype.
+    let mut ws = connect(srv.port, "/v1/realtime/robot/openpi").await;
+    let forged = {
+        let mut buf = Vec::new();
+        let mut e = Encoder { buf: &mut buf };
+        e.map(1);
+        e.str("observation/state");
+        e.map(4);
+        e.str("__ndarray__");
+        buf.push(0xc3);
+        let mut e = Encoder { buf: &mut buf };
+        e.str("data");
+        e.bin(&[0u8; 32]);
+        e.str("dtype");
+        e.str("x\n<0>policyd::app: INJECTED");
+        e.str("shape");
+        e.array(1);
+        e.int(8);
+        buf
+    };
+    let end = Instant::now() + Duration::from_secs(secs);
+    let mut refused = 0u64;
+    while Instant::now() < end {
+        ws.send(Message::Binary(forged.clone().into()))
+            .await
+            .unwrap();
+        match next(&mut ws).await {
+            Some(Ok(_)) => refused += 1,
+            other => panic!("the route closed: {other:?}"),
+        }
+    }
+    let churned = churn.await.unwrap();
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    let log = srv.log();
+    let lines: Vec<&str> = log.lines().skip(before).collect();
+    eprintln!(
+        "{churned} connections opened and closed, {refused} frames refused: {} log lines",
+        lines.len()
+    );
+    assert!(
+        churned > 20 && refused > 20,
+        "no flood: {churned}, {refused}"
+    );
+    assert!(
+        lines.len() < 100,
+        "{} lines:\n{}",
+        lines.len(),
+        lines.join("\n")
+    );
+    assert!(
+        log.lines().all(|l| !l.starts_with("<0>")),
+        "a forged emergency line:\n{log}"
+    );
+    assert!(
+        log.contains("INJECTED"),
+        "the refusal was not logged:\n{log}"
+    );
+    assert!(
+        log.contains("x\\n<0>policyd::app"),
+        "not shown escaped:\n{log}"
+    );
 }

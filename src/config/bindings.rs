@@ -68,9 +68,10 @@ pub(super) struct RawInput {
     #[serde(default)]
     pub(super) allow_non_finite: bool,
     /// `[lo, hi]`: after normalising, values are clamped to it (GR00T's state, clipped to
-    /// [−1, 1] after its q01/q99 min-max).
+    /// [−1, 1] after its q01/q99 min-max). A list, checked for its length by name (serde's
+    /// fixed arrays drop a third value silently).
     #[serde(default)]
-    pub(super) clip: Option<[f64; 2]>,
+    pub(super) clip: Option<Vec<f64>>,
     /// A prompt tokenized into token ids (`tensor`) and a mask.
     #[serde(default)]
     pub(super) tokenizer: Option<RawTokenizer>,
@@ -176,19 +177,19 @@ pub(super) struct RawOutput {
     /// After un-normalising, `y·scale + offset` per action dimension (or one value): a robot's
     /// own units, such as openpi ALOHA's joint sign flips and its gripper map back.
     #[serde(default)]
-    pub(super) scale: Vec<f64>,
+    pub(super) scale: Option<OneOrMany<f64>>,
     #[serde(default)]
-    pub(super) offset: Vec<f64>,
+    pub(super) offset: Option<OneOrMany<f64>>,
     /// `[lo, hi]`: the engine's values are clamped to it before un-normalising (GR00T's
     /// actions, clipped to [−1, 1] before its q01/q99 min-max back).
     #[serde(default)]
-    pub(super) clip: Option<[f64; 2]>,
+    pub(super) clip: Option<Vec<f64>>,
     /// As for inputs (mean/std default 1e-6; LeRobot un-normalises with 0).
     #[serde(default)]
     pub(super) eps: Option<f64>,
     /// Keep rows `[start, end)` of the output's first axis (LeRobot Diffusion's action slice).
     #[serde(default)]
-    pub(super) rows: Option<[usize; 2]>,
+    pub(super) rows: Option<Vec<usize>>,
     /// Relative actions: the input (a 1-D numeric binding) whose values, as the request sent
     /// them, are added to the masked columns after un-normalising (LeRobot's
     /// `AbsoluteActionsProcessorStep`, openpi's `AbsoluteActions`).
@@ -418,6 +419,16 @@ pub(super) fn tokenizer(
             ));
         }
         _ => {}
+    }
+    if state_keys.len() > crate::limits::MAX_STATE_KEYS {
+        return Err(cx.invalid(
+            k("state_key"),
+            format!(
+                "names {} inputs; at most {} state parts go into one prompt",
+                state_keys.len(),
+                crate::limits::MAX_STATE_KEYS
+            ),
+        ));
     }
     if let Some((j, dup)) = state_keys
         .iter()
@@ -726,13 +737,28 @@ pub(super) fn inputs(
                         ),
                     ));
                 };
-                if m.columns.is_empty() || m.columns.iter().any(|&c| c >= features) {
+                if m.columns.is_empty()
+                    || m.columns.len() > features
+                    || m.columns.iter().any(|&c| c >= features)
+                {
                     return Err(cx.invalid(
                         k("map.columns"),
                         format!(
-                            "give one or more indices into the wire shape's last axis (0 to {})",
+                            "give one or more indices into the wire shape's last axis (0 to {}), \
+                             each once",
                             features.saturating_sub(1)
                         ),
+                    ));
+                }
+                let mut seen = vec![false; features];
+                if let Some(&dup) = m
+                    .columns
+                    .iter()
+                    .find(|&&c| std::mem::replace(&mut seen[c], true))
+                {
+                    return Err(cx.invalid(
+                        k("map.columns"),
+                        format!("names column {dup} twice; each column once"),
                     ));
                 }
                 if mean.len() == count && count != features {
@@ -761,7 +787,7 @@ pub(super) fn inputs(
         if b.clip.is_some() && (is_text(b) || tokens.is_some()) {
             return Err(cx.invalid(k("clip"), "applies to numeric inputs, not text"));
         }
-        let clip = check_clip(cx, &k("clip"), b.clip)?;
+        let clip = check_clip(cx, &k("clip"), b.clip.as_deref())?;
         out.push(InputConfig {
             key: b.key.clone(),
             tensor: b.tensor.clone(),
@@ -862,13 +888,19 @@ pub(super) fn outputs(cx: &Keys, outputs: &[RawOutput]) -> Result<Vec<OutputConf
         };
         let (mean, std, eps) = norm.resolve(cx, i, "outputs", &[])?;
         let (mean, std, eps) = then_scale(cx, i, o, mean, std, eps)?;
-        let rows = match o.rows {
+        let rows = match o.rows.as_deref() {
             None => None,
-            Some([start, end]) if start < end => Some((start, end)),
-            Some([start, end]) => {
+            Some(&[start, end]) if start < end => Some((start, end)),
+            Some(&[start, end]) => {
                 return Err(cx.invalid(
                     k("rows"),
                     format!("[{start}, {end}] keeps no row; give [start, end] with start < end"),
+                ));
+            }
+            Some(other) => {
+                return Err(cx.invalid(
+                    k("rows"),
+                    format!("has {} values; give [start, end]", other.len()),
                 ));
             }
         };
@@ -932,7 +964,7 @@ pub(super) fn outputs(cx: &Keys, outputs: &[RawOutput]) -> Result<Vec<OutputConf
             eps,
             rows,
             relative,
-            clip: check_clip(cx, &k("clip"), o.clip)?,
+            clip: check_clip(cx, &k("clip"), o.clip.as_deref())?,
         });
     }
     Ok(out)
@@ -942,15 +974,16 @@ pub(super) fn outputs(cx: &Keys, outputs: &[RawOutput]) -> Result<Vec<OutputConf
 fn check_clip(
     cx: &Keys,
     key: &str,
-    clip: Option<[f64; 2]>,
+    clip: Option<&[f64]>,
 ) -> Result<Option<(f64, f64)>, ConfigError> {
     match clip {
         None => Ok(None),
-        Some([lo, hi]) if lo.is_finite() && hi.is_finite() && lo < hi => Ok(Some((lo, hi))),
-        Some([lo, hi]) => Err(cx.invalid(
+        Some(&[lo, hi]) if lo.is_finite() && hi.is_finite() && lo < hi => Ok(Some((lo, hi))),
+        Some(&[lo, hi]) => Err(cx.invalid(
             key,
             format!("[{lo}, {hi}]: give [lo, hi] with finite lo < hi"),
         )),
+        Some(other) => Err(cx.invalid(key, format!("has {} values; give [lo, hi]", other.len()))),
     }
 }
 
@@ -966,16 +999,18 @@ fn then_scale(
     std: Vec<f64>,
     eps: f64,
 ) -> Result<(Vec<f64>, Vec<f64>, f64), ConfigError> {
-    if o.scale.is_empty() && o.offset.is_empty() {
+    let values = |v: &Option<OneOrMany<f64>>| v.as_ref().map(OneOrMany::values).unwrap_or_default();
+    let (scale, offset) = (values(&o.scale), values(&o.offset));
+    if scale.is_empty() && offset.is_empty() {
         return Ok((mean, std, eps));
     }
     let k = |f: &str| format!("outputs[{i}].{f}");
-    for (key, v) in [("scale", &o.scale), ("offset", &o.offset)] {
+    for (key, v) in [("scale", &scale), ("offset", &offset)] {
         if v.iter().any(|x| !x.is_finite()) {
             return Err(cx.invalid(k(key), "values must be finite"));
         }
     }
-    let lengths = [mean.len(), o.scale.len(), o.offset.len()];
+    let lengths = [mean.len(), scale.len(), offset.len()];
     let n = lengths.iter().copied().max().unwrap_or(0);
     if let Some((key, len)) = ["mean", "scale", "offset"]
         .iter()
@@ -1002,15 +1037,15 @@ fn then_scale(
     let mut m = Vec::with_capacity(n);
     let mut s = Vec::with_capacity(n);
     for j in 0..n {
-        let scale = at(&o.scale, j, 1.0);
+        let scale_j = at(&scale, j, 1.0);
         // No un-normalisation: x·1 + 0 (eps is not added then).
         let (mj, sj) = if mean.is_empty() {
             (0.0, 1.0)
         } else {
             (at(&mean, j, 0.0), at(&std, j, 0.0) + eps)
         };
-        m.push(mj * scale + at(&o.offset, j, 0.0));
-        s.push(sj * scale);
+        m.push(mj * scale_j + at(&offset, j, 0.0));
+        s.push(sj * scale_j);
     }
     Ok((m, s, 0.0))
 }

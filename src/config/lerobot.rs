@@ -15,11 +15,13 @@ pub(super) struct RawLerobot {
     pub(super) max_payload_bytes: Option<usize>,
     pub(super) resize: Option<String>,
     pub(super) max_connections: Option<usize>,
+    pub(super) max_connections_per_peer: Option<usize>,
     pub(super) handshake_timeout_s: Option<f64>,
     pub(super) idle_timeout_s: Option<f64>,
     pub(super) chunk_timeout_s: Option<f64>,
     pub(super) observation_timeout_s: Option<f64>,
     pub(super) takeover_after_s: Option<f64>,
+    pub(super) owner_grace_s: Option<f64>,
     pub(super) serve: Vec<RawLerobotServe>,
 }
 
@@ -49,7 +51,10 @@ pub struct LerobotConfig {
     pub resize: LerobotResize,
     /// `max_connections`: gRPC connections open at once; more are closed as they arrive.
     pub max_connections: usize,
-    /// `handshake_timeout_s`: time from accept to the HTTP/2 connection preface.
+    /// `max_connections_per_peer`: of those, how many one peer address may hold.
+    pub max_connections_per_peer: usize,
+    /// `handshake_timeout_s`: time from accept to the HTTP/2 connection preface, and from the
+    /// preface to the first call.
     pub handshake_timeout: std::time::Duration,
     /// `idle_timeout_s`: a connection with no call in progress for this long is closed.
     pub idle_timeout: std::time::Duration,
@@ -60,6 +65,9 @@ pub struct LerobotConfig {
     /// `takeover_after_s`: how long the session's owner must be silent before another
     /// connection may take the session over.
     pub takeover_after: std::time::Duration,
+    /// `owner_grace_s`: after the owner's last call, how long only the owner's address may
+    /// claim the session (a robot that lost its channel gets its session back).
+    pub owner_grace: std::time::Duration,
     /// `[[lerobot.serve]]`: the names a client may ask for, and the policy each means.
     pub serve: Vec<LerobotServe>,
 }
@@ -151,6 +159,15 @@ pub(super) fn lerobot(
     )?;
     let max_connections = l.max_connections.unwrap_or(16);
     cx.between("lerobot.max_connections", max_connections, 1, 1024)?;
+    let max_connections_per_peer = l
+        .max_connections_per_peer
+        .unwrap_or(max_connections.div_ceil(2));
+    cx.between(
+        "lerobot.max_connections_per_peer",
+        max_connections_per_peer,
+        1,
+        max_connections,
+    )?;
     let seconds = |key: &str, v: Option<f64>, default: f64, max: f64| {
         let v = v.unwrap_or(default);
         if v.is_finite() && v > 0.0 && v <= max {
@@ -182,6 +199,7 @@ pub(super) fn lerobot(
         10.0,
         86400.0,
     )?;
+    let owner_grace = seconds("lerobot.owner_grace_s", l.owner_grace_s, 60.0, 86400.0)?;
     let long_poll = std::time::Duration::from_millis(long_poll_ms);
     if idle_timeout <= long_poll {
         return Err(cx.invalid(
@@ -234,11 +252,13 @@ pub(super) fn lerobot(
         max_payload_bytes,
         resize,
         max_connections,
+        max_connections_per_peer,
         handshake_timeout,
         idle_timeout,
         chunk_timeout,
         observation_timeout,
         takeover_after,
+        owner_grace,
         serve,
     })
 }

@@ -10,14 +10,18 @@ pub(super) struct RawServer {
     pub(super) port: u16,
     /// WebSocket connections served at once; one more gets HTTP 503 in the handshake.
     pub(super) max_connections: usize,
+    /// Of those, how many one peer address may hold (0: half of `max_connections`, rounded up).
+    pub(super) max_connections_per_peer: usize,
     /// Largest inbound message; a larger frame is rejected before it is buffered.
     pub(super) max_message_bytes: usize,
     /// Server ping interval (0 = no pings).
     pub(super) ping_interval_s: f64,
     /// Close a connection whose pong is this late.
     pub(super) ping_timeout_s: f64,
-    /// Close a connection idle this long (0 = off: openpi-client never reconnects).
+    /// Close a connection idle this long (0 = off): no request and no ping from the client.
     pub(super) idle_timeout_s: f64,
+    /// Close a connection that leaves the server's frames unread this long.
+    pub(super) write_timeout_s: f64,
     /// Time a client gets to complete the HTTP upgrade.
     pub(super) handshake_timeout_s: f64,
     /// Time one WebSocket frame may take to arrive, first byte to last (0 = no limit): a
@@ -43,10 +47,14 @@ impl Default for RawServer {
             host: "127.0.0.1".into(),
             port: 8000,
             max_connections: 8,
+            max_connections_per_peer: 0,
             max_message_bytes: 4 << 20,
             ping_interval_s: 20.0,
             ping_timeout_s: 20.0,
-            idle_timeout_s: 0.0,
+            // openpi's and vllm-omni's clients (the `websockets` library) ping every 20 s, and
+            // a client's ping counts as activity: only a client that sends nothing is closed.
+            idle_timeout_s: 300.0,
+            write_timeout_s: 10.0,
             handshake_timeout_s: 10.0,
             frame_timeout_s: 30.0,
             max_sessions: 16,
@@ -65,14 +73,18 @@ pub struct ServerConfig {
     pub port: u16,
     /// WebSocket connections served at once; one more gets HTTP 503 in the handshake.
     pub max_connections: usize,
+    /// Of those, how many one peer address may hold (one more gets HTTP 503).
+    pub max_connections_per_peer: usize,
     /// Largest inbound message; a larger frame is rejected before it is buffered.
     pub max_message_bytes: usize,
     /// Server ping interval (0 = no pings).
     pub ping_interval_s: f64,
     /// Close a connection whose pong is this late.
     pub ping_timeout_s: f64,
-    /// Close a connection idle this long (0 = off: openpi-client never reconnects).
+    /// Close a connection with no request and no ping from the client this long (0 = off).
     pub idle_timeout_s: f64,
+    /// Close a connection that leaves the server's frames unread this long.
+    pub write_timeout_s: f64,
     /// Time a client gets to complete the HTTP upgrade.
     pub handshake_timeout_s: f64,
     /// Time one WebSocket frame may take to arrive, first byte to last (0 = no limit).
@@ -108,6 +120,7 @@ pub(super) fn server(s: &RawServer) -> Result<ServerConfig, ConfigError> {
         ("server.idle_timeout_s", s.idle_timeout_s, 86400.0 * 365.0),
         ("server.handshake_timeout_s", s.handshake_timeout_s, 3600.0),
         ("server.frame_timeout_s", s.frame_timeout_s, 3600.0),
+        ("server.write_timeout_s", s.write_timeout_s, 3600.0),
     ] {
         if !(v.is_finite() && (0.0..=max).contains(&v)) {
             return Err(cx.invalid(
@@ -125,6 +138,22 @@ pub(super) fn server(s: &RawServer) -> Result<ServerConfig, ConfigError> {
     if s.handshake_timeout_s <= 0.0 {
         return Err(cx.invalid("server.handshake_timeout_s", "must be positive"));
     }
+    if s.write_timeout_s <= 0.0 {
+        return Err(cx.invalid(
+            "server.write_timeout_s",
+            "must be positive: a client that never reads would hold its connection forever",
+        ));
+    }
+    let max_connections_per_peer = match s.max_connections_per_peer {
+        0 => s.max_connections.div_ceil(2),
+        n => n,
+    };
+    cx.between(
+        "server.max_connections_per_peer",
+        max_connections_per_peer,
+        1,
+        s.max_connections,
+    )?;
     cx.between(
         "server.max_sessions",
         s.max_sessions,
@@ -153,10 +182,12 @@ pub(super) fn server(s: &RawServer) -> Result<ServerConfig, ConfigError> {
         host: s.host.clone(),
         port: s.port,
         max_connections: s.max_connections,
+        max_connections_per_peer,
         max_message_bytes: s.max_message_bytes,
         ping_interval_s: s.ping_interval_s,
         ping_timeout_s: s.ping_timeout_s,
         idle_timeout_s: s.idle_timeout_s,
+        write_timeout_s: s.write_timeout_s,
         handshake_timeout_s: s.handshake_timeout_s,
         frame_timeout_s: s.frame_timeout_s,
         max_sessions: s.max_sessions,

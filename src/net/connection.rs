@@ -105,6 +105,8 @@ pub enum Closed {
     PingTimeout,
     /// Nothing for `server.idle_timeout_s`.
     Idle,
+    /// The client left the server's frames unread for `server.write_timeout_s`.
+    NotReading,
     /// The dialect closes after an error (openpi: a text frame, then 1011); the error.
     AfterError(String),
 }
@@ -120,6 +122,9 @@ impl std::fmt::Display for Closed {
             Closed::PolicyRemoved => f.write_str("policy removed by a reload (1001)"),
             Closed::PingTimeout => f.write_str("keepalive ping timeout"),
             Closed::Idle => f.write_str("idle timeout"),
+            Closed::NotReading => f.write_str(
+                "the client did not read the server's frames within server.write_timeout_s",
+            ),
             Closed::AfterError(e) => f.write_str(e),
         }
     }
@@ -179,7 +184,18 @@ where
         match end {
             End::Closed(why) => return why,
             End::Switch { to, frame } => {
-                log::info!(
+                let largest = to.plan.reply_capacity.max(to.metadata.len());
+                if largest + crate::limits::WS_WRITE_SLACK
+                    > socket.get_config().max_write_buffer_size
+                {
+                    // Sized when the connection opened; a reload made this policy's frames
+                    // larger. A new connection gets the new bound.
+                    let mut socket = socket;
+                    close(&mut socket, CloseCode::Away, "policy reloaded; reconnect").await;
+                    return Closed::PolicyRemoved;
+                }
+                crate::log_limited!(
+                    log::Level::Info,
                     "connection {id}: policy \"{}\" -> \"{}\" (sessions start afresh)",
                     policy.name,
                     to.name
@@ -201,14 +217,15 @@ where
         let shared = self.shared;
         let policy = self.core.policy().clone();
         let cfg = &shared.cfg.server;
-        if send_metadata
-            && self
-                .ws
-                .send(Message::Binary(policy.metadata.clone()))
+        if send_metadata {
+            match self
+                .send_msg(Message::Binary(policy.metadata.clone()))
                 .await
-                .is_err()
-        {
-            return End::Closed(Closed::BeforeMetadata);
+            {
+                Ok(()) => {}
+                Err(Closed::NotReading) => return End::Closed(Closed::NotReading),
+                Err(_) => return End::Closed(Closed::BeforeMetadata),
+            }
         }
         let mut pending: Option<(Bytes, Instant)> = first;
         // A reload may have come between the handshake and now.
@@ -283,7 +300,11 @@ where
                     }
                 }
                 msg = self.ws.next(), if pending.is_none() && !stopping && self.change.is_none() => {
-                    last_activity = Instant::now();
+                    // A pong answers the server's own ping (any client library does that by
+                    // itself): it shows the socket is alive, not that the client is using it.
+                    if !matches!(msg, Some(Ok(Message::Pong(_)))) {
+                        last_activity = Instant::now();
+                    }
                     match self.on_message(msg).await {
                         Ok(Some(frame)) => pending = Some((frame, Instant::now())),
                         Ok(None) => {}
@@ -361,6 +382,13 @@ where
                 }
                 closed(Closed::ByClient)
             }
+            Some(Err(tokio_tungstenite::tungstenite::Error::Io(e)))
+                if e.kind() == std::io::ErrorKind::TimedOut
+                    && e.to_string() == crate::net::frame_guard::NOT_READING =>
+            {
+                // Nothing more can be written to it: no close frame either.
+                closed(Closed::NotReading)
+            }
             Some(Err(e)) => {
                 // RFC 6455 §7.1.7: a client that broke the protocol gets a Close frame saying
                 // so before the socket goes (if it is still there).
@@ -382,10 +410,7 @@ where
             }
             Some(_) => Ok(()),
             None => {
-                self.ws
-                    .send(Message::Ping(Bytes::new()))
-                    .await
-                    .map_err(|_| Closed::Gone)?;
+                self.send_msg(Message::Ping(Bytes::new())).await?;
                 self.ping_sent = Some(Instant::now());
                 Ok(())
             }
@@ -502,8 +527,14 @@ where
         self.send_msg(msg).await
     }
 
+    /// Sends `msg`, giving the client `server.write_timeout_s` to take it: a client that
+    /// stops reading (its receive window full) is closed, not waited for.
     async fn send_msg(&mut self, msg: Message) -> Step {
-        self.ws.send(msg).await.map_err(|_| Closed::Gone)
+        let limit = Duration::from_secs_f64(self.shared.cfg.server.write_timeout_s);
+        match tokio::time::timeout(limit, self.ws.send(msg)).await {
+            Ok(r) => r.map_err(|_| Closed::Gone),
+            Err(_) => Err(Closed::NotReading),
+        }
     }
 
     /// Reports a failure in the connection's dialect; `Err` when the dialect closes after it.
@@ -512,12 +543,20 @@ where
         let reply = self.dialect.encode_error(&f, &mut self.out);
         let sent = match reply.frame {
             Frame::Text(text) => {
-                log::info!("closing after error: {text}");
-                let _ = self.ws.send(Message::text(text.clone())).await;
+                crate::log_limited!(
+                    log::Level::Info,
+                    "closing after error: {}",
+                    crate::log_limit::Escaped(&text)
+                );
+                let _ = self.send_msg(Message::text(text.clone())).await;
                 Some(text)
             }
             Frame::Binary => {
-                log::info!("request error: {}", f.message());
+                crate::log_limited!(
+                    log::Level::Info,
+                    "request error: {}",
+                    crate::log_limit::Escaped(f.message())
+                );
                 let msg = self.send.message(&self.out);
                 self.send_msg(msg).await?;
                 None
@@ -568,7 +607,9 @@ where
         code,
         reason: reason.to_string().into(),
     };
-    if ws.close(Some(frame)).await.is_ok() {
+    // A client that does not read may never take the close frame: bounded too.
+    let sent = tokio::time::timeout(Duration::from_secs(2), ws.close(Some(frame))).await;
+    if matches!(sent, Ok(Ok(()))) {
         // Wait briefly for the client's close reply so the close handshake completes.
         let _ = tokio::time::timeout(Duration::from_secs(2), async {
             while let Some(Ok(_)) = ws.next().await {}

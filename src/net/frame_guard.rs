@@ -66,6 +66,11 @@ enum State {
     Discard(u64),
 }
 
+/// The read error of a connection whose peer has not read what the server wrote for
+/// `server.write_timeout_s` (see [`FrameGuard::with_write_timeout`]).
+pub const NOT_READING: &str =
+    "the client has not read the server's frames within server.write_timeout_s";
+
 /// A stream that enforces the message size limit on what it reads (see the module docs).
 pub struct FrameGuard<S> {
     inner: S,
@@ -90,6 +95,11 @@ pub struct FrameGuard<S> {
     /// Frame headers consumed so far; the timer is armed for frame number `armed_for`.
     headers: u64,
     armed_for: Option<u64>,
+    /// How long the peer may leave what the server writes unread (`server.write_timeout_s`).
+    write_timeout: Option<Duration>,
+    /// Since when writes have made no progress (the socket's send buffer is full), and the
+    /// timer that fails the next read once that has lasted `write_timeout`.
+    write_stalled: Option<Pin<Box<Sleep>>>,
 }
 
 impl<S> FrameGuard<S> {
@@ -131,7 +141,40 @@ impl<S> FrameGuard<S> {
             deadline: frame_timeout.map(|_| Box::pin(tokio::time::sleep(Duration::ZERO))),
             headers: 0,
             armed_for: None,
+            write_timeout: None,
+            write_stalled: None,
         })
+    }
+
+    /// A peer that leaves the server's writes unread for `timeout` (its receive window and
+    /// the server's send buffer full) fails the next read with [`io::ErrorKind::TimedOut`]:
+    /// tungstenite keeps reading while its writes block (a peer that sends pings and never
+    /// reads the pongs), so the read is where the connection learns of it.
+    pub fn with_write_timeout(mut self, timeout: Option<Duration>) -> Self {
+        self.write_timeout = timeout;
+        self
+    }
+
+    /// Records whether a write made progress: the stall clock starts at the first write that
+    /// could not, and stops at the next that could.
+    fn note_write<T>(&mut self, r: &Poll<io::Result<T>>) {
+        match r {
+            Poll::Pending => {
+                if self.write_stalled.is_none()
+                    && let Some(t) = self.write_timeout
+                {
+                    self.write_stalled = Some(Box::pin(tokio::time::sleep(t)));
+                }
+            }
+            Poll::Ready(_) => self.write_stalled = None,
+        }
+    }
+
+    /// `true` once writes have been stalled for `write_timeout` (registering the waker).
+    fn write_overdue(&mut self, cx: &mut Context<'_>) -> bool {
+        self.write_stalled
+            .as_mut()
+            .is_some_and(|t| t.as_mut().poll(cx).is_ready())
     }
 
     /// While a frame is in progress (its header or payload partly read), the frame's timer;
@@ -222,7 +265,8 @@ impl<S> FrameGuard<S> {
         let first = !self.dropping;
         self.dropping = !fin;
         if first {
-            log::info!(
+            crate::log_limited!(
+                log::Level::Info,
                 "dropping a message of more than {} bytes (server.max_message_bytes)",
                 self.limit
             );
@@ -317,6 +361,9 @@ impl<S: AsyncRead + Unpin> AsyncRead for FrameGuard<S> {
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
         let this = &mut *self;
+        if this.write_overdue(cx) {
+            return Poll::Ready(Err(io::Error::new(io::ErrorKind::TimedOut, NOT_READING)));
+        }
         let r = this.read_frames(cx, buf);
         if r.is_pending() && this.frame_overdue(cx) {
             return Poll::Ready(Err(io::Error::new(
@@ -418,7 +465,9 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for FrameGuard<S> {
         cx: &mut Context<'_>,
         data: &[u8],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.inner).poll_write(cx, data)
+        let r = Pin::new(&mut self.inner).poll_write(cx, data);
+        self.note_write(&r);
+        r
     }
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
@@ -434,7 +483,9 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for FrameGuard<S> {
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
+        let r = Pin::new(&mut self.inner).poll_write_vectored(cx, bufs);
+        self.note_write(&r);
+        r
     }
 
     fn is_write_vectored(&self) -> bool {

@@ -3,7 +3,8 @@
 //! accepted socket is wrapped in a [`GrpcConn`] that holds one of `lerobot.max_connections`
 //! permits for its life and closes it:
 //! - when the HTTP/2 preface has not arrived `lerobot.handshake_timeout_s` after accept (as
-//!   nginx's `client_header_timeout`), and
+//!   nginx's `client_header_timeout`), or no call has started within as long again after it
+//!   (a preface and an empty SETTINGS hold no slot for long), and
 //! - when no call has been in progress for `lerobot.idle_timeout_s` (Envoy's `idle_timeout`:
 //!   idle means no active stream, so HTTP/2 PINGs do not keep a connection alive).
 //!
@@ -23,6 +24,8 @@ use tokio::net::TcpStream;
 use tokio::sync::OwnedSemaphorePermit;
 use tokio::time::Sleep;
 
+use crate::net::peers::PeerPermit;
+
 /// The HTTP/2 client connection preface (`PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n`), in bytes.
 const PREFACE_LEN: usize = 24;
 
@@ -35,6 +38,8 @@ pub struct Activity {
     last_ms: AtomicU64,
     epoch: Instant,
     closed: AtomicBool,
+    /// A call has started on the connection.
+    started: AtomicBool,
 }
 
 impl Activity {
@@ -44,12 +49,14 @@ impl Activity {
             last_ms: AtomicU64::new(0),
             epoch: Instant::now(),
             closed: AtomicBool::new(false),
+            started: AtomicBool::new(false),
         }
     }
 
     /// Marks a call in progress until the returned guard drops.
     pub fn call(self: &Arc<Self>) -> Call {
         self.calls.fetch_add(1, Ordering::AcqRel);
+        self.started.store(true, Ordering::Release);
         Call(self.clone())
     }
 
@@ -95,8 +102,12 @@ pub struct GrpcConn {
     stream: TcpStream,
     info: ConnInfo,
     _permit: OwnedSemaphorePermit,
+    _peer: PeerPermit,
     /// Preface bytes read so far (up to [`PREFACE_LEN`]).
     preface: usize,
+    /// The preface arrived and the first call's deadline is set.
+    awaiting_call: bool,
+    handshake: Duration,
     idle: Duration,
     timer: Pin<Box<Sleep>>,
 }
@@ -105,7 +116,7 @@ impl GrpcConn {
     pub fn new(
         stream: TcpStream,
         peer: SocketAddr,
-        permit: OwnedSemaphorePermit,
+        permits: (OwnedSemaphorePermit, PeerPermit),
         handshake: Duration,
         idle: Duration,
     ) -> GrpcConn {
@@ -113,8 +124,11 @@ impl GrpcConn {
         GrpcConn {
             stream,
             info: ConnInfo { peer, activity },
-            _permit: permit,
+            _permit: permits.0,
+            _peer: permits.1,
             preface: 0,
+            awaiting_call: false,
+            handshake,
             idle,
             timer: Box::pin(tokio::time::sleep(handshake)),
         }
@@ -131,6 +145,15 @@ impl GrpcConn {
                     std::io::ErrorKind::TimedOut,
                     "no HTTP/2 preface within lerobot.handshake_timeout_s",
                 ));
+            }
+            if self.awaiting_call {
+                if !self.info.activity.started.load(Ordering::Acquire) {
+                    return Err(std::io::Error::new(
+                        std::io::ErrorKind::TimedOut,
+                        "no call within lerobot.handshake_timeout_s of the HTTP/2 preface",
+                    ));
+                }
+                self.awaiting_call = false;
             }
             let next = match self.info.activity.idle_for() {
                 None => self.idle,
@@ -169,9 +192,11 @@ impl AsyncRead for GrpcConn {
         if this.preface < PREFACE_LEN && matches!(r, Poll::Ready(Ok(()))) {
             this.preface += buf.filled().len() - before;
             if this.preface >= PREFACE_LEN {
-                // Handshake done: from here the idle clock runs.
+                // Handshake done: a call must start within as long again; then the idle clock
+                // runs.
                 this.info.activity.touch();
-                let at = tokio::time::Instant::now() + this.idle;
+                this.awaiting_call = true;
+                let at = tokio::time::Instant::now() + this.handshake;
                 this.timer.as_mut().reset(at);
             }
         }

@@ -272,11 +272,14 @@ async fn secure(
     match tokio::time::timeout(timeout, tls.0.accept(stream)).await {
         Ok(Ok(s)) => Some(Box::new(s)),
         Ok(Err(e)) => {
-            log::info!("{peer}: TLS handshake failed: {e}");
+            crate::log_limited!(log::Level::Info, "{peer}: TLS handshake failed: {e}");
             None
         }
         Err(_) => {
-            log::info!("{peer}: TLS handshake timed out after {timeout:?}");
+            crate::log_limited!(
+                log::Level::Info,
+                "{peer}: TLS handshake timed out after {timeout:?}"
+            );
             None
         }
     }
@@ -302,7 +305,10 @@ pub(crate) async fn handle(
             return;
         }
         Err(_) => {
-            log::info!("{peer}: handshake timed out after {timeout:?}");
+            crate::log_limited!(
+                log::Level::Info,
+                "{peer}: handshake timed out after {timeout:?}"
+            );
             return;
         }
     };
@@ -482,7 +488,30 @@ pub(crate) async fn handle(
             },
         }
     };
+    // Each address gets its share of the cap: a few sockets from one host cannot hold every
+    // slot and lock the robots out.
+    let Some(peer_permit) = shared.peers.try_acquire(peer.ip()) else {
+        shared.stats.metrics.connection_refused("peer_share");
+        crate::warn_limited!(
+            "{peer}: refused: this address holds its share of the connections \
+             (server.max_connections_per_peer = {})",
+            shared.cfg.server.max_connections_per_peer
+        );
+        respond(
+            &mut stream,
+            "503 Service Unavailable",
+            "text/plain; charset=utf-8",
+            &format!(
+                "policyd serves at most {} connections from one address\n",
+                shared.cfg.server.max_connections_per_peer
+            ),
+            "Retry-After: 1\r\n",
+        )
+        .await;
+        return;
+    };
     let Ok(permit) = shared.connections.clone().try_acquire_owned() else {
+        shared.stats.metrics.connection_refused("limit");
         crate::warn_limited!(
             "{peer}: refused: at the connection limit (server.max_connections = {})",
             shared.cfg.server.max_connections
@@ -509,9 +538,12 @@ pub(crate) async fn handle(
     }
     drop(handshake);
     let (dialect, policy) = route;
-    log::info!(
+    // Peer-provoked (any client can open and close connections in a loop): rate-limited, and
+    // the path is the client's text.
+    crate::log_limited!(
+        log::Level::Info,
         "{peer}: connected on {} ({}, policy \"{}\")",
-        head.path,
+        crate::protocol::clip(&head.path),
         dialect.name(),
         policy.name
     );
@@ -524,14 +556,38 @@ pub(crate) async fn handle(
         server.max_message_bytes,
         frame_timeout,
     ) {
-        Ok(s) => s,
+        Ok(s) => s.with_write_timeout(Some(Duration::from_secs_f64(server.write_timeout_s))),
         Err(e) => {
-            log::info!("{peer}: {e}");
+            crate::log_limited!(log::Level::Info, "{peer}: {e}");
             return;
         }
     };
-    let ws = WebSocketStream::from_raw_socket(stream, Role::Server, Some(shared.ws_config)).await;
+    // tungstenite's write buffer holds one frame and the control frames queued behind it:
+    // bounded by the largest frame any served policy sends, so a peer that never reads cannot
+    // grow it (a ping flood queues one pong, not one per ping).
+    let ws_config = shared
+        .ws_config
+        .max_write_buffer_size(write_buffer_bound(&shared.policies.load()));
+    let ws = WebSocketStream::from_raw_socket(stream, Role::Server, Some(ws_config)).await;
     let why = connection::serve(ws, &shared, dialect, policy).await;
-    log::info!("{peer}: closed ({why})");
+    crate::log_limited!(
+        log::Level::Info,
+        "{peer}: closed ({})",
+        crate::log_limit::Escaped(&why.to_string())
+    );
     drop(permit);
+    drop(peer_permit);
+}
+
+/// The most a connection's write buffer may hold for `set`: its largest frame (a reply or the
+/// metadata) and [`crate::limits::WS_WRITE_SLACK`] for the control and error frames queued
+/// beside it (counted in the memory budget).
+pub fn write_buffer_bound(set: &crate::policy::PolicySet) -> usize {
+    let largest = set
+        .policies
+        .iter()
+        .map(|p| p.plan.reply_capacity.max(p.metadata.len()))
+        .max()
+        .unwrap_or(0);
+    largest + crate::limits::WS_WRITE_SLACK
 }

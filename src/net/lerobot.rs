@@ -10,9 +10,10 @@
 //! binds it to a policy. Unlike LeRobot's, the session belongs to the connection that set it
 //! up: another connection's `Ready`, setup, observations and polls are refused while the owner
 //! is connected and has made a call within `lerobot.takeover_after_s`, so no other peer can
-//! permute the robot's motors, shrink its chunks or take its actions. A reconnect from the
-//! owner's address carries the session on; after the owner has gone or fallen silent, a new
-//! `Ready` or setup takes it over (see `claim`). A session task owns the [`Core`]; the RPC
+//! permute the robot's motors, shrink its chunks or take its actions. The owner's address always
+//! gets its session back (a new `Ready` from it wins; a reconnect carries the session on);
+//! another address may take it over only once the owner has gone or fallen silent and
+//! `lerobot.owner_grace_s` has passed ([`crate::net::owner`]). A session task owns the [`Core`]; the RPC
 //! handlers talk to it over a bounded channel:
 //! - `SendObservations` reassembles the chunks, the session task decodes the pickle straight
 //!   into a slot's engine buffers (state vector in the client's motor order, camera frames
@@ -34,6 +35,8 @@ use tonic::{Request, Response, Status, Streaming};
 use crate::bind::lerobot::Adapter;
 use crate::config::LerobotConfig;
 use crate::net::grpc_conn::{ConnInfo, GrpcConn};
+use crate::net::owner::{self, Claim};
+use crate::net::peers::canonical;
 use crate::net::requests::{Core, Event, Started};
 use crate::net::shared::Shared;
 use crate::policy::Policy;
@@ -92,6 +95,8 @@ pub async fn serve(shared: Arc<Shared>, listener: TcpListener) {
     let mut stop = shared.shutdown.clone();
     let accept_shared = shared.clone();
     let open = Arc::new(tokio::sync::Semaphore::new(cfg.max_connections));
+    let peers =
+        crate::net::peers::PeerShare::new(cfg.max_connections_per_peer, cfg.max_connections);
     let accept = tokio::spawn(async move {
         loop {
             tokio::select! {
@@ -110,6 +115,15 @@ pub async fn serve(shared: Arc<Shared>, listener: TcpListener) {
                             metrics.lerobot_refused("peer");
                             continue;
                         }
+                        let Some(peer_permit) = peers.try_acquire(peer.ip()) else {
+                            crate::warn_limited!(
+                                "lerobot: {peer} refused: this address holds its share of the \
+                                 connections (lerobot.max_connections_per_peer = {})",
+                                cfg.max_connections_per_peer
+                            );
+                            metrics.lerobot_refused("peer_share");
+                            continue;
+                        };
                         let Ok(permit) = open.clone().try_acquire_owned() else {
                             crate::warn_limited!(
                                 "lerobot: {peer} refused: {} connections are open \
@@ -123,7 +137,7 @@ pub async fn serve(shared: Arc<Shared>, listener: TcpListener) {
                         let conn = GrpcConn::new(
                             stream,
                             peer,
-                            permit,
+                            (permit, peer_permit),
                             cfg.handshake_timeout,
                             cfg.idle_timeout,
                         );
@@ -211,12 +225,7 @@ fn count_early_refusal<B>(
 }
 
 fn allowed(cfg: &LerobotConfig, peer: SocketAddr) -> bool {
-    let ip = match peer.ip() {
-        std::net::IpAddr::V6(v6) => v6
-            .to_ipv4_mapped()
-            .map_or(std::net::IpAddr::V6(v6), std::net::IpAddr::V4),
-        v4 => v4,
-    };
+    let ip = canonical(peer.ip());
     cfg.allow.is_empty() || cfg.allow.iter().any(|n| n.contains(&ip))
 }
 
@@ -397,7 +406,8 @@ impl AsyncInference for Service {
         let (policy, mut adapter) = for_setup(&self.cfg, &set, &setup)
             .map_err(|e| self.refuse("setup", Status::failed_precondition(e)))?;
         adapter.set_codec(codec);
-        log::info!(
+        crate::log_limited!(
+            log::Level::Info,
             "lerobot: {} asks for {} \"{}\" ({} actions per chunk, {} payloads): serving \
              policy \"{}\"",
             from.peer,
@@ -631,11 +641,16 @@ struct Session {
 
 /// The session task: answers the handlers' commands and releases chunks.
 async fn session(shared: Arc<Shared>, mut rx: mpsc::Receiver<Command>) {
-    let takeover_after = shared
-        .cfg
-        .lerobot
-        .as_ref()
-        .map_or(Duration::from_secs(10), |l| l.takeover_after);
+    let rule = shared.cfg.lerobot.as_ref().map_or(
+        owner::Rule {
+            takeover_after: Duration::from_secs(10),
+            grace: Duration::from_secs(60),
+        },
+        |l| owner::Rule {
+            takeover_after: l.takeover_after,
+            grace: l.owner_grace,
+        },
+    );
     let mut s = Session {
         shared,
         payloads: Payloads::default(),
@@ -644,7 +659,8 @@ async fn session(shared: Arc<Shared>, mut rx: mpsc::Receiver<Command>) {
             ready: None,
             waiter: None,
             owner: None,
-            takeover_after,
+            adopted: false,
+            rule,
         },
         replaced: false,
     };
@@ -720,7 +736,7 @@ impl Session {
                 if let Some(a) = &self.active {
                     a.core.count_error(&f);
                 }
-                log::warn!("lerobot: {}", f.message());
+                crate::warn_limited!("lerobot: {}", crate::log_limit::Escaped(f.message()));
             }
             Event::Reloaded => self.replaced = true,
         }
@@ -903,57 +919,26 @@ struct Desk {
     ready: Option<Vec<u8>>,
     waiter: Option<oneshot::Sender<Result<Vec<u8>, Status>>>,
     owner: Option<ConnInfo>,
-    takeover_after: Duration,
+    /// The owner adopted the session by a poll or observation ([`Claim::Reconnect`]).
+    adopted: bool,
+    rule: owner::Rule,
 }
 
-/// How a call stands to the session's owner.
-#[derive(Debug, PartialEq, Eq)]
-enum Claim {
-    /// The owner's own connection (or no session yet, for a call that sets none up).
-    Owner,
-    /// A new connection from the owner's address after the owner's went away or fell silent:
-    /// the client reconnected, and the session carries on.
-    Reconnect,
-    /// `Ready` or a setup after the owner went away or fell silent: a new owner, a new session.
-    Takeover,
-}
-
-/// Whether a call from `from` may act on the session, and how (see [`Claim`]). While the owner's
-/// connection is open and has made a call within `takeover_after`, no other connection may:
-/// the safety rule that keeps one peer from steering another's robot.
+/// Whether a call from `from` may act on the session, and how: [`owner::Rule`] applied to
+/// what the desk knows of the owner. While the owner's connection is open and has made a call
+/// within `takeover_after`, no other connection may: the safety rule that keeps one peer from
+/// steering another's robot; and the owner's address may claim its session back first.
 fn claim(desk: &Desk, from: &ConnInfo, sets_up: bool) -> Result<Claim, Status> {
-    let Some(owner) = &desk.owner else {
-        return Ok(if sets_up {
-            Claim::Takeover
-        } else {
-            Claim::Owner
-        });
-    };
-    if Arc::ptr_eq(&owner.activity, &from.activity) {
-        return Ok(Claim::Owner);
-    }
-    let silent = owner
-        .activity
-        .idle_for()
-        .is_some_and(|d| d >= desk.takeover_after);
-    if !(owner.activity.closed() || silent) {
-        return Err(Status::permission_denied(format!(
-            "the session belongs to another client, which is connected and active; it can be \
-             taken over once that client has disconnected or been silent for \
-             lerobot.takeover_after_s = {} s",
-            desk.takeover_after.as_secs_f64()
-        )));
-    }
-    if sets_up {
-        Ok(Claim::Takeover)
-    } else if owner.peer.ip() == from.peer.ip() {
-        Ok(Claim::Reconnect)
-    } else {
-        Err(Status::permission_denied(
-            "the session belongs to another client; call Ready and SendPolicyInstructions to \
-             start a session of your own",
-        ))
-    }
+    let seen = desk.owner.as_ref().map(|o| owner::Seen {
+        same_connection: Arc::ptr_eq(&o.activity, &from.activity),
+        same_address: canonical(o.peer.ip()) == canonical(from.peer.ip()),
+        owner_closed: o.activity.closed(),
+        owner_adopted: desk.adopted,
+        owner_quiet: o.activity.idle_for(),
+    });
+    desk.rule
+        .decide(seen, sets_up)
+        .map_err(|d| Status::permission_denied(d.message(&desk.rule)))
 }
 
 /// Records `from` as the session's owner after a successful [`claim`].
@@ -961,8 +946,13 @@ fn own(desk: &mut Desk, from: &ConnInfo, claim: &Claim) {
     match claim {
         Claim::Owner => {}
         Claim::Reconnect => {
-            log::info!("lerobot: {} reconnected; its session carries on", from.peer);
+            crate::log_limited!(
+                log::Level::Info,
+                "lerobot: {} reconnected; its session carries on",
+                from.peer
+            );
             desk.owner = Some(from.clone());
+            desk.adopted = true;
         }
         Claim::Takeover => {
             if let Some(old) = &desk.owner {
@@ -978,6 +968,7 @@ fn own(desk: &mut Desk, from: &ConnInfo, claim: &Claim) {
                 );
             }
             desk.owner = Some(from.clone());
+            desk.adopted = false;
             // The previous owner's waiting poll ends with "none"; its chunk is not handed on.
             desk.waiter = None;
             desk.ready = None;

@@ -1,6 +1,7 @@
 //! How do clients reach a policy? The listener's HTTP layer (health, metrics, upgrade, routing
 //! by path: [`http`]), API keys ([`auth`]), TLS ([`tls`]), the frame-size guard under
-//! tungstenite ([`frame_guard`]) and one WebSocket connection's loop ([`connection`]).
+//! tungstenite ([`frame_guard`]), each peer address's share of the connection caps ([`peers`])
+//! and one WebSocket connection's loop ([`connection`]).
 
 pub mod auth;
 pub mod connection;
@@ -9,6 +10,8 @@ pub mod grpc_conn;
 pub mod http;
 pub mod lerobot;
 pub mod listener;
+pub mod owner;
+pub mod peers;
 pub mod requests;
 pub mod scrape;
 pub mod shared;

@@ -432,7 +432,10 @@ impl Core {
                 self.infer_busy = false;
             }
             drop(lease);
-            log::warn!("inference failed: {}", f.message());
+            crate::warn_limited!(
+                "inference failed: {}",
+                crate::log_limit::Escaped(f.message())
+            );
             return Finished::Failed(f);
         }
         match crate::runtime::pacing::release(Instant::now(), slot.ticket().release_at) {
@@ -658,7 +661,7 @@ impl Core {
                 .plan
                 .tokens
                 .and_then(|i| policy.plan.inputs[i].tokens.as_ref());
-            log::warn!(
+            crate::warn_limited!(
                 "session {}: the prompt is {n} tokens, truncated to {} (tokenizer.max_tokens; \
                  said once per session)",
                 self.sessions.current(),

@@ -421,13 +421,18 @@ pub fn registry(m: &Metrics, live: Live) -> Registry {
     );
     r.register(
         "policyd_lerobot_refused",
-        "what the LeRobot service refused, by reason (peer, oversize, busy, chunking, pickle, observation, setup)",
+        "what the LeRobot service refused, by reason (peer, connections, peer_share, oversize, busy, slow, chunking, pickle, observation, setup, owner)",
         m.lerobot_refused.clone(),
     );
     r.register(
         "policyd_lerobot_long_poll_timeouts",
         "GetActions long polls that ended with no chunk (lerobot.long_poll_ms)",
         m.lerobot_long_poll_timeouts.clone(),
+    );
+    r.register(
+        "policyd_connections_refused",
+        "WebSocket connections refused, by reason (limit: server.max_connections, peer_share: server.max_connections_per_peer, handshakes: too many in progress)",
+        m.connections_refused.clone(),
     );
     r.register_collector(Box::new(live));
     r

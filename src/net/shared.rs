@@ -31,6 +31,8 @@ pub struct Shared {
     pub ws_config: WebSocketConfig,
     /// One permit per connection that may be served.
     pub connections: Arc<Semaphore>,
+    /// Each peer address's share of `connections` (`server.max_connections_per_peer`).
+    pub peers: Arc<crate::net::peers::PeerShare>,
     pub shutdown: watch::Receiver<bool>,
     /// What `/metrics` encodes.
     pub registry: prometheus_client::registry::Registry,

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use super::Policy;
 use crate::bind::Plan;
 use crate::config::{Config, ConfigError, PolicySpec, invalid};
-use crate::limits::{FRAME_GUARD_BUFFER, WS_READ_BUFFER};
+use crate::limits::{FRAME_GUARD_BUFFER, WS_READ_BUFFER, WS_WRITE_SLACK};
 
 /// The memory policyd allocates for a config, as a formula and a number.
 #[derive(Clone, Debug, PartialEq)]
@@ -41,7 +41,11 @@ impl Budget {
         let model = policy.model.size() + policy.pipeline.as_ref().map_or(0, |p| p.denoise.size());
         let guard = FRAME_GUARD_BUFFER as u64;
         let sessions = std::mem::size_of::<crate::runtime::session::Sessions>() as u64;
-        let per_conn = msg + WS_READ_BUFFER as u64 + guard + 2 * reply + metadata as u64 + sessions;
+        // tungstenite's write buffer: its largest frame and the slack beside it (the bound the
+        // HTTP layer sets; a peer that never reads cannot grow it past this).
+        let write = reply.max(metadata as u64) + WS_WRITE_SLACK as u64;
+        let per_conn =
+            msg + WS_READ_BUFFER as u64 + guard + 2 * reply + metadata as u64 + sessions + write;
         let lines = vec![
             (
                 format!(
@@ -51,7 +55,7 @@ impl Budget {
             ),
             (
                 format!(
-                    "connections  {conns} × (max_message_bytes {msg} + read buffer {WS_READ_BUFFER} + frame guard {guard} + 2 × reply {reply} + metadata {metadata} + session table {sessions})"
+                    "connections  {conns} × (max_message_bytes {msg} + read buffer {WS_READ_BUFFER} + frame guard {guard} + 2 × reply {reply} + metadata {metadata} + session table {sessions} + write buffer {write})"
                 ),
                 conns * per_conn,
             ),

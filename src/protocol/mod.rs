@@ -60,7 +60,7 @@ pub fn timed_step(timestep: i64, timestamp: f64, dt: f64, i: usize) -> (i64, f64
 pub const ECHO_CHARS: usize = 80;
 
 /// A client's string as errors and logs repeat it: at most [`ECHO_CHARS`] characters, control
-/// characters as `?`, and the full length when it was cut. Every string a peer sends and a
+/// characters escaped (`\n`), and the full length when it was cut. Every string a peer sends and a
 /// message names (keys, names, dtypes, paths) goes through it, so that a 30 MB key makes a
 /// short line, not a 30 MB log line and `grpc-message`.
 pub fn clip(s: &str) -> Clip<'_> {
@@ -77,7 +77,12 @@ impl std::fmt::Display for Clip<'_> {
             if n == ECHO_CHARS {
                 return write!(f, "…({} bytes in all)", self.0.len());
             }
-            f.write_char(if c.is_control() { '?' } else { c })?;
+            if c.is_control() {
+                // Shown escaped (`\n`, `\u{1b}`): a client cannot start a log line of its own.
+                write!(f, "{}", c.escape_default())?;
+            } else {
+                f.write_char(c)?;
+            }
         }
         Ok(())
     }
@@ -107,7 +112,7 @@ mod clip_tests {
         let shown = clip(&long).to_string();
         assert!(shown.len() < 120, "{}", shown.len());
         assert!(shown.ends_with(&format!("({} bytes in all)", 30 << 20)));
-        assert_eq!(clip("cam\n0").to_string(), "cam?0");
+        assert_eq!(clip("cam\n0").to_string(), "cam\\n0");
         assert_eq!(clip("front").to_string(), "front");
         assert_eq!(cap_message("é".repeat(10), 5), "éé… (cut)");
     }

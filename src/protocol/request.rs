@@ -336,13 +336,20 @@ fn check_entries(what: &'static str, n: u32, limits: &Limits) -> Result<(), Wire
 
 fn lossy(b: &[u8]) -> String {
     let s = String::from_utf8_lossy(b);
-    if s.chars().count() > 64 {
-        let mut t: String = s.chars().take(64).collect();
-        t.push('…');
-        t
-    } else {
-        s.into_owned()
+    let mut t = String::new();
+    for (n, c) in s.chars().enumerate() {
+        if n == 64 {
+            t.push('…');
+            break;
+        }
+        // Escaped: the message reaches logs, where a newline would start a forged line.
+        if c.is_control() {
+            t.extend(c.escape_default());
+        } else {
+            t.push(c);
+        }
     }
+    t
 }
 
 /// Handles a reserved top-level key; returns false if `key` is not reserved.

@@ -736,3 +736,76 @@ fn feature_maps_run_between_the_scale_and_the_statistics() {
         assert!(e.contains(key) && e.contains(want), "{bad}: {e}");
     }
 }
+
+/// Issue 49, item 6: the config gaps a hostile or mistaken config found, each refused naming
+/// its key: a third `clip` value (serde's fixed arrays dropped it), a `map.columns` longer
+/// than the features (2,000,000 indices were accepted), 200,000 `state_key` names (26 s to
+/// refuse, quadratic), and one bare `scale` on an output (serde's "expected a sequence", though
+/// the key takes one value or a list).
+#[test]
+fn config_gaps_are_refused_naming_the_key_or_accepted_as_documented() {
+    let io = state_io();
+    let out = |lines: &str| {
+        STATE_IO.replace("NORM", "").replace(
+            "tensor = \"action\"",
+            &format!("tensor = \"action\"\n{lines}"),
+        )
+    };
+    let e = compile(&out("clip = [1.0, 2.0, 3.0]"), &io).unwrap_err();
+    assert!(
+        e.contains("outputs[0].clip") && e.contains("3 values"),
+        "{e}"
+    );
+    let e = compile(&STATE_IO.replace("NORM", "clip = [-1.0, 0.0, 1.0]"), &io).unwrap_err();
+    assert!(
+        e.contains("inputs[0].clip") && e.contains("3 values"),
+        "{e}"
+    );
+    let e = compile(&out("rows = [0, 2, 4]"), &io).unwrap_err();
+    assert!(
+        e.contains("outputs[0].rows") && e.contains("3 values"),
+        "{e}"
+    );
+    let columns = vec!["0"; 2_000_000].join(", ");
+    let map = format!("map = {{ function = \"aloha_gripper_to_angular\", columns = [{columns}] }}");
+    let e = compile(&STATE_IO.replace("NORM", &map), &io).unwrap_err();
+    assert!(e.contains("inputs[0].map.columns"), "{e}");
+    let twice = "map = { function = \"aloha_gripper_to_angular\", columns = [1, 1] }";
+    let e = compile(&STATE_IO.replace("NORM", twice), &io).unwrap_err();
+    assert!(
+        e.contains("inputs[0].map.columns") && e.contains("twice"),
+        "{e}"
+    );
+    // One bare value on an output's scale and offset: one for every column.
+    let plan = compile(&out("scale = 2.0\noffset = 0.5"), &io).unwrap();
+    let got = reply_actions(&plan, &io, [0.0; 3], &[1.0; 12]);
+    assert!(got.iter().all(|&v| v == 2.5), "{got:?}");
+    let e = compile(&out("scale = inf"), &io).unwrap_err();
+    assert!(e.contains("scale"), "{e}");
+}
+
+#[test]
+fn many_state_keys_are_refused_at_once() {
+    let keys = (0..200_000)
+        .map(|i| format!("\"k{i}\""))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let cfg = format!(
+        "[engine]\nmodel = \"m.onnx\"\n\
+         [[inputs]]\nkey = \"prompt\"\ntensor = \"ids\"\ndtypes = [\"text\"]\n\
+         [inputs.tokenizer]\nfile = \"t.model\"\nformat = \"pi05\"\nmax_tokens = 8\n\
+         mask_tensor = \"mask\"\nstate_key = [{keys}]\n\
+         [[outputs]]\ntensor = \"actions\"\n"
+    );
+    let start = std::time::Instant::now();
+    let e = Config::parse(&cfg, "test", None)
+        .map(|_| ())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("state_key") && e.contains("200000"), "{e}");
+    assert!(
+        start.elapsed() < std::time::Duration::from_secs(5),
+        "{:?}",
+        start.elapsed()
+    );
+}

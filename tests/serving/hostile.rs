@@ -348,7 +348,11 @@ async fn protocol_violations_get_a_close_frame_before_the_socket_closes() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn handshakes_abandoned_halfway_leave_nothing_held() {
-    let srv = start_with("max_connections = 4\nhandshake_timeout_s = 0.5", |_| {}).await;
+    let srv = start_with(
+        "max_connections = 4\nmax_connections_per_peer = 4\nhandshake_timeout_s = 0.5",
+        |_| {},
+    )
+    .await;
     let full = handshake(
         "GET",
         "HTTP/1.1",
@@ -536,4 +540,110 @@ async fn actions_that_overflow_once_unnormalised_never_reach_the_wire() {
             }
         }
     }
+}
+
+/// A WebSocket connection to `path` from another loopback address (another host to the
+/// server's per-address share); the handshake's response, or the connection with its
+/// metadata frame read.
+async fn connect_from(
+    ip: &str,
+    srv: &Running,
+    path: &str,
+) -> Result<Ws, tokio_tungstenite::tungstenite::Error> {
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind(format!("{ip}:0").parse().unwrap()).unwrap();
+    let tcp = socket.connect(srv.addr).await.unwrap();
+    let (mut ws, _) = tokio_tungstenite::client_async(
+        format!("ws://{}{path}", srv.addr),
+        tokio_tungstenite::MaybeTlsStream::Plain(tcp),
+    )
+    .await?;
+    assert!(matches!(ws.next().await, Some(Ok(Message::Binary(_)))));
+    Ok(ws)
+}
+
+/// Issue 49, item 3: eight idle upgraded connections from one host (answering the server's
+/// pings) used to make every robot's upgrade a 503. One address now holds at most its share
+/// (4 of 8 by default); its further upgrades are refused and counted, and the robot connects,
+/// runs and reconnects while they are held.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_connections_from_one_host_leave_the_robot_a_slot() {
+    let srv = start_with("ping_interval_s = 0.2", |_| {}).await;
+    let mut held = Vec::new();
+    let mut refused = 0;
+    for _ in 0..8 {
+        match connect_from("127.0.0.2", &srv, "/").await {
+            Ok(ws) => held.push(ws),
+            Err(tokio_tungstenite::tungstenite::Error::Http(r)) => {
+                assert_eq!(r.status(), 503);
+                let body = String::from_utf8_lossy(r.body().as_deref().unwrap_or_default());
+                assert!(body.contains("from one address"), "{body}");
+                refused += 1;
+            }
+            Err(e) => panic!("{e}"),
+        }
+    }
+    assert_eq!((held.len(), refused), (4, 4));
+    assert_eq!(
+        metric(
+            &srv,
+            "policyd_connections_refused_total{reason=\"peer_share\"}"
+        )
+        .await,
+        4.0
+    );
+    // The held connections answer pings (their reads), as a live client's would.
+    let answering: Vec<_> = held
+        .into_iter()
+        .map(|mut ws| tokio::spawn(async move { while let Some(Ok(_)) = ws.next().await {} }))
+        .collect();
+    for round in 0..3 {
+        let mut robot = common::connect(srv.addr, "/").await;
+        robot
+            .send(Message::Binary(request(f64::from(round)).into()))
+            .await
+            .unwrap();
+        assert!(decode(&recv(&mut robot).await).as_map().is_some());
+        drop(robot); // and reconnects
+    }
+    for a in answering {
+        a.abort();
+    }
+}
+
+/// Issue 49, item 3: a connection that only answers the server's pings is idle (a pong says
+/// the socket is alive, not that the client uses it) and is closed after
+/// `server.idle_timeout_s`; one whose client pings, as openpi's and vllm-omni's clients do
+/// every 20 s, is not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn answering_pings_is_not_activity_but_pinging_is() {
+    let srv = start_with("ping_interval_s = 0.2\nidle_timeout_s = 1", |_| {}).await;
+    let mut answers = common::connect(srv.addr, "/").await;
+    let mut pings = common::connect(srv.addr, "/").await;
+    let start = Instant::now();
+    let mut pinger = tokio::time::interval(Duration::from_millis(300));
+    let (mut answers_closed, mut pings_closed) = (None, None);
+    while start.elapsed() < Duration::from_secs(3) {
+        tokio::select! {
+            m = answers.next(), if answers_closed.is_none() => {
+                if !matches!(m, Some(Ok(Message::Ping(_) | Message::Pong(_)))) {
+                    answers_closed = Some(start.elapsed());
+                }
+            }
+            m = pings.next(), if pings_closed.is_none() => {
+                if !matches!(m, Some(Ok(Message::Ping(_) | Message::Pong(_)))) {
+                    pings_closed = Some(start.elapsed());
+                }
+            }
+            _ = pinger.tick() => {
+                let _ = pings.send(Message::Ping(b"alive".to_vec().into())).await;
+            }
+        }
+    }
+    let closed = answers_closed.expect("the ping-answering connection was not closed");
+    assert!(
+        closed >= Duration::from_millis(900) && closed < Duration::from_millis(2500),
+        "closed after {closed:?}, expected server.idle_timeout_s = 1"
+    );
+    assert_eq!(pings_closed, None, "a pinging client was closed as idle");
 }

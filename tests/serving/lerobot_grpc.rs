@@ -546,7 +546,8 @@ async fn idle_observation_streams_do_not_lock_robots_out() {
 #[tokio::test]
 async fn connections_are_capped_and_time_out() {
     let (server, grpc) = serve(
-        "max_connections = 4\nhandshake_timeout_s = 2\nidle_timeout_s = 3\nlong_poll_ms = 200",
+        "max_connections = 4\nmax_connections_per_peer = 4\nhandshake_timeout_s = 2\n\
+         idle_timeout_s = 3\nlong_poll_ms = 200",
     )
     .await;
     // 40 connections that send nothing: 4 are held, the rest closed at once.
@@ -601,8 +602,8 @@ async fn connections_are_capped_and_time_out() {
         assert!(closed.is_ok(), "closed after the handshake timeout");
     }
     drop(socks);
-    // A connection that completed its handshake but makes no call is closed once idle, not at
-    // the handshake deadline.
+    // A connection that completed its handshake but starts no call is closed as long again
+    // after its preface (issue 49: it used to hold its slot for the idle timeout).
     let mut h2 = tokio::net::TcpStream::connect(grpc)
         .await
         .expect("connects");
@@ -618,8 +619,8 @@ async fn connections_are_capped_and_time_out() {
         }
     };
     assert!(
-        closed >= Duration::from_millis(2500) && closed < Duration::from_secs(8),
-        "closed after {closed:?}, expected lerobot.idle_timeout_s = 3"
+        closed >= Duration::from_millis(1800) && closed < Duration::from_millis(2900),
+        "closed after {closed:?}, expected lerobot.handshake_timeout_s = 2 after the preface"
     );
     // A robot's connection is not idle while it polls, and the WebSocket port never noticed.
     let mut robot = client(grpc).await;
@@ -765,4 +766,217 @@ async fn another_peer_cannot_steer_or_rob_the_robots_session() {
         .await
         .expect_err("the old owner is refused");
     assert_eq!(e.code(), Code::PermissionDenied);
+}
+
+/// A client whose connection comes from `ip` (another loopback address: another host to the
+/// service's per-address rules).
+async fn client_from(ip: &str, addr: SocketAddr) -> AsyncInferenceClient<Channel> {
+    let channel = Channel::from_shared(format!("http://{addr}"))
+        .expect("a URI")
+        .local_address(Some(ip.parse().expect("an address")))
+        .connect()
+        .await
+        .expect("connects");
+    AsyncInferenceClient::new(channel)
+        .max_decoding_message_size(8 << 20)
+        .max_encoding_message_size(8 << 20)
+}
+
+/// A raw TCP connection from `ip`.
+async fn tcp_from(ip: &str, addr: SocketAddr) -> tokio::net::TcpStream {
+    let socket = tokio::net::TcpSocket::new_v4().expect("a socket");
+    socket
+        .bind(format!("{ip}:0").parse().expect("an address"))
+        .expect("binds");
+    socket.connect(addr).await.expect("connects")
+}
+
+/// Whether the server closed `s` within `within` (reading and dropping what it sends).
+async fn closed_within(s: &mut tokio::net::TcpStream, within: Duration) -> bool {
+    let mut b = [0u8; 1024];
+    tokio::time::timeout(within, async {
+        loop {
+            match s.read(&mut b).await {
+                Ok(0) | Err(_) => return,
+                Ok(_) => {}
+            }
+        }
+    })
+    .await
+    .is_ok()
+}
+
+/// Issue 49, item 3: sixteen connections from one host that send only the HTTP/2 preface and
+/// an empty SETTINGS (33 bytes each) used to fill lerobot.max_connections for 120 s. Now one
+/// address holds at most its share (8 of 16 by default), the rest are refused and counted,
+/// and the held ones are closed when no call starts within the handshake timeout.
+#[tokio::test]
+async fn preface_only_connections_from_one_host_leave_the_robot_a_slot() {
+    let (server, grpc) = serve("handshake_timeout_s = 2").await;
+    let mut socks = Vec::new();
+    for _ in 0..16 {
+        let mut s = tcp_from("127.0.0.2", grpc).await;
+        s.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\x04\0\0\0\0\0")
+            .await
+            .expect("the preface and an empty SETTINGS");
+        socks.push(s);
+    }
+    let opened = Instant::now();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut refused = 0;
+    for s in &mut socks {
+        if closed_within(s, Duration::from_millis(50)).await {
+            refused += 1;
+        }
+    }
+    assert_eq!(
+        refused, 8,
+        "one address holds lerobot.max_connections_per_peer = 8"
+    );
+    assert_eq!(server.stats.metrics.lerobot_refusals("peer_share"), 8);
+    // Held: the robot connects, sets up and acts.
+    let mut robot = client(grpc).await;
+    assert_eq!(set_up_and_act(&mut robot, &MOTORS, 0).await, 10.0);
+    // No call within the handshake timeout of the preface: closed (not after idle's 120 s).
+    for s in &mut socks {
+        assert!(
+            closed_within(s, Duration::from_secs(6)).await,
+            "a preface-only connection outlived the handshake timeout"
+        );
+    }
+    assert!(opened.elapsed() < Duration::from_secs(10));
+    // The robot loses its channel and reconnects while the host opens sixteen more.
+    let mut more = Vec::new();
+    for _ in 0..16 {
+        let mut s = tcp_from("127.0.0.2", grpc).await;
+        let _ = s
+            .write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\x04\0\0\0\0\0")
+            .await;
+        more.push(s);
+    }
+    drop(robot);
+    let mut again = client(grpc).await;
+    assert_eq!(set_up_and_act(&mut again, &MOTORS, 1).await, 10.0);
+}
+
+/// Issue 49, item 3: fifteen connections from one host, each making one refused `Ready` every
+/// few seconds (never idle), used to keep a robot that lost its channel from reconnecting.
+#[tokio::test]
+async fn refused_calls_from_one_host_do_not_keep_the_robot_from_reconnecting() {
+    let (server, grpc) = serve("takeover_after_s = 30").await;
+    let mut robot = client(grpc).await;
+    assert_eq!(set_up_and_act(&mut robot, &MOTORS, 0).await, 10.0);
+    // Each keeps its connection (and its refused calls) going, as the reported pattern did.
+    let mut squatters = Vec::new();
+    for _ in 0..15 {
+        let mut c = client_from("127.0.0.2", grpc).await;
+        match tokio::time::timeout(Duration::from_secs(2), c.ready(Empty {})).await {
+            Ok(Err(e)) if e.code() == Code::PermissionDenied => {}
+            // Closed at accept (its address's share is taken): the call fails otherwise.
+            Ok(Err(e)) => assert_ne!(e.code(), Code::Ok, "{e:?}"),
+            Ok(Ok(_)) => panic!("a squatter's Ready was accepted"),
+            Err(_) => {}
+        }
+        squatters.push(c);
+    }
+    assert!(server.stats.metrics.lerobot_refusals("peer_share") >= 7);
+    // The robot's channel breaks; a new one from its address gets a slot and its session.
+    drop(robot);
+    let mut again = client(grpc).await;
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        match set_up(&mut again, setup(&MOTORS, &[4, 6, 3])).await {
+            Ok(()) => break,
+            Err(e) => {
+                assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
+                assert!(Instant::now() < deadline, "the robot never got back in");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+    observe(&mut again, &observation(1, (4, 6), |_| {}))
+        .await
+        .expect("observation");
+    assert_eq!(first_action(&mut again).await, 10.0);
+}
+
+/// Issue 49, item 5, the first squat: the robot's connection closes and a peer from another
+/// address calls `Ready`: refused for lerobot.owner_grace_s, so the robot that comes back gets
+/// its session; after the grace the other address may start a session of its own.
+#[tokio::test]
+async fn another_address_cannot_squat_the_session_its_owner_just_left() {
+    let (_server, grpc) = serve("takeover_after_s = 1\nowner_grace_s = 3").await;
+    let mut robot = client(grpc).await;
+    assert_eq!(set_up_and_act(&mut robot, &MOTORS, 0).await, 10.0);
+    drop(robot);
+    let mut squatter = client_from("127.0.0.2", grpc).await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let reversed: Vec<&str> = MOTORS.iter().rev().copied().collect();
+    for _ in 0..5 {
+        let e = set_up(&mut squatter, setup(&reversed, &[4, 6, 3]))
+            .await
+            .expect_err("the owner's address may still claim it");
+        assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
+        assert!(e.message().contains("lerobot.owner_grace_s"), "{e:?}");
+        let e = squatter
+            .get_actions(Empty {})
+            .await
+            .expect_err("not its session");
+        assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // The robot comes back within the grace: its session, its motor order.
+    let mut back = client(grpc).await;
+    assert_eq!(set_up_and_act(&mut back, &MOTORS, 1).await, 10.0);
+    let e = squatter
+        .ready(Empty {})
+        .await
+        .expect_err("the robot is active");
+    assert_eq!(e.code(), Code::PermissionDenied);
+    // Once the robot has gone for longer than the grace, the other address may take over.
+    drop(back);
+    tokio::time::sleep(Duration::from_millis(3300)).await;
+    assert_eq!(set_up_and_act(&mut squatter, &reversed, 2).await, 60.0);
+}
+
+/// Issue 49, item 5, the second squat: from the robot's own address, a `GetActions` loop
+/// adopts the session once the robot's connection is gone (a reconnect); the robot's new
+/// `Ready` wins over it, and the poller is refused from then on.
+#[tokio::test]
+async fn a_poller_on_the_robots_host_cannot_keep_the_robot_out() {
+    let (_server, grpc) = serve("takeover_after_s = 1").await;
+    let mut robot = client(grpc).await;
+    assert_eq!(set_up_and_act(&mut robot, &MOTORS, 0).await, 10.0);
+    drop(robot);
+    let mut poller = client(grpc).await;
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while poller.get_actions(Empty {}).await.is_err() {
+        assert!(
+            Instant::now() < deadline,
+            "the poll never adopted the session"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let polling = tokio::spawn(async move {
+        let end = Instant::now() + Duration::from_secs(3);
+        let mut refused = 0;
+        while Instant::now() < end {
+            if poller.get_actions(Empty {}).await.is_err() {
+                refused += 1;
+            }
+        }
+        refused
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    // The robot comes back while the poller keeps polling: its Ready wins at once.
+    let mut back = client(grpc).await;
+    assert_eq!(set_up_and_act(&mut back, &MOTORS, 1).await, 10.0);
+    observe(&mut back, &observation(2, (4, 6), |_| {}))
+        .await
+        .expect("the robot's observation");
+    assert_eq!(first_action(&mut back).await, 10.0);
+    assert!(
+        polling.await.expect("the poller") > 0,
+        "the poller was never refused"
+    );
 }
