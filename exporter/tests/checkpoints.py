@@ -426,6 +426,7 @@ OPENPI = {
     "pi05_libero": (True, 10, "physical-intelligence/libero", 8, 7),
     "pi0_droid": (False, 10, "droid", 8, 8),
     "pi05_droid": (True, 15, "droid", 8, 8),
+    "pi05_full_droid_finetune": (True, 16, "droid", 8, 8),
     "pi0_aloha": (False, 50, "trossen", 14, 14),
     "pi05_aloha": (True, 50, "trossen", 14, 14),
     "pi0_aloha_sim": (False, 50, "lerobot/aloha_sim_transfer_cube_human", 14, 14),

@@ -141,3 +141,108 @@ def test_verify_refuses_a_checkpoint_of_another_type(
 
 def test_verify_needs_a_bundle(tmp_path: Path, act_bundle: object) -> None:
     _fails(["verify", str(tmp_path), str(act_bundle.checkpoint)], "not a policyd-export bundle")
+
+
+def _run(args: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """The CLI in this process (its refusals come before any model is built): exit 2's message."""
+    from policyd_export.cli import main
+
+    assert main(args) == 2
+    return capsys.readouterr().err
+
+
+STATS = "policy_preprocessor_step_3_normalizer_processor.safetensors"
+
+
+def _state_file(ckpt: Path, name: str) -> None:
+    path = ckpt / "policy_preprocessor.json"
+    pipeline = json.loads(path.read_text())
+    for step in pipeline["steps"]:
+        if step.get("registry_name") == "normalizer_processor":
+            step["state_file"] = name
+    path.unlink()
+    path.write_text(json.dumps(pipeline))
+
+
+def test_a_statistics_file_must_be_safetensors_inside_the_checkpoint(
+    act_bundle: object, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 49, item 6: a normaliser `state_file` that is a pickle or not safetensors was an
+    uncaught exception, and one naming `/etc/passwd` or `../` was read."""
+    import pickle
+
+    ckpt = _copy(act_bundle.checkpoint, tmp_path / "c")
+    args = ["lerobot", str(ckpt), "--out", str(tmp_path / "b")]
+    (ckpt / STATS).unlink()
+    (ckpt / STATS).write_bytes(pickle.dumps({"observation.state.mean": [1.0]}))
+    err = _run(args, capsys)
+    assert STATS in err and "not a safetensors file" in err, err
+    (ckpt / STATS).unlink()
+    (ckpt / STATS).write_text("not safetensors at all")
+    assert "not a safetensors file" in _run(args, capsys)
+    for outside in ["/etc/passwd", "../c/" + STATS]:
+        _state_file(ckpt, outside)
+        err = _run(args, capsys)
+        assert "policy_preprocessor.json" in err and "outside the checkpoint" in err, err
+    assert not (tmp_path / "b").exists()
+
+
+@pytest.mark.parametrize(
+    ("stat", "value", "says"),
+    [("mean", float("nan"), "NaN or infinity"), ("std", -0.5, "negative"), ("min", 1e9, "above")],
+)
+def test_statistics_policyd_would_refuse_are_refused_at_export(
+    stat: str,
+    value: float,
+    says: str,
+    act_bundle: object,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+
+    ckpt = _copy(act_bundle.checkpoint, tmp_path / "c")
+    stats = load_file(str(ckpt / STATS))
+    key = f"observation.state.{stat}"
+    if key not in stats:  # min/max: written beside mean/std by LeRobot's stats
+        stats["observation.state.min"] = np.zeros_like(stats["observation.state.mean"])
+        stats["observation.state.max"] = np.ones_like(stats["observation.state.mean"])
+    stats[key] = stats[key].copy()
+    stats[key][0] = value
+    (ckpt / STATS).unlink()
+    save_file(stats, str(ckpt / STATS))
+    err = _run(["lerobot", str(ckpt), "--out", str(tmp_path / "b")], capsys)
+    assert STATS in err and f"observation.state.{stat}" in err and says in err, err
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("chunk_size", 1e9), ("chunk_size", 0), ("n_action_steps", "many"), ("chunk_size", True)],
+)
+def test_sizes_are_checked_before_anything_is_allocated(
+    field: str,
+    value: object,
+    act_bundle: object,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`chunk_size = 1e9` ran 313 s to a 9 GB peak before failing."""
+    import time
+
+    ckpt = _copy(act_bundle.checkpoint, tmp_path / "c")
+    _edit_config(ckpt, **{field: value})
+    start = time.monotonic()
+    err = _run(["lerobot", str(ckpt), "--out", str(tmp_path / "b")], capsys)
+    assert "config.json" in err and field in err and "from 1 to 4096" in err, err
+    assert time.monotonic() - start < 5
+
+
+def test_a_config_nested_past_the_recursion_limit_is_named(
+    act_bundle: object, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ckpt = _copy(act_bundle.checkpoint, tmp_path / "c")
+    (ckpt / "config.json").unlink()
+    (ckpt / "config.json").write_text("[" * 100_000 + "]" * 100_000)
+    err = _run(["lerobot", str(ckpt), "--out", str(tmp_path / "b")], capsys)
+    assert "config.json" in err and "nested too deeply" in err, err

@@ -34,8 +34,14 @@ from policyd_export.verify import injected_config, serve
 #: (every model but pi0), the state in the prompt (`discrete_state_input`: pi0.5's default,
 #: off for pi05_libero), the delta-action mask, the prompt length.
 ALOHA_DELTA = ([True] * 6 + [False]) * 2
-DELTA = {"pi0_libero": [True] * 6 + [False], "pi0_aloha": ALOHA_DELTA, "pi05_aloha": ALOHA_DELTA}
-STATE_IN_PROMPT = {"pi05_droid", "pi05_aloha"}
+DELTA = {
+    "pi0_libero": [True] * 6 + [False],
+    "pi0_aloha": ALOHA_DELTA,
+    "pi05_aloha": ALOHA_DELTA,
+    # Eight entries over DROID's 7 joints and its gripper: the gripper stays absolute.
+    "pi05_full_droid_finetune": [True] * 7 + [False],
+}
+STATE_IN_PROMPT = {"pi05_droid", "pi05_aloha", "pi05_full_droid_finetune"}
 DEFAULT_PROMPT = {"pi0_aloha_sim": "Transfer cube"}
 RESET_POSE = {"reset_pose": [0, -1.5, 1.5, 0, 0, 0]}
 METADATA = {"pi0_aloha": RESET_POSE, "pi05_aloha": RESET_POSE}
@@ -293,14 +299,45 @@ def test_aloha_requests_may_leave_out_a_wrist_camera(
     assert min(moved) > 1e-3, moved
 
 
+@pytest.mark.parametrize("frames", [(480, 640), (120, 100), (1080, 1920), (223, 301), (224, 300)])
+def test_the_graphs_resize_is_pillows_bit_for_bit(frames: tuple[int, int]) -> None:
+    """openpi's `ResizeImages` is `openpi_client.image_tools`: Pillow's BILINEAR, two passes
+    each rounded to uint8. The prefix graph's resize equals Pillow's on every pixel (and the
+    reference calls Pillow itself); a one-pass resize rounded once (jax's, which the graph did
+    before) differs on about a tenth of them, which the parity tests' 1e-4 could not see."""
+    from PIL import Image
+
+    from policyd_export.openpi import ResizeWithPad
+
+    rng = np.random.default_rng(sum(frames))
+    frame = rng.integers(0, 256, (*frames, 3), np.uint8)
+    pil = resize_with_pad(frame)
+    chw = torch.from_numpy(frame).permute(2, 0, 1).float()
+    graph = (ResizeWithPad(*frames)(chw) + 1.0) * (255.0 / 2.0)
+    ours = torch.round(graph).byte().permute(1, 2, 0).numpy()
+    assert (ours != pil).sum() == 0, f"{(ours != pil).mean():.3%} of the pixels differ"
+    # The reference is Pillow's own resize, pasted on black.
+    h, w = frames
+    ratio = max(w / 224, h / 224)
+    rh, rw = int(h / ratio), int(w / ratio)
+    top, left = (224 - rh) // 2, (224 - rw) // 2
+    direct = np.asarray(Image.fromarray(frame).resize((rw, rh), Image.BILINEAR))
+    assert (pil[top : top + rh, left : left + rw] == direct).all()
+    # One rounding instead of two: visibly different (so the check above can fail).
+    one = torch.from_numpy(frame).permute(2, 0, 1)[None].float()
+    once = torch.nn.functional.interpolate(one, (rh, rw), mode="bilinear", antialias=True)
+    once = torch.round(once[0]).clamp(0, 255).byte().permute(1, 2, 0).numpy()
+    assert (once != direct).mean() > 0.01
+
+
 @pytest.mark.parametrize("frames", [(480, 640), (120, 100)])
 def test_frames_of_another_size_are_resized_as_openpi_does(
     frames: tuple[int, int], patched: None, tokenizer: Path, tmp_path: Path, policyd: str
 ) -> None:
     """`--frame-size`: the robot sends its cameras' own frames (480×640: a 2.86× antialiased
     downscale, padded above and below; 120×100: a bilinear upscale, padded at the sides) and
-    the bundle does openpi's `ResizeImages`; the actions equal openpi's pipeline on the frames
-    openpi's resize makes of them."""
+    the bundle does openpi's `ResizeImages` (Pillow's, bit for bit); the actions equal openpi's
+    pipeline on the frames openpi's resize makes of them, to float rounding."""
     from openpi_client import websocket_client_policy
 
     from policyd_export.bundle import read_manifest
@@ -484,3 +521,37 @@ def test_verify_compares_the_bundle_with_openpis_pipeline(
     (wrong / "policyd.toml").write_text(tomli_w.dumps(config))
     assert main(["verify", str(wrong), str(case.checkpoint), *args]) == 1
     assert "FAIL" in capsys.readouterr().out
+
+
+def test_hostile_sizes_and_statistics_are_refused_before_anything_is_built(
+    patched: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 49, item 6: `action_dim = 1e12` used to be an uncaught exception, and NaN, negative
+    or inverted statistics were written into a bundle policyd then refused: each exits 2 naming
+    the file and the key."""
+    import json
+
+    ckpt = openpi_checkpoint(tmp_path / "ck", "pi0_droid")
+    config = ckpt / "config.json"
+    model = json.loads(config.read_text())
+    out = str(tmp_path / "b")
+    config.write_text(json.dumps({**model, "action_dim": 1e12}))
+    err = export_error(capsys, str(ckpt), "--config", "pi0_droid", "--out", out)
+    assert "config.json" in err and "action_dim" in err, err
+    config.write_text("[" * 100_000 + "]" * 100_000)
+    err = export_error(capsys, str(ckpt), "--config", "pi0_droid", "--out", out)
+    assert "config.json" in err and "nested too deeply" in err, err
+    config.write_text(json.dumps(model))
+    stats_file = ckpt / "assets" / "droid" / "norm_stats.json"
+    good = json.loads(stats_file.read_text())
+    for part, stat, value, says in [
+        ("state", "mean", float("nan"), "NaN or infinity"),
+        ("actions", "std", -1.0, "negative"),
+        ("actions", "q01", 1e9, "inverted"),
+    ]:
+        bad = json.loads(json.dumps(good))
+        bad["norm_stats"][part][stat][0] = value
+        stats_file.write_text(json.dumps(bad))
+        err = export_error(capsys, str(ckpt), "--config", "pi0_droid", "--out", out)
+        assert str(stats_file) in err and f"norm_stats.{part}.{stat}" in err and says in err, err
+    assert not Path(out).exists()

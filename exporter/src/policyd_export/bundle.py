@@ -25,7 +25,7 @@ import tomli_w
 
 from . import __version__
 from .checkpoint import Checkpoint
-from .errors import ExportError
+from .errors import ExportError, read_json
 from .families import Exported, Signature
 
 MANIFEST = "export.json"
@@ -266,5 +266,5 @@ def read_manifest(bundle: Path) -> Manifest:
     path = bundle / MANIFEST
     if not path.is_file():
         raise ExportError(f"{bundle}: not a policyd-export bundle (no {MANIFEST})")
-    manifest: Manifest = json.loads(path.read_text())
+    manifest: Manifest = read_json(path, "the bundle's manifest")
     return manifest

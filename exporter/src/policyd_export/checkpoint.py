@@ -9,7 +9,6 @@ nothing is downloaded.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from . import options
-from .errors import ExportError
+from .errors import ExportError, read_json
 
 #: Policy types this exporter turns into bundles (config.json's "type").
 SUPPORTED = ("act", "diffusion", "groot", "pi0", "pi05", "smolvla")
@@ -101,13 +100,10 @@ class Checkpoint:
 
 
 def _read_json(path: Path, what: str) -> dict[str, Any]:
-    try:
-        data: dict[str, Any] = json.loads(path.read_text())
-        return data
-    except FileNotFoundError:
-        raise ExportError(f"{path}: missing ({what})") from None
-    except json.JSONDecodeError as e:
-        raise ExportError(f"{path}: not valid JSON ({e})") from None
+    data = read_json(path, what)
+    if not isinstance(data, dict):
+        raise ExportError(f"{path}: not a JSON object ({what})")
+    return data
 
 
 def _features(raw: dict[str, Any], where: str) -> list[Feature]:
@@ -115,8 +111,13 @@ def _features(raw: dict[str, Any], where: str) -> list[Feature]:
     for key, f in (raw or {}).items():
         try:
             out.append(Feature(key, str(f["type"]), tuple(int(d) for d in f["shape"])))
-        except (KeyError, TypeError, ValueError):
+        except (KeyError, TypeError, ValueError, OverflowError):
             raise ExportError(f"config.json: {where}.{key} needs a type and a shape") from None
+        if any(not 1 <= d <= 16384 for d in out[-1].shape):
+            raise ExportError(
+                f"config.json: {where}.{key} has shape {list(out[-1].shape)}; each dimension "
+                "from 1 to 16384"
+            )
     return out
 
 
@@ -146,16 +147,87 @@ def _normaliser(
     if state_file:
         from safetensors.numpy import load_file
 
-        file = path / state_file
+        # A name inside the checkpoint directory, never a path out of it (`/etc/passwd`,
+        # `../`): symlinks are followed as they are (a Hugging Face snapshot's files are links).
+        rel = Path(str(state_file))
+        if rel.is_absolute() or ".." in rel.parts:
+            raise ExportError(
+                f"{path / pipeline_file}: the {registry_name} step's state_file {state_file!r} "
+                "points outside the checkpoint directory; it names a file beside the pipeline"
+            )
+        file = path / rel
         if not file.is_file():
             raise ExportError(
                 f"{file}: missing (the statistics of {pipeline_file}'s {registry_name} step); "
                 "copy it from the training run's pretrained_model directory"
             )
-        for name, value in load_file(str(file)).items():
+        try:
+            tensors = load_file(str(file))
+        except Exception as e:  # safetensors' own errors: a pickle, a truncated file, ...
+            raise ExportError(
+                f"{file}: not a safetensors file ({e}); the {registry_name} step's statistics "
+                "are read from safetensors only (a pickle is never loaded)"
+            ) from None
+        for name, value in tensors.items():
             key, _, stat = name.rpartition(".")
+            if value.dtype.kind not in "fiu":
+                raise ExportError(f"{file}: {name} is {value.dtype}, not numbers")
             stats.setdefault(key, {})[stat] = value.astype(np.float64)
+        check_statistics(stats, str(file))
     return step.get("config", {}), stats
+
+
+def check_statistics(stats: dict[str, dict[str, NDArray[Any]]], where: str) -> None:
+    """Refuses statistics policyd would refuse (or serve wrongly), naming the file and the key:
+    non-finite values, a negative standard deviation, a minimum above its maximum, a low
+    quantile above its high one."""
+    for key, s in stats.items():
+        for stat, v in s.items():
+            if stat != "count" and not np.all(np.isfinite(v)):
+                raise ExportError(f"{where}: {key}.{stat} holds NaN or infinity")
+        if "std" in s and np.any(s["std"] < 0):
+            raise ExportError(f"{where}: {key}.std is negative")
+        for lo, hi in (("min", "max"), ("q01", "q99"), ("q10", "q90")):
+            if lo in s and hi in s and s[lo].shape == s[hi].shape and np.any(s[lo] > s[hi]):
+                at = int(np.argmax(s[lo] > s[hi]))
+                raise ExportError(
+                    f"{where}: {key}.{lo} is above {key}.{hi} (at index {at}); the statistics "
+                    "are inverted"
+                )
+
+
+#: The largest chunk, horizon or padded width a config may ask for: far past any policy
+#: (GR00T's 132-wide actions, ACT's 100-step chunks), small enough that nothing allocates
+#: gigabytes building the network before a later check refuses it.
+MAX_SIZE = 4096
+#: Config fields that size the network.
+SIZE_FIELDS = (
+    "chunk_size",
+    "n_action_steps",
+    "horizon",
+    "n_obs_steps",
+    "max_state_dim",
+    "max_action_dim",
+    "action_dim",
+    "action_horizon",
+    "num_steps",
+    "num_inference_steps",
+)
+
+
+def check_sizes(config: dict[str, Any], where: str) -> None:
+    """Each size field a whole number from 1 to [`MAX_SIZE`], checked before anything is built."""
+    for name in SIZE_FIELDS:
+        if name not in config or config[name] is None:
+            continue
+        v = config[name]
+        if (
+            isinstance(v, bool)
+            or not isinstance(v, int | float)
+            or v != int(v)
+            or not (1 <= v <= MAX_SIZE)
+        ):
+            raise ExportError(f"{where}: {name} = {v!r}; give a whole number from 1 to {MAX_SIZE}")
 
 
 def _norms(
@@ -233,6 +305,7 @@ def load(path: str | Path) -> Checkpoint:
             f"{path / 'config.json'}: policy type {kind!r} is not supported{extra}; "
             f"supported: {', '.join(SUPPORTED)}"
         )
+    check_sizes(config, str(path / "config.json"))
     options.check(kind, config, str(path / "config.json"))
     if not (path / "model.safetensors").is_file():
         raise ExportError(f"{path / 'model.safetensors'}: missing (the policy's weights)")

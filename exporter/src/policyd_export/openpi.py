@@ -21,7 +21,7 @@ openpi's order (`policy_config.create_trained_policy`) and where each step lands
   `max = q99 + 1e-6` (quantile: `(x − q01)/(q99 − q01 + 1e-6)·2 − 1`);
 - model transforms: `ResizeImages(224, 224)` is the identity on the 224×224 frames openpi's
   clients send; a bundle exported for another frame size (`--frame-size`) does it in the prefix
-  graph (`ResizeWithPad`: jax's antialiased linear resize, rounded to uint8, padded);
+  graph (`ResizeWithPad`: Pillow's BILINEAR, as `openpi_client.image_tools` resizes, padded);
   `TokenizePrompt` is policyd's tokenizer, format `pi0` or, with `discrete_state_input`, `pi05`;
   `PadStatesAndActions` is the graph's `pad_vector`;
 - the model: openpi's 10 Euler steps, `flow_time = "openpi"`;
@@ -31,7 +31,6 @@ openpi's order (`policy_config.create_trained_policy`) and where each step lands
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import textwrap
@@ -44,7 +43,8 @@ import torch
 from numpy.typing import NDArray
 
 from .bundle import ManifestInput, Source
-from .errors import ExportError
+from .checkpoint import check_sizes, check_statistics
+from .errors import ExportError, read_json
 from .families import Exported, Table, flow_pipeline
 
 #: The PaliGemma SentencePiece model (openpi's `maybe_download` keeps it in its cache,
@@ -117,51 +117,99 @@ FLIP = (1, -1, -1, 1, 1, 1, 1, 1, -1, -1, 1, 1, 1, 1)
 GRIPPERS = (6, 13)
 
 
-def linear_weights(n_in: int, n_out: int) -> NDArray[np.float32]:
-    """`[n_out, n_in]`: jax.image.resize's LINEAR weights along one axis, antialiased (the
-    triangle widened by the downscale factor; plain bilinear when upscaling), computed in
-    float32 as jax's `compute_weight_mat` computes them (no translation, so every sample lies
-    inside the input)."""
-    f32 = np.float32
-    inv = f32(1.0) / f32(n_out / n_in)
-    kernel_scale = max(inv, f32(1.0))
-    sample = (np.arange(n_out, dtype=f32) + f32(0.5)) * inv - f32(0.5)
-    x = np.abs(sample[None, :] - np.arange(n_in, dtype=f32)[:, None]) / kernel_scale
-    w = np.maximum(f32(0.0), f32(1.0) - x)
-    total = w.sum(axis=0, keepdims=True, dtype=f32)
-    w = np.where(total > 1000 * np.finfo(f32).eps, w / np.where(total != 0, total, 1), 0)
-    return np.ascontiguousarray(w.T, dtype=f32)
+#: Pillow's fixed-point precision for 8-bit resampling (`PRECISION_BITS` in Resample.c).
+PIL_BITS = 22
+
+
+def pil_bilinear_coefficients(n_in: int, n_out: int) -> NDArray[np.int64]:
+    """`[n_in, n_out]`: the integer weights Pillow's `Image.resize(..., BILINEAR)` gives each
+    input pixel for each output pixel along one axis (Resample.c's `precompute_coeffs` in
+    double, then `normalize_coeffs_8bpc`'s rounding to `PRECISION_BITS`): a triangle whose
+    support widens by the downscale factor, normalised per output pixel."""
+    scale = n_in / n_out
+    filterscale = max(scale, 1.0)
+    support = 1.0 * filterscale
+    out = np.zeros((n_in, n_out), np.int64)
+    for xx in range(n_out):
+        center = (xx + 0.5) * scale
+        ss = 1.0 / filterscale
+        xmin = max(int(center - support + 0.5), 0)
+        xmax = min(int(center + support + 0.5), n_in) - xmin
+        ws = []
+        total = 0.0
+        for x in range(xmax):
+            d = abs((x + xmin - center + 0.5) * ss)
+            w = 1.0 - d if d < 1.0 else 0.0
+            ws.append(w)
+            total += w
+        for x, w in enumerate(ws):
+            k = w / total if total != 0.0 else w
+            out[xmin + x, xx] = int(0.5 + k * (1 << PIL_BITS))
+    return out
+
+
+class PilPass(torch.nn.Module):
+    """One of Pillow's two passes (horizontal, then vertical) on uint8 values held as float:
+    `clip8((2^21 + Σ pixel·k) >> 22)`, exactly. Each 22-bit weight is split in two 11-bit
+    halves so that every product and partial sum is an integer below 2^24: exact in float32
+    (and under TF32, whose inputs keep 11 bits), whatever order a matmul kernel sums in."""
+
+    hi: torch.Tensor
+    lo: torch.Tensor
+
+    def __init__(self, coefficients: NDArray[np.int64], axis: int):
+        super().__init__()
+        taps = int((coefficients > 0).sum(axis=0).max())
+        if taps > 32:
+            raise ExportError(
+                f"a {coefficients.shape[0]}-pixel side is over 15 times the 224-pixel frame; "
+                "send frames at most 3360 pixels a side"
+            )
+        half = 1 << (PIL_BITS // 2)
+        hi, lo = np.divmod(coefficients, half)
+        if axis == -2:  # rows: [n_out, n_in] @ x
+            hi, lo = hi.T, lo.T
+        self.axis = axis
+        self.register_buffer("hi", torch.from_numpy(hi.astype(np.float32)))
+        self.register_buffer("lo", torch.from_numpy(lo.astype(np.float32)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        half = float(1 << (PIL_BITS // 2))
+        if self.axis == -1:
+            sh, sl = torch.matmul(x, self.hi), torch.matmul(x, self.lo)
+        else:
+            sh, sl = torch.matmul(self.hi, x), torch.matmul(self.lo, x)
+        # (sh·2^11 + sl + 2^21) >> 22, with sh = qh·2^11 + rh: qh + ((rh·2^11 + sl + 2^21) >> 22).
+        qh = torch.floor(sh / half)
+        rh = sh - qh * half
+        rest = torch.floor((rh * half + sl + float(1 << (PIL_BITS - 1))) / float(1 << PIL_BITS))
+        return torch.clamp(qh + rest, 0.0, 255.0)
 
 
 class ResizeWithPad(torch.nn.Module):
     """openpi's `ResizeImages(224, 224)` on a uint8 frame given as its 0..255 values (CHW):
-    `image_tools.resize_with_pad` keeps the aspect (`int(side / ratio)`), resizes with jax's
-    antialiased linear filter (one matrix per axis whose size changes), rounds back to uint8
-    (half to even, as `jnp.round`), pads with black around the centre; then
+    `openpi_client.image_tools.resize_with_pad` keeps the aspect (`int(side / ratio)`),
+    resizes with Pillow's BILINEAR (a horizontal pass rounded to uint8, then a vertical one,
+    each [`PilPass`], bit for bit), pads with black around the centre; then
     `Observation.from_dict`'s `/ 255 · 2 − 1`."""
-
-    # One matrix per axis whose size changes (jax skips the others); None: unchanged.
-    wh: torch.Tensor | None
-    ww: torch.Tensor | None
 
     def __init__(self, height: int, width: int):
         super().__init__()
         th, tw = RESOLUTION
         ratio = max(width / tw, height / th)
         rh, rw = int(height / ratio), int(width / ratio)
-        rows = torch.from_numpy(linear_weights(height, rh)) if rh != height else None
-        cols = torch.from_numpy(linear_weights(width, rw).T.copy()) if rw != width else None
-        self.register_buffer("wh", rows)
-        self.register_buffer("ww", cols)
+        # Pillow skips a pass whose size does not change (it would be the identity).
+        self.cols = PilPass(pil_bilinear_coefficients(width, rw), -1) if rw != width else None
+        self.rows = PilPass(pil_bilinear_coefficients(height, rh), -2) if rh != height else None
         top, left = (th - rh) // 2, (tw - rw) // 2
         self.pad = (left, tw - rw - left, top, th - rh - top)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.wh is not None:
-            x = torch.matmul(self.wh, x)
-        if self.ww is not None:
-            x = torch.matmul(x, self.ww)
-        x = torch.nn.functional.pad(torch.round(x).clamp(0.0, 255.0), self.pad, value=0.0)
+        if self.cols is not None:
+            x = self.cols(x)
+        if self.rows is not None:
+            x = self.rows(x)
+        x = torch.nn.functional.pad(x, self.pad, value=0.0)
         return x * (2.0 / 255.0) - 1.0
 
 
@@ -355,6 +403,10 @@ def _stats(raw: Any, key: str, where: Path, quantile: bool) -> Stats:
             f"{where}: norm_stats.{key} lacks q01/q99, which this config's quantile "
             "normalisation reads (openpi's compute_norm_stats writes them)"
         )
+    found = {"mean": mean, "std": std}
+    if q01 is not None and q99 is not None:
+        found.update(q01=q01, q99=q99)
+    check_statistics({f"norm_stats.{key}": found}, str(where))
     return Stats(mean.reshape(-1), std.reshape(-1), q01, q99)
 
 
@@ -397,22 +449,15 @@ def load(
             f"{path}: no model.safetensors; give the directory openpi's "
             "convert_jax_model_to_pytorch.py wrote"
         )
-    try:
-        model = json.loads((path / "config.json").read_text())
-    except FileNotFoundError:
-        raise ExportError(
-            f"{path / 'config.json'}: missing (openpi's converter writes it)"
-        ) from None
-    except json.JSONDecodeError as e:
-        raise ExportError(f"{path / 'config.json'}: not valid JSON ({e})") from None
+    model = read_json(path / "config.json", "openpi's converter's config")
+    if not isinstance(model, dict):
+        raise ExportError(f"{path / 'config.json'}: not a JSON object")
     for key in ("action_dim", "action_horizon", "paligemma_variant", "action_expert_variant"):
         if key not in model:
             raise ExportError(f"{path / 'config.json'}: no {key} (not openpi's converter's config)")
+    check_sizes(model, str(path / "config.json"))
     stats_file = _norm_stats_file(path, cfg, norm_stats)
-    try:
-        raw = json.loads(stats_file.read_text())
-    except json.JSONDecodeError as e:
-        raise ExportError(f"{stats_file}: not valid JSON ({e})") from None
+    raw = read_json(stats_file, "openpi's norm_stats.json")
     state = _stats(raw, "state", stats_file, cfg.quantile)
     actions = _stats(raw, "actions", stats_file, cfg.quantile)
     if state.mean.size < cfg.robot.state_dim:
@@ -601,11 +646,17 @@ def _output(ckpt: Checkpoint) -> Table:
         # the first state part (LIBERO's state, DROID's joints).
         key, size = cfg.robot.state[0]
         mask = list(cfg.delta[:n])
+        # openpi's `AbsoluteActions` adds the state only where the mask is true: trailing
+        # false entries change nothing (pi05_full_droid_finetune's 8th, DROID's gripper,
+        # past its 7-value joint part).
+        while mask and not mask[-1]:
+            mask.pop()
         if len(mask) > size:
             raise ExportError(
                 f"{cfg.name}: a delta mask of {len(mask)} over a state part of {size}"
             )
-        o.update(relative_to=key, relative_mask=mask)
+        if mask:
+            o.update(relative_to=key, relative_mask=mask)
     return o
 
 

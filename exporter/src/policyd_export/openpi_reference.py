@@ -40,27 +40,24 @@ def gripper_from_angular(v: F64) -> F64:
 
 
 def resize_with_pad(img: NDArray[Any], height: int = 224, width: int = 224) -> NDArray[np.uint8]:
-    """`image_tools.resize_with_pad` on an HWC uint8 frame, in float64: the aspect kept
-    (`int(side / ratio)`), jax.image.resize's LINEAR along each axis whose size changes (a
-    triangle of radius max(1, 1/scale) input pixels around each output pixel's centre, the
-    weights normalised), rounded and clipped to uint8, padded with 0 around the centre."""
+    """`openpi_client.image_tools.resize_with_pad` on an HWC uint8 frame: the aspect kept
+    (`int(side / ratio)`), resized by Pillow itself with BILINEAR (what openpi's
+    `ResizeImages` calls: two passes, each rounded to uint8), pasted on black at
+    `int((side − resized) / 2)`."""
+    from PIL import Image
+
     h, w = img.shape[:2]
+    if (h, w) == (height, width):
+        return np.asarray(img, np.uint8)
     ratio = max(w / width, h / height)
     rh, rw = int(h / ratio), int(w / ratio)
-    out = img.astype(np.float64)
-    for axis, n_in, n_out in ((0, h, rh), (1, w, rw)):
-        if n_in == n_out:
-            continue
-        scale = n_out / n_in
-        radius = max(1.0, 1.0 / scale)
-        centres = (np.arange(n_out) + 0.5) / scale - 0.5
-        distance = np.abs(centres[:, None] - np.arange(n_in)[None, :]) / radius
-        weights = np.maximum(0.0, 1.0 - distance)
-        weights /= weights.sum(axis=1, keepdims=True)
-        out = np.moveaxis(np.tensordot(weights, out, axes=([1], [axis])), 0, axis)
-    small = np.clip(np.round(out), 0, 255).astype(np.uint8)
-    top, left = (height - rh) // 2, (width - rw) // 2
-    return np.pad(small, ((top, height - rh - top), (left, width - rw - left), (0, 0)))
+    small = np.asarray(
+        Image.fromarray(np.asarray(img, np.uint8)).resize((rw, rh), Image.Resampling.BILINEAR)
+    )
+    top, left = max(0, int((height - rh) / 2)), max(0, int((width - rw) / 2))
+    out = np.zeros((height, width, img.shape[2]), np.uint8)
+    out[top : top + rh, left : left + rw] = small
+    return out
 
 
 @contextlib.contextmanager
