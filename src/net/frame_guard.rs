@@ -95,11 +95,11 @@ pub struct FrameGuard<S> {
     /// Frame headers consumed so far; the timer is armed for frame number `armed_for`.
     headers: u64,
     armed_for: Option<u64>,
-    /// How long the peer may leave what the server writes unread (`server.write_timeout_s`).
-    write_timeout: Option<Duration>,
-    /// Since when writes have made no progress (the socket's send buffer is full), and the
-    /// timer that fails the next read once that has lasted `write_timeout`.
-    write_stalled: Option<Pin<Box<Sleep>>>,
+    /// How long the peer may leave what the server writes unread (`server.write_timeout_s`),
+    /// and its timer (allocated once, reset when a stall starts).
+    write_timeout: Option<(Duration, Pin<Box<Sleep>>)>,
+    /// Writes have made no progress since the timer was reset (the send buffer is full).
+    write_stalled: bool,
 }
 
 impl<S> FrameGuard<S> {
@@ -142,7 +142,7 @@ impl<S> FrameGuard<S> {
             headers: 0,
             armed_for: None,
             write_timeout: None,
-            write_stalled: None,
+            write_stalled: false,
         })
     }
 
@@ -151,7 +151,7 @@ impl<S> FrameGuard<S> {
     /// tungstenite keeps reading while its writes block (a peer that sends pings and never
     /// reads the pongs), so the read is where the connection learns of it.
     pub fn with_write_timeout(mut self, timeout: Option<Duration>) -> Self {
-        self.write_timeout = timeout;
+        self.write_timeout = timeout.map(|t| (t, Box::pin(tokio::time::sleep(t))));
         self
     }
 
@@ -160,21 +160,24 @@ impl<S> FrameGuard<S> {
     fn note_write<T>(&mut self, r: &Poll<io::Result<T>>) {
         match r {
             Poll::Pending => {
-                if self.write_stalled.is_none()
-                    && let Some(t) = self.write_timeout
+                if !self.write_stalled
+                    && let Some((t, timer)) = self.write_timeout.as_mut()
                 {
-                    self.write_stalled = Some(Box::pin(tokio::time::sleep(t)));
+                    timer.as_mut().reset(tokio::time::Instant::now() + *t);
+                    self.write_stalled = true;
                 }
             }
-            Poll::Ready(_) => self.write_stalled = None,
+            Poll::Ready(_) => self.write_stalled = false,
         }
     }
 
-    /// `true` once writes have been stalled for `write_timeout` (registering the waker).
+    /// `true` once writes have been stalled for the write timeout (registering the waker).
     fn write_overdue(&mut self, cx: &mut Context<'_>) -> bool {
         self.write_stalled
-            .as_mut()
-            .is_some_and(|t| t.as_mut().poll(cx).is_ready())
+            && self
+                .write_timeout
+                .as_mut()
+                .is_some_and(|(_, timer)| timer.as_mut().poll(cx).is_ready())
     }
 
     /// While a frame is in progress (its header or payload partly read), the frame's timer;
@@ -669,6 +672,34 @@ mod tests {
 
     fn is_timeout(r: Option<Result<Message, tokio_tungstenite::tungstenite::Error>>) -> bool {
         matches!(r, Some(Err(tokio_tungstenite::tungstenite::Error::Io(e))) if e.kind() == io::ErrorKind::TimedOut)
+    }
+
+    #[tokio::test]
+    async fn a_peer_that_stops_reading_fails_the_read_after_the_write_timeout() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        // A 1 KiB pipe: the server's writes block as soon as the peer stops reading.
+        let (mut peer, server) = tokio::io::duplex(1024);
+        let mut guard = FrameGuard::new(server, b"", 1 << 20)
+            .unwrap()
+            .with_write_timeout(Some(Duration::from_millis(200)));
+        // Writes that go through: no stall, however long it has been.
+        guard.write_all(&[1u8; 512]).await.unwrap();
+        let mut got = [0u8; 512];
+        peer.read_exact(&mut got).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let mut buf = [0u8; 16];
+        let quiet = tokio::time::timeout(Duration::from_millis(50), guard.read(&mut buf)).await;
+        assert!(quiet.is_err(), "no stall, no error: {quiet:?}");
+        // The peer stops reading: a write blocks, and the next read fails once it has been
+        // blocked for the timeout.
+        let blocked =
+            tokio::time::timeout(Duration::from_millis(50), guard.write_all(&[2u8; 4096])).await;
+        assert!(blocked.is_err(), "the write should block");
+        let t = std::time::Instant::now();
+        let e = guard.read(&mut buf).await.unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::TimedOut);
+        assert_eq!(e.to_string(), NOT_READING);
+        assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
     }
 
     #[tokio::test]
