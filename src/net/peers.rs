@@ -4,6 +4,10 @@
 //! [`PeerShare`] gives each address at most `per_peer` of the cap, so a robot's reconnect
 //! finds a slot while another host holds its share.
 //!
+//! The host's own address (`127.0.0.1`, `::1`) has no share: it is the board's own processes
+//! (`policyd bench`, a client running beside policyd, the test suites), which can do worse to
+//! the server than hold sockets; the rest of the loopback range counts as other hosts.
+//!
 //! The table is sized at start-up (one entry per connection the cap allows: an address has an
 //! entry only while it holds a permit) and never grows.
 
@@ -19,11 +23,11 @@ pub struct PeerShare {
     capacity: usize,
 }
 
-/// One connection of an address, counted until dropped.
+/// One connection of an address, counted until dropped (`None`: the host's own, not counted).
 #[derive(Debug)]
 pub struct PeerPermit {
     share: Arc<PeerShare>,
-    ip: IpAddr,
+    ip: Option<IpAddr>,
 }
 
 /// An IPv4 peer seen through an IPv6 socket is the same host as over IPv4.
@@ -47,6 +51,12 @@ impl PeerShare {
     /// A permit for one more connection from `ip`; `None` when it holds its share already.
     pub fn try_acquire(self: &Arc<Self>, ip: IpAddr) -> Option<PeerPermit> {
         let ip = canonical(ip);
+        if is_this_host(ip) {
+            return Some(PeerPermit {
+                share: self.clone(),
+                ip: None,
+            });
+        }
         let mut held = self.held.lock().unwrap_or_else(|e| e.into_inner());
         let full = held.len() >= self.capacity;
         match held.iter_mut().find(|(a, _)| *a == ip) {
@@ -59,7 +69,7 @@ impl PeerShare {
         }
         Some(PeerPermit {
             share: self.clone(),
-            ip,
+            ip: Some(ip),
         })
     }
 
@@ -71,10 +81,19 @@ impl PeerShare {
     }
 }
 
+/// `127.0.0.1` or `::1`: a connection from this host's own processes.
+fn is_this_host(ip: IpAddr) -> bool {
+    ip == IpAddr::V4(std::net::Ipv4Addr::LOCALHOST)
+        || ip == IpAddr::V6(std::net::Ipv6Addr::LOCALHOST)
+}
+
 impl Drop for PeerPermit {
     fn drop(&mut self) {
+        let Some(ip) = self.ip else {
+            return;
+        };
         let mut held = self.share.held.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(i) = held.iter().position(|(a, _)| *a == self.ip) {
+        if let Some(i) = held.iter().position(|(a, _)| *a == ip) {
             held[i].1 -= 1;
             if held[i].1 == 0 {
                 held.swap_remove(i);
@@ -100,6 +119,19 @@ mod tests {
         drop(a1);
         assert_eq!(share.held_by(a), 1);
         assert!(share.try_acquire(a).is_some());
+    }
+
+    #[test]
+    fn the_hosts_own_address_has_no_share_but_the_rest_of_loopback_does() {
+        let share = PeerShare::new(1, 2);
+        let local: Vec<_> = (0..5)
+            .map(|_| share.try_acquire("127.0.0.1".parse().unwrap()).unwrap())
+            .collect();
+        assert!(share.try_acquire("::1".parse().unwrap()).is_some());
+        assert_eq!(share.held_by("127.0.0.1".parse().unwrap()), 0);
+        let _other = share.try_acquire("127.0.0.2".parse().unwrap()).unwrap();
+        assert!(share.try_acquire("127.0.0.2".parse().unwrap()).is_none());
+        drop(local);
     }
 
     #[test]
