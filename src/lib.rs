@@ -8,7 +8,8 @@
 //! limits, dtype, service,  caps and element types; systemd (notify, watchdog, sockets);
 //!   log_limit              log lines a peer can provoke, at most one a second each
 //! transform, protocol,     element conversion; the wire format and its two dialects;
-//!   tokenizer, sampler     prompts to token ids (openpi's formats); flow/DDPM/DDIM steps
+//!   tokenizer, sampler,    prompts to token ids (openpi's formats); flow/DDPM/DDIM steps;
+//!   rtc                    real-time chunking's per-step math (prefix weights, guidance)
 //! config                   the file's raw form, its checks, the resolved Config
 //! engine, planner, demo    backends; the task planner; the embedded default
 //! bind                     bindings compiled against an engine: frame → inputs, outputs → reply
@@ -39,6 +40,7 @@ pub mod net;
 pub mod planner;
 pub mod policy;
 pub mod protocol;
+pub mod rtc;
 pub mod runtime;
 pub mod sampler;
 pub mod service;

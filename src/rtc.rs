@@ -1,0 +1,430 @@
+//! How does a new action chunk continue the one the robot is executing? Real-time chunking
+//! (RTC; Black, Galliker, Levine 2025), as LeRobot 0.6.1 computes it, as pure functions over
+//! caller-owned buffers: the prefix weights over the chunk, the guidance weight at a flow time,
+//! the guided velocity of one denoising step, the previous chunk's leftover aligned with the
+//! new chunk, and GR00T N1.7's native inpainting (the leftover as the first rows of the noise,
+//! each row's velocity scaled by a ramp). Nothing here allocates: the sampler loop calls it
+//! once per step with the slot's buffers.
+//!
+//! LeRobot computes the velocity before `x_t` requires grad, so its autograd "correction" is
+//! the weighted error itself: `v − g(τ)·W ⊙ (prev − (x_t − time·v))`. No backward pass is
+//! needed, only this per-step update beside the Euler step.
+
+/// `prefix_attention_schedule`: how the leftover's weight falls from the rows the robot will
+/// execute during inference (`inference_delay`, weight 1) to `execution_horizon` (weight 0).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Schedule {
+    /// 1 on the delayed rows, 0 after them.
+    Zeros,
+    /// 1 up to the execution horizon.
+    Ones,
+    /// 1 on the delayed rows, then linearly down to the horizon (LeRobot's default).
+    Linear,
+    /// As `Linear`, bent by `w·expm1(w)/(e − 1)`.
+    Exp,
+}
+
+impl Schedule {
+    /// The config's names (LeRobot's `RTCAttentionSchedule` values, lower case).
+    pub const NAMES: [(&'static str, Schedule); 4] = [
+        ("zeros", Schedule::Zeros),
+        ("ones", Schedule::Ones),
+        ("linear", Schedule::Linear),
+        ("exp", Schedule::Exp),
+    ];
+
+    pub fn parse(name: &str) -> Option<Schedule> {
+        Self::NAMES
+            .iter()
+            .find(|(n, _)| n.eq_ignore_ascii_case(name))
+            .map(|&(_, s)| s)
+    }
+}
+
+/// LeRobot's `get_prefix_weights(start, end, total)` into `out` (`total = out.len()` rows):
+/// `start` is the inference delay in rows, `end` the execution horizon.
+pub fn prefix_weights(schedule: Schedule, start: usize, end: usize, out: &mut [f32]) {
+    let total = out.len();
+    let start = start.min(end);
+    match schedule {
+        Schedule::Zeros => {
+            for (i, w) in out.iter_mut().enumerate() {
+                *w = if i < start { 1.0 } else { 0.0 };
+            }
+        }
+        Schedule::Ones => {
+            for (i, w) in out.iter_mut().enumerate() {
+                *w = if i < end { 1.0 } else { 0.0 };
+            }
+        }
+        Schedule::Linear | Schedule::Exp => {
+            // Leading ones over the delay, then `linspace(1, 0, n + 2)[1:-1]` over the rows up
+            // to the horizon, then zeros (LeRobot builds the three parts and concatenates them).
+            let n = total.min(end).saturating_sub(start);
+            let ones = start.min(total);
+            for (i, w) in out.iter_mut().enumerate() {
+                *w = if i < ones {
+                    1.0
+                } else if i < ones + n {
+                    let k = (i - ones + 1) as f64;
+                    let lin = (1.0 - k / (n + 1) as f64) as f32;
+                    match schedule {
+                        Schedule::Exp => lin * lin.exp_m1() / (std::f32::consts::E - 1.0),
+                        _ => lin,
+                    }
+                } else {
+                    0.0
+                };
+            }
+        }
+    }
+}
+
+/// The guidance weight at flow time `time` (LeRobot's time: 1 is pure noise, 0 the action):
+/// `min(c·((1−τ)² + τ²)/(1−τ)², max)` with `τ = 1 − time`, `c = (1−τ)/τ`, where +∞ becomes
+/// `max` and NaN 0, as `torch.nan_to_num` maps them.
+pub fn guidance_weight(time: f32, max: f32) -> f32 {
+    let tau = 1.0 - time;
+    let one_minus = 1.0 - tau;
+    let inv_r2 = (one_minus * one_minus + tau * tau) / (one_minus * one_minus);
+    let c = nan_to_num(one_minus / tau, max);
+    nan_to_num(c * inv_r2, max).min(max)
+}
+
+/// `torch.nan_to_num(x, posinf=max)`: NaN → 0, +∞ → `max`, −∞ → the lowest finite value.
+fn nan_to_num(x: f32, max: f32) -> f32 {
+    if x.is_nan() {
+        0.0
+    } else if x == f32::INFINITY {
+        max
+    } else if x == f32::NEG_INFINITY {
+        f32::MIN
+    } else {
+        x
+    }
+}
+
+/// One guided velocity, in place: `v ← v − g·w_r·(prev − (x − time·v))` on each row `r` of
+/// `width` values. `weights` has one value per row; `prev` is the leftover padded to the chunk.
+pub fn guide(
+    v: &mut [f32],
+    x: &[f32],
+    prev: &[f32],
+    weights: &[f32],
+    width: usize,
+    time: f32,
+    g: f32,
+) {
+    for (r, &w) in weights.iter().enumerate() {
+        if w == 0.0 {
+            continue;
+        }
+        let row = r * width..(r + 1) * width;
+        for ((v, &x), &p) in v[row.clone()]
+            .iter_mut()
+            .zip(&x[row.clone()])
+            .zip(&prev[row])
+        {
+            let err = (p - (x - time * *v)) * w;
+            *v -= g * err;
+        }
+    }
+}
+
+/// The previous chunk's leftover, aligned with the new chunk, into `out` (the new chunk's rows
+/// × `width`, zero-padded): the rows of `prev` (`prev.len() / width` rows, its first action at
+/// the timestep the chunk started) from `offset` on (the new chunk's first timestep less the
+/// previous chunk's), at most `horizon` of them (LeRobot's rollout cuts the leftover to the
+/// execution horizon and pads it with zero rows). Returns how many rows came from `prev`: 0
+/// when the robot is past the previous chunk's end (then no RTC).
+pub fn leftover(
+    prev: &[f32],
+    width: usize,
+    offset: usize,
+    horizon: usize,
+    out: &mut [f32],
+) -> usize {
+    out.fill(0.0);
+    let rows = prev.len() / width.max(1);
+    let out_rows = out.len() / width.max(1);
+    let n = rows.saturating_sub(offset).min(horizon).min(out_rows);
+    if n > 0 {
+        out[..n * width].copy_from_slice(&prev[offset * width..(offset + n) * width]);
+    }
+    n
+}
+
+/// GR00T N1.7's native RTC, as LeRobot maps a leftover onto it: how many of the noise's first
+/// rows the leftover replaces (`overlap`), and how many of those keep their value (`frozen`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Inpaint {
+    pub overlap: usize,
+    pub frozen: usize,
+}
+
+impl Inpaint {
+    /// From a leftover (the rows [`leftover`] wrote, `width` values each, into `prev`): its
+    /// trailing all-zero rows are padding and are dropped, `overlap = min(rows,
+    /// execution_horizon)`, `frozen = min(inference_delay, overlap)`. `None`: no RTC (nothing
+    /// left, or all zeros).
+    pub fn new(prev: &[f32], width: usize, horizon: usize, delay: usize) -> Option<Inpaint> {
+        let rows = prev
+            .chunks_exact(width.max(1))
+            .rposition(|r| r.iter().any(|&v| v != 0.0))?
+            + 1;
+        let overlap = rows.min(horizon);
+        (overlap > 0).then_some(Inpaint {
+            overlap,
+            frozen: delay.min(overlap),
+        })
+    }
+
+    /// The noise's first `overlap` rows become the leftover's last `overlap` valid rows (the
+    /// first ones, once the leftover has been cut to the execution horizon).
+    pub fn apply_to_noise(&self, prev: &[f32], width: usize, rows: usize, noise: &mut [f32]) {
+        let from = rows.saturating_sub(self.overlap) * width;
+        noise[..self.overlap * width].copy_from_slice(&prev[from..from + self.overlap * width]);
+    }
+
+    /// Each row's velocity strength into `out` (one per chunk row): 0 on the frozen rows, an
+    /// exponential ramp `1 − e^(−k·t)` normalised to end at 1 on the rows after them up to the
+    /// overlap (`t` evenly spaced in (0, 1), ends excluded), 1 after.
+    pub fn strengths(&self, ramp_rate: f32, out: &mut [f32]) {
+        let between = self.overlap - self.frozen;
+        let last = 1.0 - (-ramp_rate).exp();
+        let last = last.max(1e-8);
+        for (i, s) in out.iter_mut().enumerate() {
+            *s = if i < self.frozen {
+                0.0
+            } else if i < self.overlap {
+                let t = (i - self.frozen + 1) as f32 / (between + 1) as f32;
+                (1.0 - (-ramp_rate * t).exp()) / last
+            } else {
+                1.0
+            };
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn weights(s: Schedule, start: usize, end: usize, total: usize) -> Vec<f32> {
+        let mut out = vec![f32::NAN; total];
+        prefix_weights(s, start, end, &mut out);
+        out
+    }
+
+    fn close(a: &[f32], b: &[f32], tol: f32) {
+        assert_eq!(a.len(), b.len());
+        for (i, (x, y)) in a.iter().zip(b).enumerate() {
+            assert!((x - y).abs() <= tol, "[{i}]: {x} vs {y}\n{a:?}\n{b:?}");
+        }
+    }
+
+    /// Values printed by LeRobot 0.6.1's `RTCProcessor.get_prefix_weights`.
+    #[test]
+    fn prefix_weights_are_lerobots() {
+        use Schedule::*;
+        let cases: [(Schedule, usize, usize, usize, &[f32]); 12] = [
+            (Zeros, 2, 6, 8, &[1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]),
+            (Zeros, 6, 4, 8, &[1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0]),
+            (Ones, 2, 6, 8, &[1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0]),
+            (Ones, 3, 10, 8, &[1.0; 8]),
+            (Ones, 0, 0, 4, &[0.0; 4]),
+            (Linear, 2, 6, 8, &[1.0, 1.0, 0.8, 0.6, 0.4, 0.2, 0.0, 0.0]),
+            (
+                Linear,
+                0,
+                5,
+                8,
+                &[
+                    0.8333333, 0.6666666, 0.5, 0.33333334, 0.16666667, 0.0, 0.0, 0.0,
+                ],
+            ),
+            (Linear, 6, 4, 8, &[1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0]),
+            (
+                Linear,
+                3,
+                10,
+                8,
+                &[
+                    1.0, 1.0, 1.0, 0.8333333, 0.6666666, 0.5, 0.33333334, 0.16666667,
+                ],
+            ),
+            (
+                Exp,
+                2,
+                6,
+                8,
+                &[
+                    1.0, 1.0, 0.570589, 0.28707242, 0.11449222, 0.02577025, 0.0, 0.0,
+                ],
+            ),
+            (
+                Exp,
+                0,
+                5,
+                8,
+                &[
+                    0.630948,
+                    0.36770603,
+                    0.18877034,
+                    0.07674575,
+                    0.017591257,
+                    0.0,
+                    0.0,
+                    0.0,
+                ],
+            ),
+            (Exp, 0, 0, 4, &[0.0; 4]),
+        ];
+        for (s, start, end, total, want) in cases {
+            close(&weights(s, start, end, total), want, 1e-6);
+        }
+    }
+
+    #[test]
+    fn the_guidance_weight_is_lerobots_at_both_ends_and_between() {
+        // τ = 0 (pure noise): c = +∞ → max; τ = 1 (the action): 0·∞ = NaN → 0.
+        assert_eq!(guidance_weight(1.0, 10.0), 10.0);
+        assert_eq!(guidance_weight(0.0, 10.0), 0.0);
+        // time 0.7: τ = 0.3, c = 0.7/0.3, ((0.7² + 0.3²)/0.7²) → 2.9762, under the cap.
+        let g = guidance_weight(0.7, 10.0);
+        assert!(
+            (g - (0.7 / 0.3) * ((0.49 + 0.09) / 0.49)).abs() < 1e-4,
+            "{g}"
+        );
+        assert_eq!(guidance_weight(0.95, 5.0), 5.0, "capped");
+    }
+
+    /// LeRobot's `RTCProcessor.denoise_step` (LINEAR, max 10, execution horizon 5, delay 1) on
+    /// a 6×3 chunk with a 4-row leftover, printed at four flow times: the same velocities.
+    #[test]
+    fn a_guided_velocity_is_lerobots() {
+        let x = [
+            -1.1258398, -1.1523602, 0.5666506, 0.7935084, 0.5988395, -1.5550951, -0.3413604,
+            1.8530061, 0.4680964, -0.1577124, -0.1733968, 0.1834779, 1.3893661, 1.5863342,
+            0.9462984, -0.8436767, 0.9318266, 1.2590092,
+        ];
+        let v0 = [
+            -0.492677, 0.2484148, -0.2303355, -0.3917544, 0.5432947, -0.3951575, 0.2055257,
+            -0.4503298, -0.5730771, -0.5553584, -1.5311843, -1.234135, 1.8197253, -0.5515287,
+            -1.325326, 0.1885536, -0.0690727, -0.4949253,
+        ];
+        let prev4 = [
+            -2.2187793, 0.2589845, -1.0297022, -0.5007584, 0.2733677, -0.9181, -0.0404211,
+            0.2881168, -0.0075373, -0.9144955, -1.0885837, -0.2665963,
+        ];
+        let want: [(f32, [f32; 18]); 3] = [
+            (
+                1.0,
+                [
+                    15.363488, -16.34918, 18.036549, 12.253405, -1.0903778, -2.2089388, -2.3267994,
+                    9.625766, 4.670477, 2.724995, 4.584744, 2.9763885, 1.8197253, -0.5515287,
+                    -1.325326, 0.1885536, -0.0690727, -0.4949253,
+                ],
+            ),
+            (
+                0.7,
+                [
+                    3.4784267, -4.1298532, 4.6239538, 2.8572705, 0.4297088, -1.1416689, -0.408732,
+                    2.1460266, 0.6377249, 0.2356055, -0.1591971, -0.3268709, 1.8197253, -0.5515287,
+                    -1.325326, 0.1885536, -0.0690727, -0.4949253,
+                ],
+            ),
+            (
+                0.3,
+                [
+                    2.9341362, -3.8554146, 4.3694887, 2.5326743, 0.8798673, -1.4690851, -0.2952035,
+                    1.8972733, 0.3211681, 0.0822209, -0.5820956, -0.6677272, 1.8197253, -0.5515287,
+                    -1.325326, 0.1885536, -0.0690727, -0.4949253,
+                ],
+            ),
+        ];
+        // LeRobot cuts the horizon to the leftover's rows (4) and pads the leftover to 6.
+        let mut prev = [0.0f32; 18];
+        let rows = leftover(&prev4, 3, 0, 5, &mut prev);
+        assert_eq!(rows, 4);
+        let mut w = [0.0f32; 6];
+        prefix_weights(Schedule::Linear, 1, rows.min(5), &mut w);
+        for (time, want) in want {
+            let mut v = v0;
+            guide(&mut v, &x, &prev, &w, 3, time, guidance_weight(time, 10.0));
+            close(&v, &want, 2e-5);
+        }
+        // At the action end the guidance weight is 0: the velocity is the model's.
+        let mut v = v0;
+        guide(&mut v, &x, &prev, &w, 3, 0.0, guidance_weight(0.0, 10.0));
+        assert_eq!(v, v0);
+    }
+
+    #[test]
+    fn the_leftover_starts_at_the_new_chunks_first_timestep() {
+        // A 5-row chunk of width 2 started at timestep 10; the new one starts at 12.
+        let prev: Vec<f32> = (0..10).map(|v| v as f32).collect();
+        let mut out = [f32::NAN; 8];
+        assert_eq!(leftover(&prev, 2, 2, 10, &mut out), 3);
+        assert_eq!(out, [4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 0.0, 0.0]);
+        // Cut to the execution horizon, zero-padded after it.
+        assert_eq!(leftover(&prev, 2, 1, 2, &mut out), 2);
+        assert_eq!(out, [2.0, 3.0, 4.0, 5.0, 0.0, 0.0, 0.0, 0.0]);
+        // Past the previous chunk's end: nothing left.
+        assert_eq!(leftover(&prev, 2, 5, 4, &mut out), 0);
+        assert_eq!(leftover(&prev, 2, 9, 4, &mut out), 0);
+        assert!(out.iter().all(|&v| v == 0.0));
+    }
+
+    /// GR00T's mapping (LeRobot's `_prepare_n1_7_rtc_inputs` and `get_action_with_features`):
+    /// zero padding rows stripped, the overlap and frozen rows, and the velocity ramp.
+    #[test]
+    fn groot_inpaints_the_leftover_with_lerobots_ramp() {
+        // Three real rows, then two rows of padding.
+        let prev = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 0.0, 0.0, 0.0, 0.0];
+        assert_eq!(
+            Inpaint::new(&prev, 2, 8, 1),
+            Some(Inpaint {
+                overlap: 3,
+                frozen: 1
+            })
+        );
+        assert_eq!(
+            Inpaint::new(&prev, 2, 2, 5),
+            Some(Inpaint {
+                overlap: 2,
+                frozen: 2
+            })
+        );
+        assert_eq!(Inpaint::new(&[0.0; 6], 2, 8, 1), None);
+        let ip = Inpaint {
+            overlap: 4,
+            frozen: 1,
+        };
+        let mut s = [f32::NAN; 6];
+        ip.strengths(6.0, &mut s);
+        // `t = linspace(0, 1, 3 + 2)`: 0.25, 0.5, 0.75 between the ends.
+        let ramp = |t: f32| (1.0 - (-6.0 * t).exp()) / (1.0 - (-6.0f32).exp());
+        close(
+            &s,
+            &[0.0, ramp(0.25), ramp(0.5), ramp(0.75), 1.0, 1.0],
+            1e-6,
+        );
+        // The noise's first rows become the leftover's.
+        let mut noise = [9.0f32; 10];
+        Inpaint {
+            overlap: 2,
+            frozen: 0,
+        }
+        .apply_to_noise(&prev, 2, 3, &mut noise);
+        assert_eq!(noise[..4], [3.0, 4.0, 5.0, 6.0]);
+        assert_eq!(noise[4..], [9.0; 6]);
+    }
+
+    #[test]
+    fn schedules_parse_by_lerobots_names() {
+        assert_eq!(Schedule::parse("LINEAR"), Some(Schedule::Linear));
+        assert_eq!(Schedule::parse("exp"), Some(Schedule::Exp));
+        assert_eq!(Schedule::parse("cosine"), None);
+    }
+}
