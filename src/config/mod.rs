@@ -307,7 +307,7 @@ tensor = "actions"
         let c = Config::parse(MIN, "t", Some(Path::new("/etc/policyd"))).unwrap();
         assert_eq!(c.server.host, "127.0.0.1");
         assert_eq!(c.server.port, 8000);
-        assert_eq!(c.server.idle_timeout_s, 300.0);
+        assert_eq!(c.server.idle_timeout_s, 3600.0);
         assert_eq!(c.server.write_timeout_s, 10.0);
         assert_eq!(c.server.max_connections_per_peer, 4);
         assert_eq!(c.server.ping_interval_s, 20.0);

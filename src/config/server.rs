@@ -51,9 +51,10 @@ impl Default for RawServer {
             max_message_bytes: 4 << 20,
             ping_interval_s: 20.0,
             ping_timeout_s: 20.0,
-            // openpi's and vllm-omni's clients (the `websockets` library) ping every 20 s, and
-            // a client's ping counts as activity: only a client that sends nothing is closed.
-            idle_timeout_s: 300.0,
+            // openpi's and vllm-omni's clients on `websockets` 15 or newer ping every 20 s, and a
+            // client's ping counts as activity; an older one sends nothing between requests, so
+            // the default leaves it an hour (the per-address share is what stops a lock-out).
+            idle_timeout_s: 3600.0,
             write_timeout_s: 10.0,
             handshake_timeout_s: 10.0,
             frame_timeout_s: 30.0,

@@ -252,7 +252,7 @@ async fn idle_timeout_closes_quiet_connections_only_when_enabled() {
     assert!(after_reply.elapsed() >= Duration::from_millis(450));
     srv.stop();
 
-    // The default (300 s) is far past this: a quiet client stays connected.
+    // The default (an hour) is far past this: a quiet client stays connected.
     let mut srv = start(|_| {}).await;
     let mut ws = connect(&srv.url("/")).await;
     let quiet = tokio::time::timeout(Duration::from_millis(1500), ws.next()).await;
