@@ -527,14 +527,18 @@ where
         self.send_msg(msg).await
     }
 
-    /// Sends `msg`, giving the client `server.write_timeout_s` to take it: a client that
-    /// stops reading (its receive window full) is closed, not waited for.
+    /// Sends `msg`. A client that stops reading (its receive window full) fails the send once
+    /// no byte has gone out for `server.write_timeout_s` (the frame guard's stall clock): it is
+    /// closed, not waited for, while a slow client that keeps reading gets all the time it takes.
     async fn send_msg(&mut self, msg: Message) -> Step {
-        let limit = Duration::from_secs_f64(self.shared.cfg.server.write_timeout_s);
-        match tokio::time::timeout(limit, self.ws.send(msg)).await {
-            Ok(r) => r.map_err(|_| Closed::Gone),
-            Err(_) => Err(Closed::NotReading),
-        }
+        self.ws.send(msg).await.map_err(|e| match e {
+            tokio_tungstenite::tungstenite::Error::Io(e)
+                if e.to_string() == crate::net::frame_guard::NOT_READING =>
+            {
+                Closed::NotReading
+            }
+            _ => Closed::Gone,
+        })
     }
 
     /// Reports a failure in the connection's dialect; `Err` when the dialect closes after it.

@@ -156,8 +156,14 @@ impl<S> FrameGuard<S> {
     }
 
     /// Records whether a write made progress: the stall clock starts at the first write that
-    /// could not, and stops at the next that could.
-    fn note_write<T>(&mut self, r: &Poll<io::Result<T>>) {
+    /// could not, and stops at the next that could. A write still blocked when the clock runs
+    /// out fails with [`NOT_READING`] (the timer wakes it), so a send to a peer that stopped
+    /// reading ends after the stall, however long a slow but reading peer takes.
+    fn note_write<T>(
+        &mut self,
+        cx: &mut Context<'_>,
+        r: Poll<io::Result<T>>,
+    ) -> Poll<io::Result<T>> {
         match r {
             Poll::Pending => {
                 if !self.write_stalled
@@ -166,8 +172,15 @@ impl<S> FrameGuard<S> {
                     timer.as_mut().reset(tokio::time::Instant::now() + *t);
                     self.write_stalled = true;
                 }
+                if self.write_overdue(cx) {
+                    return Poll::Ready(Err(io::Error::new(io::ErrorKind::TimedOut, NOT_READING)));
+                }
+                Poll::Pending
             }
-            Poll::Ready(_) => self.write_stalled = false,
+            Poll::Ready(r) => {
+                self.write_stalled = false;
+                Poll::Ready(r)
+            }
         }
     }
 
@@ -469,8 +482,7 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for FrameGuard<S> {
         data: &[u8],
     ) -> Poll<io::Result<usize>> {
         let r = Pin::new(&mut self.inner).poll_write(cx, data);
-        self.note_write(&r);
-        r
+        self.note_write(cx, r)
     }
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
@@ -487,8 +499,7 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for FrameGuard<S> {
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
         let r = Pin::new(&mut self.inner).poll_write_vectored(cx, bufs);
-        self.note_write(&r);
-        r
+        self.note_write(cx, r)
     }
 
     fn is_write_vectored(&self) -> bool {
@@ -695,6 +706,9 @@ mod tests {
         let blocked =
             tokio::time::timeout(Duration::from_millis(50), guard.write_all(&[2u8; 4096])).await;
         assert!(blocked.is_err(), "the write should block");
+        // A write still blocked when the stall reaches the timeout fails too.
+        let e = guard.write_all(&[3u8; 4096]).await.unwrap_err();
+        assert_eq!(e.to_string(), NOT_READING);
         let t = std::time::Instant::now();
         let e = guard.read(&mut buf).await.unwrap_err();
         assert_eq!(e.kind(), io::ErrorKind::TimedOut);
