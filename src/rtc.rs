@@ -302,6 +302,7 @@ mod tests {
     /// LeRobot's `RTCProcessor.denoise_step` (LINEAR, max 10, execution horizon 5, delay 1) on
     /// a 6×3 chunk with a 4-row leftover, printed at four flow times: the same velocities.
     #[test]
+    #[allow(clippy::excessive_precision)] // the values as printed
     fn a_guided_velocity_is_lerobots() {
         let x = [
             -1.1258398, -1.1523602, 0.5666506, 0.7935084, 0.5988395, -1.5550951, -0.3413604,
