@@ -22,7 +22,7 @@ use tokio_tungstenite::tungstenite::protocol::CloseFrame;
 use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
 use tokio_tungstenite::tungstenite::{Bytes, Message};
 
-use crate::net::frame_guard::oversize_marker;
+use crate::net::frame_guard::{NotReading, oversize_marker};
 use crate::net::requests::{Core, Event, Released, Started, sleep_until_opt};
 use crate::net::shared::{Shared, next_client_id};
 use crate::policy::Policy;
@@ -107,6 +107,9 @@ pub enum Closed {
     Idle,
     /// The client left the server's frames unread for `server.write_timeout_s`.
     NotReading,
+    /// A reload made the policy's frames larger than this connection's write buffer (1001;
+    /// the client's next connection gets the new bound).
+    Outgrown,
     /// The dialect closes after an error (openpi: a text frame, then 1011); the error.
     AfterError(String),
 }
@@ -124,6 +127,9 @@ impl std::fmt::Display for Closed {
             Closed::Idle => f.write_str("idle timeout"),
             Closed::NotReading => f.write_str(
                 "the client did not read the server's frames within server.write_timeout_s",
+            ),
+            Closed::Outgrown => f.write_str(
+                "the reloaded policy's frames outgrow this connection's write buffer (1001)",
             ),
             Closed::AfterError(e) => f.write_str(e),
         }
@@ -192,7 +198,7 @@ where
                     // larger. A new connection gets the new bound.
                     let mut socket = socket;
                     close(&mut socket, CloseCode::Away, "policy reloaded; reconnect").await;
-                    return Closed::PolicyRemoved;
+                    return Closed::Outgrown;
                 }
                 crate::log_limited!(
                     log::Level::Info,
@@ -382,10 +388,7 @@ where
                 }
                 closed(Closed::ByClient)
             }
-            Some(Err(tokio_tungstenite::tungstenite::Error::Io(e)))
-                if e.kind() == std::io::ErrorKind::TimedOut
-                    && e.to_string() == crate::net::frame_guard::NOT_READING =>
-            {
+            Some(Err(e)) if NotReading::is(&e) => {
                 // Nothing more can be written to it: no close frame either.
                 closed(Closed::NotReading)
             }
@@ -531,13 +534,12 @@ where
     /// no byte has gone out for `server.write_timeout_s` (the frame guard's stall clock): it is
     /// closed, not waited for, while a slow client that keeps reading gets all the time it takes.
     async fn send_msg(&mut self, msg: Message) -> Step {
-        self.ws.send(msg).await.map_err(|e| match e {
-            tokio_tungstenite::tungstenite::Error::Io(e)
-                if e.to_string() == crate::net::frame_guard::NOT_READING =>
-            {
+        self.ws.send(msg).await.map_err(|e| {
+            if NotReading::is(&e) {
                 Closed::NotReading
+            } else {
+                Closed::Gone
             }
-            _ => Closed::Gone,
         })
     }
 

@@ -71,6 +71,30 @@ enum State {
 pub const NOT_READING: &str =
     "the client has not read the server's frames within server.write_timeout_s";
 
+/// The error inside the [`io::Error`] a stalled connection's read or write fails with.
+#[derive(Debug)]
+pub struct NotReading;
+
+impl std::fmt::Display for NotReading {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(NOT_READING)
+    }
+}
+
+impl std::error::Error for NotReading {}
+
+impl NotReading {
+    fn error() -> io::Error {
+        io::Error::new(io::ErrorKind::TimedOut, NotReading)
+    }
+
+    /// Whether tungstenite's error is a stalled connection's.
+    pub fn is(e: &tokio_tungstenite::tungstenite::Error) -> bool {
+        matches!(e, tokio_tungstenite::tungstenite::Error::Io(e)
+            if e.get_ref().is_some_and(|inner| inner.is::<NotReading>()))
+    }
+}
+
 /// A stream that enforces the message size limit on what it reads (see the module docs).
 pub struct FrameGuard<S> {
     inner: S,
@@ -173,7 +197,7 @@ impl<S> FrameGuard<S> {
                     self.write_stalled = true;
                 }
                 if self.write_overdue(cx) {
-                    return Poll::Ready(Err(io::Error::new(io::ErrorKind::TimedOut, NOT_READING)));
+                    return Poll::Ready(Err(NotReading::error()));
                 }
                 Poll::Pending
             }
@@ -378,7 +402,7 @@ impl<S: AsyncRead + Unpin> AsyncRead for FrameGuard<S> {
     ) -> Poll<io::Result<()>> {
         let this = &mut *self;
         if this.write_overdue(cx) {
-            return Poll::Ready(Err(io::Error::new(io::ErrorKind::TimedOut, NOT_READING)));
+            return Poll::Ready(Err(NotReading::error()));
         }
         let r = this.read_frames(cx, buf);
         if r.is_pending() && this.frame_overdue(cx) {
@@ -713,6 +737,7 @@ mod tests {
         let e = guard.read(&mut buf).await.unwrap_err();
         assert_eq!(e.kind(), io::ErrorKind::TimedOut);
         assert_eq!(e.to_string(), NOT_READING);
+        assert!(e.get_ref().is_some_and(|inner| inner.is::<NotReading>()));
         assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
     }
 
