@@ -10,11 +10,11 @@
 //! binds it to a policy. Unlike LeRobot's, the session belongs to the connection that set it
 //! up: another connection's `Ready`, setup, observations and polls are refused while the owner
 //! is connected and has made a call within `lerobot.takeover_after_s`, so no other peer can
-//! permute the robot's motors, shrink its chunks or take its actions. The owner's address always
-//! gets its session back (a new `Ready` from it wins; a reconnect carries the session on);
-//! another address may take it over only once the owner has gone or fallen silent and
-//! `lerobot.owner_grace_s` has passed ([`crate::net::owner`]). A session task owns the [`Core`]; the RPC
-//! handlers talk to it over a bounded channel:
+//! permute the robot's motors, shrink its chunks or take its actions. The owner's address gets
+//! its session back (a reconnect carries it on; its new `Ready` wins over a connection that only
+//! adopted the session); another address may take it over only once the owner has gone or
+//! fallen silent and `lerobot.owner_grace_s` has passed ([`crate::net::owner`]). A session task
+//! owns the [`Core`]; the RPC handlers talk to it over a bounded channel:
 //! - `SendObservations` reassembles the chunks, the session task decodes the pickle straight
 //!   into a slot's engine buffers (state vector in the client's motor order, camera frames
 //!   resized to the policy's inputs if `lerobot.resize` allows) and answers at once; a stream
