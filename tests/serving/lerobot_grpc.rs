@@ -226,8 +226,18 @@ async fn serve(extra: &str) -> (common::Running, SocketAddr) {
 }
 
 async fn client(addr: SocketAddr) -> AsyncInferenceClient<Channel> {
+    client_bound(addr, None).await
+}
+
+/// A client whose connection comes from `local` (another loopback address: another host to
+/// the service's per-address rules), or the default address.
+async fn client_bound(
+    addr: SocketAddr,
+    local: Option<std::net::IpAddr>,
+) -> AsyncInferenceClient<Channel> {
     let channel = Channel::from_shared(format!("http://{addr}"))
         .expect("a URI")
+        .local_address(local)
         .connect()
         .await
         .expect("connects");
@@ -768,18 +778,9 @@ async fn another_peer_cannot_steer_or_rob_the_robots_session() {
     assert_eq!(e.code(), Code::PermissionDenied);
 }
 
-/// A client whose connection comes from `ip` (another loopback address: another host to the
-/// service's per-address rules).
+/// [`client_bound`] from `ip`.
 async fn client_from(ip: &str, addr: SocketAddr) -> AsyncInferenceClient<Channel> {
-    let channel = Channel::from_shared(format!("http://{addr}"))
-        .expect("a URI")
-        .local_address(Some(ip.parse().expect("an address")))
-        .connect()
-        .await
-        .expect("connects");
-    AsyncInferenceClient::new(channel)
-        .max_decoding_message_size(8 << 20)
-        .max_encoding_message_size(8 << 20)
+    client_bound(addr, Some(ip.parse().expect("an address"))).await
 }
 
 /// A raw TCP connection from `ip`.
