@@ -199,13 +199,14 @@ impl Metrics {
         self.lerobot_rpcs.get_or_create(&RpcLabels { rpc }).inc();
     }
 
-    /// Counts a LeRobot refusal (one of [`LEROBOT_REFUSALS`]).
+    /// Counts a WebSocket connection refused (one of [`CONNECTION_REFUSALS`]).
     pub fn connection_refused(&self, reason: &'static str) {
         self.connections_refused
             .get_or_create(&RefusedLabels { reason })
             .inc();
     }
 
+    /// Counts a LeRobot refusal (one of [`LEROBOT_REFUSALS`]).
     pub fn lerobot_refused(&self, reason: &'static str) {
         self.lerobot_refused
             .get_or_create(&RefusedLabels { reason })

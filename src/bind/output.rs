@@ -76,6 +76,14 @@ impl OutputBinding {
 }
 
 impl Plan {
+    /// The most a WebSocket connection's write buffer holds for this plan: its largest frame
+    /// (a reply or the metadata) and [`crate::limits::WS_WRITE_SLACK`] for the control and
+    /// error frames queued beside it. The HTTP layer bounds tungstenite's buffer by it and the
+    /// memory budget counts it.
+    pub fn write_buffer(&self) -> usize {
+        self.reply_capacity.max(self.metadata.len()) + crate::limits::WS_WRITE_SLACK
+    }
+
     /// Names the first output that would reach the wire holding NaN or infinity, if any.
     /// The values are checked as sent in `precision` (after un-normalisation and the cast to
     /// the reply dtype, in `scratch`), so an overflow there (a large output times a large

@@ -725,51 +725,13 @@ pub(super) fn inputs(
         }
         let map = match &b.map {
             None => None,
-            Some(m) => {
-                let Some(g) = FeatureMap::parse(&m.function) else {
-                    let known: Vec<&str> = FeatureMap::NAMES.iter().map(|(n, _)| *n).collect();
-                    return Err(cx.invalid(
-                        k("map.function"),
-                        format!(
-                            "unknown function \"{}\"; known: {}",
-                            m.function,
-                            known.join(", ")
-                        ),
-                    ));
-                };
-                if m.columns.is_empty()
-                    || m.columns.len() > features
-                    || m.columns.iter().any(|&c| c >= features)
-                {
-                    return Err(cx.invalid(
-                        k("map.columns"),
-                        format!(
-                            "give one or more indices into the wire shape's last axis (0 to {}), \
-                             each once",
-                            features.saturating_sub(1)
-                        ),
-                    ));
-                }
-                let mut seen = vec![false; features];
-                if let Some(&dup) = m
-                    .columns
-                    .iter()
-                    .find(|&&c| std::mem::replace(&mut seen[c], true))
-                {
-                    return Err(cx.invalid(
-                        k("map.columns"),
-                        format!("names column {dup} twice; each column once"),
-                    ));
-                }
-                if mean.len() == count && count != features {
-                    return Err(cx.invalid(
-                        k("map"),
-                        "applies to per-feature statistics; this binding's mean/std are per \
-                         element",
-                    ));
-                }
-                Some((g, m.columns.clone()))
-            }
+            Some(m) => Some(feature_map(
+                cx,
+                &k,
+                m,
+                features,
+                mean.len() == count && count != features,
+            )?),
         };
         let history = b.history.unwrap_or(1);
         if !(1..=crate::limits::MAX_HISTORY).contains(&history) {
@@ -968,6 +930,59 @@ pub(super) fn outputs(cx: &Keys, outputs: &[RawOutput]) -> Result<Vec<OutputConf
         });
     }
     Ok(out)
+}
+
+/// `[inputs.map]`: a known function on columns of the wire shape's last axis (`features` of
+/// them), each named once; it needs per-feature statistics (`per_element`: the binding's are
+/// per element).
+fn feature_map(
+    cx: &Keys,
+    k: &dyn Fn(&str) -> String,
+    m: &RawMap,
+    features: usize,
+    per_element: bool,
+) -> Result<(FeatureMap, Vec<usize>), ConfigError> {
+    let Some(g) = FeatureMap::parse(&m.function) else {
+        let known: Vec<&str> = FeatureMap::NAMES.iter().map(|(n, _)| *n).collect();
+        return Err(cx.invalid(
+            k("map.function"),
+            format!(
+                "unknown function \"{}\"; known: {}",
+                m.function,
+                known.join(", ")
+            ),
+        ));
+    };
+    if m.columns.is_empty()
+        || m.columns.len() > features
+        || m.columns.iter().any(|&c| c >= features)
+    {
+        return Err(cx.invalid(
+            k("map.columns"),
+            format!(
+                "give one or more indices into the wire shape's last axis (0 to {}), each once",
+                features.saturating_sub(1)
+            ),
+        ));
+    }
+    let mut seen = vec![false; features];
+    if let Some(&dup) = m
+        .columns
+        .iter()
+        .find(|&&c| std::mem::replace(&mut seen[c], true))
+    {
+        return Err(cx.invalid(
+            k("map.columns"),
+            format!("names column {dup} twice; each column once"),
+        ));
+    }
+    if per_element {
+        return Err(cx.invalid(
+            k("map"),
+            "applies to per-feature statistics; this binding's mean/std are per element",
+        ));
+    }
+    Ok((g, m.columns.clone()))
 }
 
 /// A `clip = [lo, hi]`: finite, `lo < hi`.

@@ -190,10 +190,7 @@ where
         match end {
             End::Closed(why) => return why,
             End::Switch { to, frame } => {
-                let largest = to.plan.reply_capacity.max(to.metadata.len());
-                if largest + crate::limits::WS_WRITE_SLACK
-                    > socket.get_config().max_write_buffer_size
-                {
+                if to.plan.write_buffer() > socket.get_config().max_write_buffer_size {
                     // Sized when the connection opened; a reload made this policy's frames
                     // larger. A new connection gets the new bound.
                     let mut socket = socket;

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::Semaphore;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_tungstenite::WebSocketStream;
 use tokio_tungstenite::tungstenite::handshake::derive_accept_key;
 use tokio_tungstenite::tungstenite::protocol::Role;
@@ -488,45 +488,7 @@ pub(crate) async fn handle(
             },
         }
     };
-    // Each address gets its share of the cap: a few sockets from one host cannot hold every
-    // slot and lock the robots out.
-    let Some(peer_permit) = shared.peers.try_acquire(peer.ip()) else {
-        shared.stats.metrics.connection_refused("peer_share");
-        crate::warn_limited!(
-            "{peer}: refused: this address holds its share of the connections \
-             (server.max_connections_per_peer = {})",
-            shared.cfg.server.max_connections_per_peer
-        );
-        respond(
-            &mut stream,
-            "503 Service Unavailable",
-            "text/plain; charset=utf-8",
-            &format!(
-                "policyd serves at most {} connections from one address\n",
-                shared.cfg.server.max_connections_per_peer
-            ),
-            "Retry-After: 1\r\n",
-        )
-        .await;
-        return;
-    };
-    let Ok(permit) = shared.connections.clone().try_acquire_owned() else {
-        shared.stats.metrics.connection_refused("limit");
-        crate::warn_limited!(
-            "{peer}: refused: at the connection limit (server.max_connections = {})",
-            shared.cfg.server.max_connections
-        );
-        respond(
-            &mut stream,
-            "503 Service Unavailable",
-            "text/plain; charset=utf-8",
-            &format!(
-                "policyd is serving its maximum of {} connections\n",
-                shared.cfg.server.max_connections
-            ),
-            "Retry-After: 1\r\n",
-        )
-        .await;
+    let Some((permit, peer_permit)) = admit(&mut stream, peer, &shared).await else {
         return;
     };
     let accept = derive_accept_key(key.as_bytes());
@@ -579,15 +541,65 @@ pub(crate) async fn handle(
     drop(peer_permit);
 }
 
-/// The most a connection's write buffer may hold for `set`: its largest frame (a reply or the
-/// metadata) and [`crate::limits::WS_WRITE_SLACK`] for the control and error frames queued
-/// beside it (counted in the memory budget).
-pub fn write_buffer_bound(set: &crate::policy::PolicySet) -> usize {
-    let largest = set
-        .policies
+/// A connection's two permits: its address's share of the cap (a few sockets from one host
+/// cannot hold every slot and lock the robots out), then a slot under
+/// `server.max_connections`. `None` once the client has had its 503 (counted and logged).
+async fn admit<S: Transport>(
+    stream: &mut S,
+    peer: SocketAddr,
+    shared: &Shared,
+) -> Option<(OwnedSemaphorePermit, crate::net::peers::PeerPermit)> {
+    let server = &shared.cfg.server;
+    let (reason, body) = match shared.peers.try_acquire(peer.ip()) {
+        None => {
+            crate::warn_limited!(
+                "{peer}: refused: this address holds its share of the connections \
+                 (server.max_connections_per_peer = {})",
+                server.max_connections_per_peer
+            );
+            (
+                "peer_share",
+                format!(
+                    "policyd serves at most {} connections from one address\n",
+                    server.max_connections_per_peer
+                ),
+            )
+        }
+        Some(peer_permit) => match shared.connections.clone().try_acquire_owned() {
+            Ok(permit) => return Some((permit, peer_permit)),
+            Err(_) => {
+                crate::warn_limited!(
+                    "{peer}: refused: at the connection limit (server.max_connections = {})",
+                    server.max_connections
+                );
+                (
+                    "limit",
+                    format!(
+                        "policyd is serving its maximum of {} connections\n",
+                        server.max_connections
+                    ),
+                )
+            }
+        },
+    };
+    shared.stats.metrics.connection_refused(reason);
+    respond(
+        stream,
+        "503 Service Unavailable",
+        "text/plain; charset=utf-8",
+        &body,
+        "Retry-After: 1\r\n",
+    )
+    .await;
+    None
+}
+
+/// The most a connection's write buffer may hold for `set`: [`crate::bind::Plan::write_buffer`]
+/// of its largest policy (a connection may move between them).
+fn write_buffer_bound(set: &crate::policy::PolicySet) -> usize {
+    set.policies
         .iter()
-        .map(|p| p.plan.reply_capacity.max(p.metadata.len()))
+        .map(|p| p.plan.write_buffer())
         .max()
-        .unwrap_or(0);
-    largest + crate::limits::WS_WRITE_SLACK
+        .unwrap_or(0)
 }

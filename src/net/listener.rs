@@ -96,7 +96,7 @@ pub async fn serve_set(
         .max_frame_size(Some(s.max_message_bytes + MARKER_LEN))
         .write_buffer_size(0);
     let max = s.max_connections;
-    let s_per_peer = s.max_connections_per_peer;
+    let peers = crate::net::peers::PeerShare::new(s.max_connections_per_peer, max);
     // One clock for every policy: it spins as long as the most demanding one asks.
     let spin_us = cfg.policies.iter().map(|p| p.pacing.spin_us).max();
     let spin = Duration::from_micros(spin_us.unwrap_or_default());
@@ -141,7 +141,7 @@ pub async fn serve_set(
         generation,
         ws_config,
         connections,
-        peers: crate::net::peers::PeerShare::new(s_per_peer, max),
+        peers,
         shutdown: stop_rx,
         cfg,
         access,

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use super::Policy;
 use crate::bind::Plan;
 use crate::config::{Config, ConfigError, PolicySpec, invalid};
-use crate::limits::{FRAME_GUARD_BUFFER, WS_READ_BUFFER, WS_WRITE_SLACK};
+use crate::limits::{FRAME_GUARD_BUFFER, WS_READ_BUFFER};
 
 /// The memory policyd allocates for a config, as a formula and a number.
 #[derive(Clone, Debug, PartialEq)]
@@ -43,7 +43,7 @@ impl Budget {
         let sessions = std::mem::size_of::<crate::runtime::session::Sessions>() as u64;
         // tungstenite's write buffer: its largest frame and the slack beside it (the bound the
         // HTTP layer sets; a peer that never reads cannot grow it past this).
-        let write = reply.max(metadata as u64) + WS_WRITE_SLACK as u64;
+        let write = plan.write_buffer() as u64;
         let per_conn =
             msg + WS_READ_BUFFER as u64 + guard + 2 * reply + metadata as u64 + sessions + write;
         let lines = vec![

@@ -15,12 +15,11 @@ processors). A downloaded checkpoint could name such a directory, so the exporte
 from __future__ import annotations
 
 import contextlib
-import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from .errors import ExportError
+from .errors import ExportError, read_json
 
 FLAG = "--trust-remote-code"
 
@@ -80,8 +79,8 @@ def check_dir(path: Path, what: str) -> None:
         return
     for file in sorted(path.glob("*.json")):
         try:
-            data = json.loads(file.read_text(encoding="utf-8"))
-        except (OSError, ValueError, RecursionError):
+            data = read_json(file, "a model config")
+        except ExportError:
             continue  # not a config transformers would read either
         found = _auto_map(data)
         if found is None:
