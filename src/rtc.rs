@@ -206,6 +206,185 @@ impl Inpaint {
     }
 }
 
+/// `[rtc]`, resolved: how a policy's sampler continues the previous chunk.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Settings {
+    /// Rows of the leftover a new chunk follows (LeRobot's `execution_horizon`).
+    pub execution_horizon: usize,
+    /// A fixed delay in control steps; `None`: the session's measured one.
+    pub inference_delay: Option<usize>,
+    pub method: Method,
+}
+
+/// Which RTC a family has.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Method {
+    /// LeRobot's guidance of the flow families (pi0, pi0.5, SmolVLA; openpi's pi0.5).
+    Guidance {
+        schedule: Schedule,
+        max_guidance_weight: f32,
+    },
+    /// GR00T N1.7's native inpainting (`rtc_ramp_rate`).
+    Inpaint { ramp_rate: f32 },
+}
+
+/// One request's RTC: how many leftover rows the slot's buffer holds (at least one) and the
+/// inference delay in control steps.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Request {
+    pub rows: usize,
+    pub delay: usize,
+}
+
+/// A session's previous chunk in model space (rows × width, the padded columns zero, as
+/// LeRobot's leftover is padded), and the timestep of its first row. Its buffer is sized once
+/// (at the session's first capture) and reused.
+#[derive(Clone, Debug, Default)]
+pub struct Previous {
+    chunk: Vec<f32>,
+    rows: usize,
+    first: i64,
+}
+
+impl Previous {
+    /// A buffer for chunks of `len` floats.
+    pub fn with_capacity(len: usize) -> Previous {
+        Previous {
+            chunk: vec![0.0; len],
+            rows: 0,
+            first: 0,
+        }
+    }
+
+    /// Forgets the chunk (a reset, `Ready`, a new setup).
+    pub fn clear(&mut self) {
+        self.rows = 0;
+    }
+
+    /// Keeps the first `rows` rows of `x` (the engine's sample, float32 little-endian bytes,
+    /// `width` values a row), with the columns from `cols` on zeroed: what the client was
+    /// sent, its first row at `first`.
+    pub fn capture(&mut self, x: &[u8], width: usize, cols: usize, rows: usize, first: i64) {
+        let width = width.max(1);
+        let rows = rows.min(x.len() / 4 / width);
+        if self.chunk.len() < rows * width {
+            self.chunk.resize(x.len() / 4, 0.0);
+        }
+        for (r, row) in self.chunk[..rows * width]
+            .chunks_exact_mut(width)
+            .enumerate()
+        {
+            for (c, v) in row.iter_mut().enumerate() {
+                let at = 4 * (r * width + c);
+                *v = if c < cols {
+                    f32::from_le_bytes([x[at], x[at + 1], x[at + 2], x[at + 3]])
+                } else {
+                    0.0
+                };
+            }
+        }
+        self.rows = rows;
+        self.first = first;
+    }
+
+    /// The leftover for a new chunk whose first row is at `timestep`, into `out` (see
+    /// [`leftover`]): how many rows came from the previous chunk; 0 when there is none, the
+    /// robot is past its end, or the timestep is before its start.
+    pub fn leftover(&self, timestep: i64, width: usize, horizon: usize, out: &mut [f32]) -> usize {
+        let Some(offset) = timestep
+            .checked_sub(self.first)
+            .and_then(|o| usize::try_from(o).ok())
+            .filter(|_| self.rows > 0)
+        else {
+            out.fill(0.0);
+            return 0;
+        };
+        leftover(
+            &self.chunk[..self.rows * width],
+            width,
+            offset,
+            horizon,
+            out,
+        )
+    }
+}
+
+/// The sampler loop's side of RTC, owned by a pipeline: the per-row weights (guidance) or
+/// velocity strengths (GR00T), sized at start-up, set at each run's start.
+#[derive(Debug)]
+pub struct Loop {
+    pub settings: Settings,
+    /// Rows and values per row of the sample.
+    pub rows: usize,
+    pub width: usize,
+    per_row: Vec<f32>,
+    /// Whether the current run is guided (its request had a leftover).
+    active: bool,
+}
+
+impl Loop {
+    pub fn new(settings: Settings, rows: usize, width: usize) -> Loop {
+        Loop {
+            settings,
+            rows,
+            width,
+            per_row: vec![0.0; rows],
+            active: false,
+        }
+    }
+
+    /// A run's start, after the noise is drawn: the weights (guidance) or the strengths, with
+    /// the leftover written into the noise's first rows (GR00T). `prev` is the slot's leftover
+    /// buffer (the sample's size); `None` or an all-zero leftover: a plain run.
+    pub fn start(&mut self, request: Option<Request>, prev: &[f32], x: &mut [f32]) {
+        self.active = false;
+        let Some(r) = request.filter(|r| r.rows > 0) else {
+            return;
+        };
+        let horizon = self.settings.execution_horizon.min(self.rows);
+        match self.settings.method {
+            Method::Guidance { schedule, .. } => {
+                prefix_weights(schedule, r.delay, horizon, &mut self.per_row);
+                self.active = true;
+            }
+            Method::Inpaint { ramp_rate } => {
+                let w = self.width;
+                let Some(inpaint) = Inpaint::new(&prev[..horizon * w], w, horizon, r.delay) else {
+                    return;
+                };
+                let valid = inpaint.overlap;
+                inpaint.apply_to_noise(&prev[..valid * w], w, valid, x);
+                inpaint.strengths(ramp_rate, &mut self.per_row);
+                self.active = true;
+            }
+        }
+    }
+
+    /// One step's velocity `v` at flow time `time` (LeRobot's: 1 is noise), in place: guided
+    /// towards the leftover, or scaled by each row's strength (GR00T).
+    pub fn velocity(&self, time: f32, x: &[f32], prev: &[f32], v: &mut [f32]) {
+        if !self.active {
+            return;
+        }
+        match self.settings.method {
+            Method::Guidance {
+                max_guidance_weight,
+                ..
+            } => {
+                let g = guidance_weight(time, max_guidance_weight);
+                guide(v, x, prev, &self.per_row, self.width, time, g);
+            }
+            Method::Inpaint { .. } => {
+                for (row, &s) in v.chunks_exact_mut(self.width).zip(&self.per_row) {
+                    if s != 1.0 {
+                        row.iter_mut().for_each(|v| *v *= s);
+                    }
+                }
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -375,6 +554,99 @@ mod tests {
         assert_eq!(leftover(&prev, 2, 5, 4, &mut out), 0);
         assert_eq!(leftover(&prev, 2, 9, 4, &mut out), 0);
         assert!(out.iter().all(|&v| v == 0.0));
+    }
+
+    fn bytes(v: &[f32]) -> Vec<u8> {
+        v.iter().flat_map(|x| x.to_le_bytes()).collect()
+    }
+
+    /// A session keeps the rows it was sent, the model's padded columns zeroed (LeRobot cuts
+    /// its chunk to the action dimension, then pads the leftover with zeros), and hands out
+    /// the rows from a new observation's timestep on.
+    #[test]
+    fn a_session_keeps_what_it_was_sent_in_model_space() {
+        // A 4-row sample of width 3 whose last column is padding; 3 rows were sent from
+        // timestep 20.
+        let x: Vec<f32> = (1..=12).map(|v| v as f32).collect();
+        let mut p = Previous::with_capacity(12);
+        p.capture(&bytes(&x), 3, 2, 3, 20);
+        let mut out = [f32::NAN; 12];
+        assert_eq!(p.leftover(21, 3, 10, &mut out), 2);
+        assert_eq!(
+            out,
+            [4.0, 5.0, 0.0, 7.0, 8.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+        );
+        // The row the robot had not been sent (row 3) is not part of the leftover.
+        assert_eq!(p.leftover(23, 3, 10, &mut out), 0);
+        // An observation older than the chunk, and a cleared session: no leftover.
+        assert_eq!(p.leftover(19, 3, 10, &mut out), 0);
+        assert_eq!(p.leftover(20, 3, 1, &mut out), 1);
+        p.clear();
+        assert_eq!(p.leftover(21, 3, 10, &mut out), 0);
+        assert!(out.iter().all(|&v| v == 0.0));
+    }
+
+    /// The loop's guidance is [`guide`] with the request's prefix weights, and nothing without
+    /// a leftover.
+    #[test]
+    fn the_loop_guides_only_a_request_with_a_leftover() {
+        let settings = Settings {
+            execution_horizon: 3,
+            inference_delay: None,
+            method: Method::Guidance {
+                schedule: Schedule::Linear,
+                max_guidance_weight: 5.0,
+            },
+        };
+        let mut l = Loop::new(settings, 4, 2);
+        let prev = [1.0, 1.0, 2.0, 2.0, 0.0, 0.0, 0.0, 0.0];
+        let mut x = [0.5f32; 8];
+        let v0 = [0.25f32; 8];
+        l.start(None, &prev, &mut x);
+        let mut v = v0;
+        l.velocity(0.6, &x, &prev, &mut v);
+        assert_eq!(v, v0, "no leftover: no guidance");
+        l.start(Some(Request { rows: 2, delay: 1 }), &prev, &mut x);
+        assert_eq!(x, [0.5; 8], "guidance leaves the noise as drawn");
+        l.velocity(0.6, &x, &prev, &mut v);
+        let mut want = v0;
+        let mut w = [0.0; 4];
+        prefix_weights(Schedule::Linear, 1, 3, &mut w);
+        guide(&mut want, &x, &prev, &w, 2, 0.6, guidance_weight(0.6, 5.0));
+        assert_eq!(v, want);
+        assert_ne!(v, v0);
+        assert_eq!(
+            &v[6..],
+            &v0[6..],
+            "past the horizon the velocity is the model's"
+        );
+    }
+
+    /// GR00T's loop writes the leftover into the noise's first rows and scales each row's
+    /// velocity by its strength.
+    #[test]
+    fn the_groot_loop_inpaints_the_noise_and_ramps_the_velocity() {
+        let settings = Settings {
+            execution_horizon: 3,
+            inference_delay: Some(1),
+            method: Method::Inpaint { ramp_rate: 6.0 },
+        };
+        let mut l = Loop::new(settings, 4, 2);
+        // Two real rows of a horizon of 3 (the third is padding).
+        let prev = [1.0, 2.0, 3.0, 4.0, 0.0, 0.0, 0.0, 0.0];
+        let mut x = [9.0f32; 8];
+        l.start(Some(Request { rows: 2, delay: 1 }), &prev, &mut x);
+        assert_eq!(x, [1.0, 2.0, 3.0, 4.0, 9.0, 9.0, 9.0, 9.0]);
+        let mut v = [1.0f32; 8];
+        l.velocity(0.0, &x, &prev, &mut v);
+        let mut s = [0.0; 4];
+        Inpaint {
+            overlap: 2,
+            frozen: 1,
+        }
+        .strengths(6.0, &mut s);
+        assert_eq!(v, [s[0], s[0], s[1], s[1], 1.0, 1.0, 1.0, 1.0]);
+        assert_eq!(s[0], 0.0, "the delayed row is frozen");
     }
 
     /// GR00T's mapping (LeRobot's `_prepare_n1_7_rtc_inputs` and `get_action_with_features`):

@@ -264,7 +264,13 @@ fn ort_engine_per_run(config: &str, n: u64) -> Option<f64> {
     };
     for i in 0..4 {
         engine
-            .run_sampled(&mut slots[i % 2], &mut outputs, false, sampling(i as u64))
+            .run_sampled(
+                &mut slots[i % 2],
+                &mut outputs,
+                false,
+                sampling(i as u64),
+                None,
+            )
             .unwrap();
     }
     let before = allocs();
@@ -275,6 +281,7 @@ fn ort_engine_per_run(config: &str, n: u64) -> Option<f64> {
                 &mut outputs,
                 false,
                 sampling(i),
+                None,
             )
             .unwrap();
     }
@@ -599,7 +606,7 @@ tensor = "x"
             seed: i as u64,
             steps: 1 + (i % 20) as u32,
         };
-        p.run_sampled(&mut inputs, &mut outputs, false, sampling)
+        p.run_sampled(&mut inputs, &mut outputs, false, sampling, None)
             .unwrap();
     };
     go(0);

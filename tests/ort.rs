@@ -69,7 +69,7 @@ fn a_pipeline_runs_on_ort() {
     let mut outputs = common::output_buffers(engine.as_ref());
     let sampling = policyd::engine::Sampling { seed: 3, steps: 10 };
     let stats = engine
-        .run_sampled(&mut inputs, &mut outputs, false, sampling)
+        .run_sampled(&mut inputs, &mut outputs, false, sampling, None)
         .unwrap();
     assert_eq!(stats.stages.map(|s| s.steps), Some(10));
     assert!(outputs[0].iter().any(|&b| b != 0));
@@ -282,14 +282,14 @@ fn onnxruntimes_own_allocations_per_run_are_measured() {
             let sampling = policyd::engine::Sampling { seed: 1, steps: 10 };
             for _ in 0..5 {
                 engine
-                    .run_sampled(&mut inputs, &mut outputs, false, sampling)
+                    .run_sampled(&mut inputs, &mut outputs, false, sampling, None)
                     .unwrap();
             }
             let before = c_mallocs().expect("the counting malloc is preloaded");
             let n = 100;
             for _ in 0..n {
                 engine
-                    .run_sampled(&mut inputs, &mut outputs, false, sampling)
+                    .run_sampled(&mut inputs, &mut outputs, false, sampling, None)
                     .unwrap();
             }
             let per_run = (c_mallocs().unwrap() - before) as f64 / n as f64;

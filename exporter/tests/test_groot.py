@@ -17,7 +17,7 @@ from conftest import Exported, check_config, run_cli
 
 from policyd_export.checkpoint import load
 from policyd_export.reference import Reference
-from policyd_export.verify import injected_config, read_manifest, serve
+from policyd_export.verify import RTC_CASES, injected_config, read_manifest, serve
 
 #: Prompts of several lengths (padding must not move the actions), an empty one (GR00T's
 #: default task) and one that cleans to something else.
@@ -358,8 +358,12 @@ def test_the_position_ids_patch_fails_loudly_when_transformers_changes(
 
 
 def test_verify_passes(bundle: Exported, policyd: str) -> None:
+    """The served chunks equal LeRobot's, and so do RTC chunks (GR00T's inpainting, as
+    LeRobot maps a leftover onto it) for each of verify's cases."""
     r = run_cli("verify", str(bundle.bundle), str(bundle.checkpoint), "--policyd", policyd)
     assert r.returncode == 0, r.stdout + r.stderr
+    rtc = [line for line in r.stdout.splitlines() if line.startswith("rtc ")]
+    assert len(rtc) == len(RTC_CASES) and all(line.endswith("pass") for line in rtc), r.stdout
 
 
 def test_lerobots_robot_client_drives_it_over_grpc(

@@ -69,11 +69,10 @@ def test_docs_show_the_tables() -> None:
 REFUSED = {
     "act": {"temporal_ensemble_coeff": 0.01, "use_peft": True},
     "diffusion": {"use_peft": True},
-    "pi0": {"dtype": "bfloat16", "rtc_config": {"enabled": True}, "use_peft": True},
+    "pi0": {"dtype": "bfloat16", "use_peft": True},
     "smolvla": {
         "adapt_to_pi_aloha": True,
         "use_delta_joint_actions_aloha": True,
-        "rtc_config": {"enabled": True},
         "use_peft": True,
     },
 }

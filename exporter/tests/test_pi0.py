@@ -19,7 +19,7 @@ from conftest import check_config
 from policyd_export.checkpoint import load
 from policyd_export.cli import main
 from policyd_export.reference import Reference
-from policyd_export.verify import observations, table, verify
+from policyd_export.verify import RTC_CASES, observations, table, verify
 
 
 class Pi0:
@@ -66,9 +66,13 @@ def test_the_bundle_is_a_flow_pipeline_with_the_prompt_tokenized(bundle: Pi0, po
 
 
 def test_served_actions_equal_lerobot(bundle: Pi0, policyd: str) -> None:
+    """Four observations, then real-time chunking: a second chunk continuing the first
+    equals LeRobot's `predict_action_chunk(inference_delay=, prev_chunk_left_over=)` for each
+    of verify's cases (`RTC_CASES`)."""
     rows = verify(bundle.bundle, bundle.checkpoint, policyd=policyd)
     assert all(r.ok for r in rows), table(rows)
-    assert len(rows) == 6
+    assert len(rows) == 6 + len(RTC_CASES)
+    assert sum(r.what.startswith("rtc ") for r in rows) == len(RTC_CASES)
 
 
 def test_the_prompt_changes_lerobots_actions(bundle: Pi0) -> None:

@@ -15,7 +15,7 @@ from conftest import Exported, check_config, run_cli
 
 from policyd_export.checkpoint import load
 from policyd_export.reference import Reference
-from policyd_export.verify import observations
+from policyd_export.verify import RTC_CASES, observations
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +52,9 @@ def test_served_actions_equal_lerobot(bundle: Exported, policyd: str) -> None:
     assert r.returncode == 0, r.stdout + r.stderr
     rows = [line for line in r.stdout.splitlines() if line.startswith("observation ")]
     assert len(rows) == 4 and all(line.endswith("pass") for line in rows), r.stdout
+    # Real-time chunking: a second chunk continuing the first equals LeRobot's RTC chunk.
+    rtc = [line for line in r.stdout.splitlines() if line.startswith("rtc ")]
+    assert len(rtc) == len(RTC_CASES) and all(line.endswith("pass") for line in rtc), r.stdout
 
 
 @pytest.mark.parametrize(

@@ -576,8 +576,34 @@ impl Plan {
                 .map(|p| (p.steps as u32, p.max_steps as u32)),
             history_bytes,
             relative_source: relative_source.map(|(_, index)| index),
+            rtc: rtc_plan(policy, io),
         })
     }
+}
+
+/// `[rtc]`'s layout: the pipeline's sample is its one output (`[.., rows, width]`, checked
+/// when the pipeline was wired), its action columns those the output binding keeps.
+fn rtc_plan(policy: &PolicySpec, io: &IoSpec) -> Option<super::RtcPlan> {
+    let settings = policy.pipeline.as_ref()?.rtc?;
+    let x = io.outputs.first()?;
+    let (rows, width) = match x.shape.as_slice() {
+        [.., rows, width] => (*rows, *width),
+        _ => return None,
+    };
+    let cols = policy
+        .outputs
+        .iter()
+        .find(|o| o.tensor == x.name)
+        .and_then(|o| o.columns)
+        .unwrap_or(width)
+        .min(width);
+    Some(super::RtcPlan {
+        settings,
+        output: 0,
+        rows,
+        width,
+        cols,
+    })
 }
 
 /// The next [`Plan::id`] (0 is never one: an empty token cache holds it).

@@ -118,6 +118,22 @@ pub struct Plan {
     /// The slot buffer holding the relative actions' input as sent (float64), if an output is
     /// relative ([`Relative`]).
     pub relative_source: Option<usize>,
+    /// `[rtc]`: what a session keeps of each chunk it was sent.
+    pub rtc: Option<RtcPlan>,
+}
+
+/// `[rtc]` as the request path sees it: the sample's layout, from the engine's output.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RtcPlan {
+    pub settings: crate::rtc::Settings,
+    /// The engine output holding the sample (a pipeline's only one).
+    pub output: usize,
+    /// Its rows and values per row.
+    pub rows: usize,
+    pub width: usize,
+    /// The action columns (`outputs[i].columns` of the output reading it); the rest is the
+    /// model's padding, zero in a leftover as LeRobot pads it.
+    pub cols: usize,
 }
 
 /// The request path's side of the planner: which bindings it reads and fills. Indices

@@ -160,7 +160,12 @@ impl Plan {
 
     /// The outputs of a finished slot, ready for a dialect to frame.
     pub fn reply<'p, 'a>(&'p self, parts: &'p mut ReplyParts<'a>) -> Reply<'p, 'a> {
-        Reply { plan: self, parts }
+        let sent = parts.chunk.end;
+        Reply {
+            plan: self,
+            parts,
+            sent,
+        }
     }
 }
 
@@ -184,6 +189,8 @@ pub struct ReplyParts<'a> {
 pub struct Reply<'p, 'a> {
     plan: &'p Plan,
     parts: &'p mut ReplyParts<'a>,
+    /// The end of the rows sent: the chunk's, or a front end's own cut ([`Reply::rows_f32`]).
+    sent: usize,
 }
 
 impl Reply<'_, '_> {
@@ -198,16 +205,23 @@ impl Reply<'_, '_> {
         }
         let bytes = tr.dst_bytes();
         let rows = if o.shape.len() >= 2 { o.shape[0] } else { 1 };
+        let Chunk { start, end } = self.parts.chunk;
+        let end = end.min(stop).min(rows);
+        let start = start.min(end);
+        self.sent = end;
         let output = &self.parts.outputs[o.index];
         let scratch = self.parts.scratch.get_mut(..bytes)?;
         if !o.convert(output, tr, self.parts.raw, scratch) {
             return None;
         }
         let row = bytes / rows.max(1);
-        let Chunk { start, end } = self.parts.chunk;
-        let end = end.min(stop).min(rows);
-        let start = start.min(end);
         Some((&scratch[start * row..end * row], row))
+    }
+
+    /// The end of the chunk's rows this reply sent (rows before it the client had, from the
+    /// chunk's first): what `[rtc]` keeps as the previous chunk.
+    pub fn sent_rows(&self) -> usize {
+        self.sent
     }
 
     /// The first row a reply keeps.

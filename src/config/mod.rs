@@ -4,7 +4,7 @@
 //! shape, deserialized with `deny_unknown_fields` and the documented defaults), its checks and
 //! its resolved type: `server.rs`, `access.rs` (`[auth]`, `[tls]`), `engine.rs`,
 //! `bindings.rs` (`[[inputs]]`, `[[outputs]]`), `pacing.rs`, `pipeline.rs` (`[denoise]`,
-//! `[sampler]`), `planner.rs`, `lerobot.rs`; `policies.rs` assembles them (the `[[policies]]`
+//! `[sampler]`), `rtc.rs` (`[rtc]`), `planner.rs`, `lerobot.rs`; `policies.rs` assembles them (the `[[policies]]`
 //! list) and `raw.rs` is the file's top level. A new key touches its section's file only.
 //! Parsing reads the config file and nothing else: key files, certificates and models are
 //! opened by the layers that use them ([`crate::net`], [`crate::planner`], [`crate::policy`]).
@@ -19,6 +19,7 @@ mod pipeline;
 mod planner;
 mod policies;
 mod raw;
+mod rtc;
 mod server;
 
 use std::path::{Path, PathBuf};
@@ -51,6 +52,7 @@ use pipeline::*;
 use planner::*;
 use policies::*;
 use raw::*;
+use rtc::*;
 use server::*;
 
 /// A configuration error. The message names the config key and what to fix.

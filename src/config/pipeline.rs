@@ -82,6 +82,8 @@ pub struct PipelineConfig {
     pub inject_noise: bool,
     /// Flow: how step i's time is computed.
     pub flow_time: crate::sampler::FlowTime,
+    /// `[rtc]`: how a new chunk continues the previous one (flow only).
+    pub rtc: Option<crate::rtc::Settings>,
 }
 
 /// `[denoise]` and `[sampler]`: both or neither; the sampler's own values (its tensors are
@@ -266,5 +268,6 @@ pub(super) fn pipeline(
         model_update,
         inject_noise: s.inject_noise,
         flow_time,
+        rtc: None,
     }))
 }

@@ -36,6 +36,7 @@ pub(super) fn resolve(raw: RawConfig, base: Option<&Path>) -> Result<Config, Con
                     reset_on_prompt_change: p.reset_on_prompt_change,
                     denoise: p.denoise.as_ref(),
                     sampler: p.sampler.as_ref(),
+                    rtc: p.rtc.as_ref(),
                 },
                 base,
             )?);
@@ -56,6 +57,7 @@ pub(super) fn resolve(raw: RawConfig, base: Option<&Path>) -> Result<Config, Con
                 reset_on_prompt_change: raw.reset_on_prompt_change,
                 denoise: raw.denoise.as_ref(),
                 sampler: raw.sampler.as_ref(),
+                rtc: raw.rtc.as_ref(),
             },
             base,
         )?);
@@ -134,6 +136,7 @@ pub(super) fn policy_list(raw: &RawConfig) -> Result<(), ConfigError> {
         ("reset_on_prompt_change", raw.reset_on_prompt_change),
         ("denoise", raw.denoise.is_some()),
         ("sampler", raw.sampler.is_some()),
+        ("rtc", raw.rtc.is_some()),
     ] {
         if set {
             return Err(invalid(
@@ -159,6 +162,7 @@ pub(super) struct PolicyParts<'a> {
     reset_on_prompt_change: bool,
     denoise: Option<&'a RawDenoise>,
     sampler: Option<&'a RawSampler>,
+    rtc: Option<&'a RawRtc>,
 }
 
 /// One policy's engine, pacing, bindings and metadata.
@@ -175,6 +179,21 @@ pub(super) fn policy(
     for (key, v) in p.metadata {
         check_metadata(cx, &format!("metadata.{key}"), v)?;
     }
+    let mut pipeline = pipeline(cx, p.denoise, p.sampler, base)?;
+    let rtc = rtc(cx, p.rtc, pipeline.as_ref())?;
+    if rtc.is_some()
+        && let Some(i) = outputs.iter().position(|o| o.relative.is_some())
+    {
+        return Err(cx.invalid(
+            format!("outputs[{i}].relative_to"),
+            "relative actions with [rtc]: the leftover is tied to the old observation's state \
+             (LeRobot re-anchors it, and turns GR00T's RTC off for them); policyd does neither \
+             yet, so turn one of them off",
+        ));
+    }
+    if let Some(pl) = pipeline.as_mut() {
+        pl.rtc = rtc;
+    }
     Ok(PolicySpec {
         name: p.name,
         is_default: p.is_default,
@@ -185,6 +204,6 @@ pub(super) fn policy(
         metadata: p.metadata.clone(),
         pacing: p.pacing,
         reset_on_prompt_change: p.reset_on_prompt_change,
-        pipeline: pipeline(cx, p.denoise, p.sampler, base)?,
+        pipeline,
     })
 }

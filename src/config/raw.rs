@@ -52,6 +52,9 @@ pub(super) struct RawConfig {
     pub(super) denoise: Option<RawDenoise>,
     #[serde(default)]
     pub(super) sampler: Option<RawSampler>,
+    /// Real-time chunking of the flow sampler (see docs/pacing.md).
+    #[serde(default)]
+    pub(super) rtc: Option<RawRtc>,
 }
 
 /// `[[policies]]`: one named policy.
@@ -83,4 +86,6 @@ pub(super) struct RawPolicy {
     pub(super) denoise: Option<RawDenoise>,
     #[serde(default)]
     pub(super) sampler: Option<RawSampler>,
+    #[serde(default)]
+    pub(super) rtc: Option<RawRtc>,
 }

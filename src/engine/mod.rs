@@ -122,6 +122,14 @@ pub struct Sampling {
     pub steps: u32,
 }
 
+/// What a request's sampler continues (real-time chunking, `[rtc]`): the previous chunk's
+/// leftover in the sample's layout (zero-padded), how many rows of it are real, the delay.
+#[derive(Clone, Copy, Debug)]
+pub struct Continuation<'a> {
+    pub leftover: &'a [f32],
+    pub request: crate::rtc::Request,
+}
+
 /// A model's bytes: read from its file, or borrowed from the binary (the embedded demo, a
 /// firmware image).
 pub fn model_bytes(model: &ModelSource) -> Result<Cow<'static, [u8]>, EngineError> {
@@ -263,15 +271,17 @@ pub trait Engine: Send {
         outputs: &mut [Vec<u8>],
         reset: bool,
     ) -> Result<RunStats, EngineError>;
-    /// [`Engine::run`] with the request's sampling (seed, steps); only a pipeline reads it.
+    /// [`Engine::run`] with the request's sampling (seed, steps) and the chunk it continues
+    /// (`[rtc]`); only a pipeline reads them.
     fn run_sampled(
         &mut self,
         inputs: &mut [Box<dyn InputBuffer>],
         outputs: &mut [Vec<u8>],
         reset: bool,
         sampling: Sampling,
+        continues: Option<Continuation<'_>>,
     ) -> Result<RunStats, EngineError> {
-        let _ = sampling;
+        let _ = (sampling, continues);
         self.run(inputs, outputs, reset)
     }
     /// Memory the backend allocates for itself, outside the slots (device buffers, staging,

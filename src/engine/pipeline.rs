@@ -11,7 +11,9 @@
 
 use std::time::Instant;
 
-use super::{Engine, EngineError, InputBuffer, IoSpec, RunStats, Sampling, Stages, TensorSpec};
+use super::{
+    Continuation, Engine, EngineError, InputBuffer, IoSpec, RunStats, Sampling, Stages, TensorSpec,
+};
 use crate::config::PipelineConfig;
 use crate::dtype::ElemType;
 use crate::sampler::{Noise, Sampler};
@@ -45,6 +47,8 @@ pub struct Wiring {
     /// sample (named as `x`), and for a noisy sampler every step's noise (`<x>_step_noise`,
     /// `[max_steps, elements of x]`).
     pub inject_noise: bool,
+    /// `[rtc]` and the sample's rows and row width (its last two axes).
+    pub rtc: Option<(crate::rtc::Settings, usize, usize)>,
 }
 
 /// The prefix and the step graph, wired, with the sampler and its buffers.
@@ -58,6 +62,8 @@ pub struct Pipeline {
     /// The sample and the step graph's output, as float32.
     x: Vec<f32>,
     model_out: Vec<f32>,
+    /// `[rtc]`'s per-row buffers.
+    rtc: Option<crate::rtc::Loop>,
 }
 
 /// A pipeline that does not fit together: the message names both ends.
@@ -235,7 +241,17 @@ impl Wiring {
             steps: cfg.steps,
             max_steps: cfg.max_steps,
             inject_noise: cfg.inject_noise,
+            rtc: match cfg.rtc {
+                Some(r) => Some(rtc_shape(r, xs)?),
+                None => None,
+            },
         })
+    }
+
+    /// The RTC loop's buffers, if `[rtc]` is on.
+    pub fn rtc_loop(&self) -> Option<crate::rtc::Loop> {
+        self.rtc
+            .map(|(s, rows, width)| crate::rtc::Loop::new(s, rows, width))
     }
 
     /// The step count a request runs: its own, within 1..=max_steps.
@@ -264,6 +280,33 @@ impl Wiring {
     }
 }
 
+/// The sample's rows and row width for `[rtc]` (its last two axes: `[1, rows, width]` or
+/// `[rows, width]`), and the execution horizon checked against the rows: LeRobot's flow
+/// families fail on a horizon longer than the chunk.
+fn rtc_shape(
+    r: crate::rtc::Settings,
+    xs: &TensorSpec,
+) -> Result<(crate::rtc::Settings, usize, usize), EngineError> {
+    let dims = &xs.shape;
+    let (rows, width) = match dims.as_slice() {
+        [lead @ .., rows, width] if lead.iter().all(|&d| d == 1) => (*rows, *width),
+        _ => {
+            return Err(wiring(format!(
+                "[rtc] needs a sample of [rows, action width] (sampler.x '{}' is {:?})",
+                xs.name, xs.shape
+            )));
+        }
+    };
+    if r.execution_horizon > rows {
+        return Err(wiring(format!(
+            "rtc.execution_horizon = {} is longer than the chunk ({rows} rows of sampler.x '{}' \
+             {:?}); at most {rows}",
+            r.execution_horizon, xs.name, xs.shape
+        )));
+    }
+    Ok((r, rows, width))
+}
+
 impl Pipeline {
     /// Wires `prefix` to `denoise` as `cfg` says ([`Wiring::new`]) and allocates the loop's
     /// buffers.
@@ -289,6 +332,7 @@ impl Pipeline {
                 .collect(),
             x: vec![0.0; w.n],
             model_out: vec![0.0; w.n],
+            rtc: w.rtc_loop(),
             prefix,
             denoise,
             w,
@@ -320,7 +364,7 @@ impl Engine for Pipeline {
         reset: bool,
     ) -> Result<RunStats, EngineError> {
         let sampling = self.w.default_sampling();
-        self.run_sampled(inputs, outputs, reset, sampling)
+        self.run_sampled(inputs, outputs, reset, sampling, None)
     }
 
     fn run_sampled(
@@ -329,6 +373,7 @@ impl Engine for Pipeline {
         outputs: &mut [Vec<u8>],
         reset: bool,
         sampling: Sampling,
+        continues: Option<Continuation<'_>>,
     ) -> Result<RunStats, EngineError> {
         let t0 = Instant::now();
         let w = &self.w;
@@ -350,6 +395,10 @@ impl Engine for Pipeline {
         match x0 {
             Some(given) => read_f32(given.bytes_mut(), &mut self.x),
             None => noise.fill(&mut self.x),
+        }
+        let leftover = continues.map_or(&[][..], |c| c.leftover);
+        if let Some(l) = self.rtc.as_mut() {
+            l.start(continues.map(|c| c.request), leftover, &mut self.x);
         }
         let n = w.n;
         for (i, time) in w.sampler.times(steps).enumerate() {
@@ -380,6 +429,9 @@ impl Engine for Pipeline {
             }
             if !self.model_out.iter().all(|v| v.is_finite()) {
                 return Err(not_finite(i, steps, &self.denoise.io().outputs[w.out].name));
+            }
+            if let Some(l) = &self.rtc {
+                l.velocity(time.value() as f32, &self.x, leftover, &mut self.model_out);
             }
             if w.dt_in.is_some() {
                 self.x.copy_from_slice(&self.model_out);

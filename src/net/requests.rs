@@ -156,7 +156,11 @@ impl Core {
             id,
             route,
             precision,
-            sessions: Box::new(Sessions::new(cx.max_sessions, pacing.latency_window)),
+            sessions: Box::new(Sessions::keeping_chunks(
+                cx.max_sessions,
+                pacing.latency_window,
+                policy.plan.rtc.map_or(0, |r| r.rows * r.width),
+            )),
             port: ReplyPort::new(&policy.worker.pool),
             outstanding: 0,
             infer_busy: false,
@@ -237,6 +241,8 @@ impl Core {
         let plan = &policy.plan;
         let pacing = &policy.spec.pacing;
         let slot = lease.slot();
+        // A run continues no chunk unless `observe` says which (below).
+        *slot.continuation_mut().1 = None;
         let meta = {
             let (inputs, seen) = slot.inputs_mut();
             match decode(plan, inputs, seen, self.planner.as_deref()) {
@@ -348,6 +354,9 @@ impl Core {
                     self.sessions.history(meta.session_id.as_ref()),
                     reset,
                 );
+                if let Some(r) = plan.rtc {
+                    self.continuation(r, pacing.fps, timestep, slot);
+                }
                 let ticket =
                     self.ticket(Kind::Observe, received, release_at, (timestep, timestamp));
                 slot.prepare(ticket, reset);
@@ -371,6 +380,30 @@ impl Core {
                 }
             }
         }
+    }
+
+    /// `[rtc]`: the current session's previous chunk from `timestep` on into the slot's
+    /// leftover buffer, with the inference delay (fixed, or the session's measured one). No
+    /// leftover (a session's first chunk, the robot past the previous chunk's end): a plain run.
+    fn continuation(
+        &mut self,
+        r: crate::bind::RtcPlan,
+        fps: f64,
+        timestep: i64,
+        slot: &mut crate::runtime::worker::Slot,
+    ) {
+        let id = self.sessions.current().clone();
+        let Some(p) = self.sessions.pacing(&id) else {
+            return;
+        };
+        let (buf, continues) = slot.continuation_mut();
+        let horizon = r.settings.execution_horizon;
+        let rows = p.previous.leftover(timestep, r.width, horizon, buf);
+        let delay = r
+            .settings
+            .inference_delay
+            .unwrap_or_else(|| p.max_delay_steps(fps) as usize);
+        *continues = (rows > 0).then_some(crate::rtc::Request { rows, delay });
     }
 
     /// Forgets every session and drops this client's observations still waiting for the
@@ -576,6 +609,16 @@ impl Core {
             prev_total_ms: self.prev_total_ms,
             buf,
         });
+        // `[rtc]`: the session keeps what it was sent of this chunk, in model space.
+        let sent = reply.sent_rows();
+        drop(reply);
+        if t.kind == Kind::Observe
+            && let Some(r) = plan.rtc
+            && let Some(p) = self.sessions.pacing(&t.session)
+        {
+            p.previous
+                .capture(&parts.outputs[r.output], r.width, r.cols, sent, t.timestep);
+        }
         if t.kind == Kind::Infer {
             self.infer_busy = false;
             self.prev_total_ms = Some(t.received.elapsed().as_secs_f64() * 1e3);

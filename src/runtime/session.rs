@@ -44,10 +44,17 @@ pub struct Sessions {
     current: SessionId,
     /// `pacing.latency_window` for new sessions.
     window: usize,
+    /// `[rtc]`: floats of the previous chunk each session keeps (0 without).
+    previous: usize,
 }
 
 impl Sessions {
     pub fn new(limit: usize, window: usize) -> Self {
+        Self::keeping_chunks(limit, window, 0)
+    }
+
+    /// Sessions that keep their previous chunk, `previous` floats each (`[rtc]`).
+    pub fn keeping_chunks(limit: usize, window: usize, previous: usize) -> Self {
         let mut current = SessionId::new();
         let _ = current.push_str("default");
         Sessions {
@@ -56,6 +63,7 @@ impl Sessions {
             tick: 0,
             current,
             window,
+            previous,
         }
     }
 
@@ -163,6 +171,7 @@ impl Sessions {
             return &mut self.entries[i];
         }
         let mut history = crate::bind::History::default();
+        let mut previous = None;
         if self.entries.len() >= self.limit {
             let lru = self
                 .entries
@@ -173,13 +182,19 @@ impl Sessions {
                 .unwrap_or(0);
             // The evicted session's frame buffer serves the new one (its first request
             // overwrites it, being fresh): eviction allocates nothing.
-            history = self.entries.swap_remove(lru).history;
+            let evicted = self.entries.swap_remove(lru);
+            history = evicted.history;
+            previous = Some(evicted.pacing.previous);
         }
+        // The evicted session's chunk buffer too; else one sized now, once per session.
+        let mut previous =
+            previous.unwrap_or_else(|| crate::rtc::Previous::with_capacity(self.previous));
+        previous.clear();
         let _ = self.entries.push(Entry {
             id: self.current.clone(),
             last_used: tick,
             count: 0,
-            pacing: SessionPacing::new(self.window),
+            pacing: SessionPacing::with_previous(self.window, previous),
             prompt: None,
             tokens: crate::bind::PromptCache::default(),
             seeds: None,
@@ -208,15 +223,23 @@ pub struct SessionPacing {
     latencies: LatencyWindow,
     /// When the last `observe` arrived (for the observation-rate metric).
     last_observed: Option<std::time::Instant>,
+    /// `[rtc]`: the last chunk sent, in model space.
+    pub previous: crate::rtc::Previous,
 }
 
 impl SessionPacing {
     pub fn new(window: usize) -> Self {
+        Self::with_previous(window, crate::rtc::Previous::default())
+    }
+
+    /// A session's state keeping its previous chunk in `previous` (sized for `[rtc]`).
+    pub fn with_previous(window: usize, previous: crate::rtc::Previous) -> Self {
         SessionPacing {
             predicted: heapless::Deque::new(),
             last_state: heapless::Vec::new(),
             latencies: LatencyWindow::new(window),
             last_observed: None,
+            previous,
         }
     }
 
@@ -226,6 +249,7 @@ impl SessionPacing {
         self.last_state.clear();
         self.latencies.clear();
         self.last_observed = None;
+        self.previous.clear();
     }
 
     /// Notes an `observe` arriving at `at`; the time since the previous one, if any.
@@ -296,6 +320,15 @@ impl SessionPacing {
     pub fn delay_steps(&self, fps: f64) -> u32 {
         self.latencies.p95().map_or(0, |p| delay_steps(p, fps))
     }
+
+    /// `ceil(max / dt)` over the window, 0 before any sample: `[rtc]`'s inference delay, as
+    /// LeRobot's rollout takes it (its latency tracker's max). Not the p95 of `delay_steps`:
+    /// a delay too short leaves rows the robot executes during inference only softly tied to
+    /// the chunk it is executing (a jump at the switch), one too long only freezes a few more
+    /// rows the robot skips as stale anyway.
+    pub fn max_delay_steps(&self, fps: f64) -> u32 {
+        self.latencies.max().map_or(0, |m| delay_steps(m, fps))
+    }
 }
 
 /// `ceil(latency / dt)` with `dt = 1 / fps`, as LeRobot's RTC computes it.
@@ -337,6 +370,15 @@ impl LatencyWindow {
         self.ring[self.next] = seconds as f32;
         self.next = (self.next + 1) % self.cap;
         self.len = (self.len + 1).min(self.cap);
+    }
+
+    /// The largest sample, if there are any.
+    pub fn max(&self) -> Option<f64> {
+        self.ring[..self.len]
+            .iter()
+            .copied()
+            .reduce(f32::max)
+            .map(f64::from)
     }
 
     /// The 95th percentile (nearest rank), if there are samples.

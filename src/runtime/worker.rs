@@ -65,6 +65,10 @@ pub struct Slot {
     reset: bool,
     /// The request's noise seed and step count (a pipeline's sampler reads them).
     sampling: crate::engine::Sampling,
+    /// `[rtc]`: the previous chunk's leftover in the sample's layout (sized at start-up), and
+    /// this request's rows of it and delay (`None`: a plain run).
+    leftover: Vec<f32>,
+    continues: Option<crate::rtc::Request>,
     /// The worker's result for the last run.
     result: Option<Result<RunStats, EngineError>>,
 }
@@ -88,6 +92,12 @@ impl Slot {
     /// The request's noise seed and step count, for a pipeline's sampler.
     pub fn set_sampling(&mut self, sampling: crate::engine::Sampling) {
         self.sampling = sampling;
+    }
+
+    /// `[rtc]`: the leftover buffer a request fills, and whether (and how) the run continues
+    /// it. Cleared by [`prepare`](Self::prepare)'s caller for a request that does not.
+    pub fn continuation_mut(&mut self) -> (&mut [f32], &mut Option<crate::rtc::Request>) {
+        (&mut self.leftover, &mut self.continues)
     }
 
     pub fn ticket(&self) -> &Ticket {
@@ -162,6 +172,8 @@ impl SlotPool {
                 ticket: Ticket::default(),
                 reset: false,
                 sampling: crate::engine::Sampling::default(),
+                leftover: vec![0.0; plan.rtc.map_or(0, |r| r.rows * r.width)],
+                continues: None,
                 result: None,
             }));
         }
@@ -425,11 +437,16 @@ impl WorkerHandle {
                         let slot = &mut *job.slot;
                         *st.running_since.lock().unwrap_or_else(|e| e.into_inner()) =
                             Some(Instant::now());
+                        let continues = slot.continues.map(|request| crate::engine::Continuation {
+                            leftover: &slot.leftover,
+                            request,
+                        });
                         let result = engine.run_sampled(
                             &mut slot.inputs[..engine_inputs],
                             &mut slot.outputs,
                             slot.reset,
                             slot.sampling,
+                            continues,
                         );
                         let took = st
                             .running_since

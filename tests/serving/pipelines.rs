@@ -91,7 +91,7 @@ fn run(
     }
     let mut outputs = vec![vec![0u8; 280]];
     let stats = p
-        .run_sampled(&mut inputs, &mut outputs, false, sampling)
+        .run_sampled(&mut inputs, &mut outputs, false, sampling, None)
         .map_err(|e| e.to_string())?;
     let x = outputs[0]
         .chunks_exact(4)
@@ -158,6 +158,7 @@ fn a_step_graph_producing_nan_fails_the_run() {
             &mut outputs,
             false,
             Sampling { seed: 1, steps: 4 },
+            None,
         )
         .unwrap_err()
         .to_string();
@@ -184,6 +185,7 @@ fn injected_noise_is_the_initial_sample() {
         &mut outputs,
         false,
         Sampling { seed: 5, steps: 4 },
+        None,
     )
     .unwrap();
     let x: Vec<f32> = outputs[0]
@@ -194,6 +196,99 @@ fn injected_noise_is_the_initial_sample() {
         let want = k as f32 - k as f32 / 1000.0;
         assert!((v - want).abs() < 1e-4, "{k}: {v} vs {want}");
     }
+}
+
+/// `[rtc]`: the loop guides each step's velocity towards the leftover with LeRobot's formula
+/// (`policyd::rtc`, pinned to LeRobot's values there) at LeRobot's times, then takes the Euler
+/// step; without a leftover it is the plain loop; a horizon longer than the chunk is refused.
+#[test]
+fn a_continued_chunk_is_guided_towards_the_leftover_at_each_step() {
+    use policyd::engine::Continuation;
+    use policyd::rtc::{Request, Schedule, guidance_weight, guide, prefix_weights};
+    let text = BASE
+        .replace("[sampler]\n", "[sampler]\nflow_time = \"lerobot\"\n")
+        .replace(
+            "[[inputs]]",
+            "[rtc]\nexecution_horizon = 6\nmax_guidance_weight = 4.0\n[[inputs]]",
+        );
+    let mut p = pipeline(&text, good_step()).unwrap();
+    let plain = run(&mut p, Sampling { seed: 4, steps: 4 }).unwrap().0;
+    // A leftover of 3 real rows (the horizon's other 3 zero), in the sample's layout.
+    let mut leftover = vec![0f32; 70];
+    for (k, v) in leftover[..21].iter_mut().enumerate() {
+        *v = 2.0 - k as f32 / 10.0;
+    }
+    let mut inputs = p.alloc_inputs().unwrap();
+    for b in inputs.iter_mut() {
+        for (k, c) in b.bytes_mut().chunks_exact_mut(4).enumerate() {
+            c.copy_from_slice(&(0.5 + k as f32).to_le_bytes());
+        }
+    }
+    let mut outputs = vec![vec![0u8; 280]];
+    let continues = Continuation {
+        leftover: &leftover,
+        request: Request { rows: 3, delay: 2 },
+    };
+    p.run_sampled(
+        &mut inputs,
+        &mut outputs,
+        false,
+        Sampling { seed: 4, steps: 4 },
+        Some(continues),
+    )
+    .unwrap();
+    let got: Vec<f32> = outputs[0]
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect();
+    // By hand: LeRobot's euler_integrate with RTCProcessor.denoise_step around a velocity of
+    // 0.5 + k/1000 (the synthetic step graph's).
+    let mut noise = policyd::sampler::Noise::new(4);
+    let mut x: Vec<f32> = (0..70).map(|_| noise.draw()).collect();
+    let mut w = [0f32; 10];
+    prefix_weights(Schedule::Linear, 2, 6, &mut w);
+    for i in 0..4 {
+        let time = (1.0 + i as f64 * (-1.0 / 4.0)) as f32;
+        let mut v: Vec<f32> = (0..70).map(|k| 0.5 + k as f32 / 1000.0).collect();
+        guide(
+            &mut v,
+            &x,
+            &leftover,
+            &w,
+            7,
+            time,
+            guidance_weight(time, 4.0),
+        );
+        for (x, v) in x.iter_mut().zip(&v) {
+            *x += -0.25 * v;
+        }
+    }
+    for k in 0..70 {
+        assert!((got[k] - x[k]).abs() < 1e-5, "{k}: {} vs {}", got[k], x[k]);
+    }
+    assert_ne!(got[..42], plain[..42], "the horizon's rows are guided");
+    assert_eq!(got[42..], plain[42..], "rows past the horizon are not");
+    // The guided rows are pulled to the leftover: the first (weight 1) ends nearer it.
+    let dist = |a: &[f32]| -> f32 {
+        a[..7]
+            .iter()
+            .zip(&leftover)
+            .map(|(a, b)| (a - b).abs())
+            .sum()
+    };
+    assert!(
+        dist(&got) < dist(&plain) / 4.0,
+        "{} vs {}",
+        dist(&got),
+        dist(&plain)
+    );
+    // A horizon past the chunk's 10 rows: LeRobot's flow families fail on it, policyd at load.
+    let long = text.replace("execution_horizon = 6", "execution_horizon = 11");
+    let e = pipeline(&long, good_step()).err().unwrap();
+    assert!(
+        e.contains("rtc.execution_horizon = 11") && e.contains("10 rows"),
+        "{e}"
+    );
 }
 
 #[test]

@@ -208,7 +208,7 @@ def write(tmp: Path, source: Source, exported: Exported) -> None:
         "Serve it with `policyd --config policyd.toml`.\n" + source.serving + lerobot + timing
     )
     graphs = [g.file for g in exported.graphs]
-    (tmp / CONFIG).write_text(_toml(header, config))
+    (tmp / CONFIG).write_text(_toml(header, config) + exported.config_tail)
     trt = copy.deepcopy(config)
     trt["engine"].update(backend="tensorrt", model=_plan(trt["engine"]["model"]))
     if "denoise" in trt:
@@ -218,7 +218,7 @@ def write(tmp: Path, source: Source, exported: Exported) -> None:
         "then `policyd --config policyd.tensorrt.toml` (a policyd built with --features "
         "tensorrt)."
     )
-    (tmp / TRT_CONFIG).write_text(_toml(trt_header, trt))
+    (tmp / TRT_CONFIG).write_text(_toml(trt_header, trt) + exported.config_tail)
     script = [
         "#!/bin/sh",
         "# Builds this bundle's TensorRT plans with trtexec on the Jetson that will serve them",

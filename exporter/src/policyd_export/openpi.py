@@ -781,4 +781,5 @@ def export(
         prompt_key="prompt",
     )
     exported.manifest["norm_stats"] = str(ckpt.norm_stats.resolve())
+    exported.with_rtc({})
     return exported

@@ -41,10 +41,6 @@ class Option:
     refuses: Callable[[object], bool] | None = None
 
 
-def _enabled(v: object) -> bool:
-    return isinstance(v, dict) and bool(v.get("enabled"))
-
-
 def _set(v: object) -> bool:
     return v is not None
 
@@ -213,10 +209,9 @@ _PI = {
         EXPORTED, "`[[outputs]] relative_mask` (`test_pi0.py::test_real_camera_sizes_and_…`)"
     ),
     "rtc_config": Option(
-        REFUSED,
-        "real-time chunking guides the flow sampler with the previous chunk's actions, which "
-        "policyd's sampler does not take: disable rtc_config to export",
-        refuses=_enabled,
+        EXPORTED,
+        "`[rtc]`, on or off as the checkpoint has it (`test_pi0.py::test_served_actions_equal_…`, "
+        "whose verify checks RTC chunks)",
     ),
     "image_resolution": Option(
         EXPORTED,
@@ -326,7 +321,11 @@ GROOT = {
         EXPORTED,
         "`[sampler] steps`, GR00T's buckets (`test_groot.py::test_served_actions_equal_lerobot`)",
     ),
-    "rtc_ramp_rate": Option(NONE, "real-time chunking only, which policyd does not run"),
+    "rtc_ramp_rate": Option(
+        EXPORTED,
+        "`[rtc] rtc_ramp_rate` (`test_groot.py::test_verify_passes`, whose "
+        "verify checks RTC chunks)",
+    ),
     "use_flash_attention": Option(NONE, "SDPA computes the same"),
     "use_relative_actions": Option(
         REFUSED,

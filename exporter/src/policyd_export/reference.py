@@ -72,14 +72,33 @@ class Reference:
                 out[key] = torch.from_numpy(v.astype(np.float32)).unsqueeze(0)
         return out
 
+    def use_rtc(self, horizon: int, schedule: str, max_guidance_weight: float) -> None:
+        """LeRobot's real-time chunking on for the next chunks (`RTCConfig`, then the
+        policy's `init_rtc_processor`, as LeRobot's rollout sets it up); GR00T reads only the
+        horizon."""
+        from lerobot.configs import RTCAttentionSchedule
+        from lerobot.policies.rtc.configuration_rtc import RTCConfig
+
+        self.policy.config.rtc_config = RTCConfig(
+            enabled=True,
+            execution_horizon=horizon,
+            prefix_attention_schedule=RTCAttentionSchedule(schedule.upper()),
+            max_guidance_weight=max_guidance_weight,
+        )
+        if hasattr(self.policy, "init_rtc_processor"):
+            self.policy.init_rtc_processor()
+
     @torch.no_grad()
-    def actions(
+    def chunk(
         self,
         obs: dict[str, NDArray[Any]],
         noise: NDArray[Any] | None = None,
         step_noise: NDArray[Any] | None = None,
-    ) -> NDArray[Any]:
-        """The un-normalised action chunk, [rows, action_dim], float32."""
+        **rtc: Any,
+    ) -> torch.Tensor:
+        """`predict_action_chunk`'s chunk before the postprocessor, [1, rows, action_dim]: what
+        LeRobot's RTC keeps as the previous chunk. `rtc`: `inference_delay` and
+        `prev_chunk_left_over`, passed on as LeRobot's rollout passes them."""
         batch = self.pre(self._observation(obs))
         kind = self.ckpt.type
         with _ddpm_noise(step_noise):
@@ -87,16 +106,29 @@ class Reference:
                 chunk = self._diffusion(batch, noise)
             elif kind == "groot" and noise is not None:
                 with _torch_randn(noise):
-                    chunk = self.policy.predict_action_chunk(batch)
+                    chunk = self.policy.predict_action_chunk(batch, **rtc)
             elif noise is not None:
                 x = torch.from_numpy(np.asarray(noise, np.float32))[None]
-                chunk = self.policy.predict_action_chunk(batch, noise=x)
+                chunk = self.policy.predict_action_chunk(batch, noise=x, **rtc)
             else:
-                chunk = self.policy.predict_action_chunk(batch)
+                chunk = self.policy.predict_action_chunk(batch, **rtc)
         if chunk.ndim != 3:
             chunk = chunk.unsqueeze(0)
+        return chunk
+
+    def postprocess(self, chunk: torch.Tensor) -> NDArray[Any]:
+        """The postprocessor on each action of a chunk: [rows, action_dim] float32."""
         rows = [self.post(chunk[:, i, :]) for i in range(chunk.shape[1])]
         return torch.stack(rows, dim=1).squeeze(0).cpu().numpy().astype(np.float32)
+
+    def actions(
+        self,
+        obs: dict[str, NDArray[Any]],
+        noise: NDArray[Any] | None = None,
+        step_noise: NDArray[Any] | None = None,
+    ) -> NDArray[Any]:
+        """The un-normalised action chunk, [rows, action_dim], float32."""
+        return self.postprocess(self.chunk(obs, noise, step_noise))
 
     def _diffusion(self, batch: dict[str, Any], noise: NDArray[Any] | None) -> torch.Tensor:
         from lerobot.policies.utils import populate_queues

@@ -218,7 +218,18 @@ def verify(
     binary = find_policyd(policyd)
     reference = Reference(ckpt)
     requests = observations(ckpt, n, seed, manifest.get("prompt_key"))
-    return _compare(binary, bundle, manifest, requests, reference.actions, rtol, seed, "LeRobot")
+    rows = _compare(binary, bundle, manifest, requests, reference.actions, rtol, seed, "LeRobot")
+    if rtc_applies(bundle, manifest) and len(requests) >= 2:
+        rows += _verify_rtc(binary, bundle, manifest, requests[:2], reference, rtol, seed)
+    return rows
+
+
+def rtc_applies(bundle: Path, manifest: Manifest) -> bool:
+    """Whether the bundle can take `[rtc]`: a flow pipeline whose actions are not relative
+    (policyd refuses RTC with relative actions, whose leftover LeRobot re-anchors)."""
+    config = tomllib.loads((bundle / CONFIG).read_text())
+    relative = any("relative_to" in o for o in config.get("outputs", []))
+    return manifest.get("sampler", {}).get("kind") == "flow" and not relative
 
 
 def _verify_openpi(
@@ -311,6 +322,109 @@ def _compare(
                 what = f"observation {i + 1}: policyd vs {framework} actions {list(expected.shape)}"
                 rows.append(Row(what, float(np.abs(served - expected).max()), rtol * scale))
     return rows
+
+
+#: The RTC chunks `verify` checks, as (inference_delay, execution_horizon, schedule, the
+#: second observation's timestep less the first's, less the chunk's rows when negative):
+#: LeRobot's default schedule with a leftover longer than the horizon, no delay, a delay past
+#: the horizon, and a leftover shorter than the horizon (zero-padded, as LeRobot's rollout
+#: pads it). Horizons are cut to the chunk.
+RTC_CASES = [(2, 6, "linear", 2), (0, 4, "exp", 1), (5, 4, "ones", 1), (1, 6, "zeros", -3)]
+RTC_MAX_GUIDANCE = 10.0
+
+
+def rtc_config(config_path: Path, rtc: dict[str, Any]) -> None:
+    """Rewrites the (injected) config at `config_path` with `[rtc]` as given."""
+    config = tomllib.loads(config_path.read_text())
+    config["rtc"] = rtc
+    config_path.write_text(tomli_w.dumps(config))
+
+
+def observe(ws: Any, obs: dict[str, Any], timestep: int) -> dict[str, Any]:
+    """One `observe` on policyd's WebSocket (openpi's msgpack), and the chunk it pushes."""
+    from openpi_client import msgpack_numpy
+
+    frame = {"endpoint": "observe", "timestep": timestep, "timestamp": timestep / 30.0, **obs}
+    ws.send(msgpack_numpy.packb(frame))
+    reply: dict[str, Any] = msgpack_numpy.unpackb(ws.recv(timeout=120))
+    if reply.get("type") != "actions":
+        raise ExportError(f"policyd answered an observation with {reply!r}")
+    return reply
+
+
+def _verify_rtc(
+    binary: str,
+    bundle: Path,
+    manifest: Manifest,
+    requests: list[dict[str, Any]],
+    reference: Any,
+    rtol: float,
+    seed: int,
+) -> list[Row]:
+    """Real-time chunking: policyd's chunk for a second observation on the `observe` route,
+    continuing its first, against LeRobot's `predict_action_chunk(inference_delay=d,
+    prev_chunk_left_over=prev)` with the same noise, `prev` being the first chunk (LeRobot's,
+    equal to policyd's within the tolerance above) from the second observation's timestep on,
+    cut or zero-padded to the horizon as LeRobot's rollout does (`RTC_CASES`)."""
+    import torch
+    from websockets.sync.client import connect
+
+    rng = np.random.default_rng(seed + 2)
+    shape = manifest["noise"]["shape"]
+    noises = [rng.standard_normal(shape).astype(np.float32) for _ in requests]
+    groot = manifest.get("family") == "groot"
+    first = reference.chunk(requests[0], noises[0])
+    plain = reference.actions(requests[1], noises[1]).astype(np.float64)
+    rows_sent = first.shape[1]
+    out = []
+    for delay, horizon, schedule, step in RTC_CASES:
+        horizon = min(horizon, rows_sent)
+        k = step if step > 0 else rows_sent + step
+        rtc: dict[str, Any] = {"execution_horizon": horizon, "inference_delay": delay}
+        if not groot:
+            rtc |= {"prefix_attention_schedule": schedule, "max_guidance_weight": RTC_MAX_GUIDANCE}
+        prev = first[0, k:].clone()[:horizon]
+        if prev.shape[0] < horizon:
+            pad = torch.zeros((horizon - prev.shape[0], prev.shape[1]), dtype=prev.dtype)
+            prev = torch.cat([prev, pad])
+        reference.use_rtc(horizon, schedule, RTC_MAX_GUIDANCE)
+        try:
+            second = reference.chunk(
+                requests[1], noises[1], inference_delay=delay, prev_chunk_left_over=prev
+            )
+        finally:
+            reference.policy.config.rtc_config = None
+            if hasattr(reference.policy, "init_rtc_processor"):
+                reference.policy.init_rtc_processor()
+        expected = reference.postprocess(second).astype(np.float64)
+        scale = float(np.abs(expected).max()) or 1.0
+        if np.abs(expected - plain).max() <= 10 * rtol * scale:
+            raise ExportError(
+                f"LeRobot's RTC chunk (d={delay}, h={horizon}) equals its plain one: comparing "
+                "them with policyd's would prove nothing"
+            )
+        with tempfile.TemporaryDirectory() as tmp:
+            config, _ = injected_config(bundle, manifest, Path(tmp))
+            rtc_config(config, rtc)
+            with serve(binary, config) as port:
+                with connect(f"ws://127.0.0.1:{port}", compression=None, max_size=None) as ws:
+                    ws.recv(timeout=120)  # the metadata
+                    observe(ws, {**requests[0], "noise": noises[0]}, 100)
+                    reply = observe(ws, {**requests[1], "noise": noises[1]}, 100 + k)
+        served = np.asarray(reply["actions"], dtype=np.float64)
+        steps = np.asarray(reply["timesteps"], dtype=np.int64) - (100 + k)
+        if served.shape[1:] != expected.shape[1:] or steps.min() < 0:
+            raise ExportError(
+                f"policyd pushed actions of shape {list(served.shape)} at chunk rows "
+                f"{steps.tolist()}; LeRobot's chunk is {list(expected.shape)}"
+            )
+        want = expected[steps]
+        what = (
+            f"rtc d={delay} h={horizon} {'groot' if groot else schedule} leftover "
+            f"{min(rows_sent - k, horizon)}: policyd vs LeRobot {list(served.shape)}"
+        )
+        out.append(Row(what, float(np.abs(served - want).max()), rtol * scale))
+    return out
 
 
 def table(rows: list[Row]) -> str:

@@ -134,6 +134,19 @@ pub fn build(
             cfg,
         )?));
     }
+    if cfg.rtc.is_some() {
+        // The device loop's update kernel has no guidance term yet: with [rtc] the loop runs
+        // on the host (both plans still on the device), copying the sample every step.
+        log::info!(
+            "tensorrt: [rtc] is on, and the device loop's update has no guidance yet: the \
+             sampler's loop runs on the host, copying the sample every step"
+        );
+        return Ok(Box::new(Pipeline::new(
+            Box::new(prefix),
+            Box::new(denoise),
+            cfg,
+        )?));
+    }
     Ok(Box::new(DeviceLoop::wired(prefix, denoise, w)?))
 }
 
@@ -429,7 +442,7 @@ impl Engine for DeviceLoop {
         reset: bool,
     ) -> Result<RunStats, EngineError> {
         let sampling = self.w.default_sampling();
-        self.run_sampled(inputs, outputs, reset, sampling)
+        self.run_sampled(inputs, outputs, reset, sampling, None)
     }
 
     fn run_sampled(
@@ -438,6 +451,8 @@ impl Engine for DeviceLoop {
         outputs: &mut [Vec<u8>],
         _reset: bool,
         sampling: Sampling,
+        // `build` keeps [rtc] policies on the host loop: none comes here.
+        _continues: Option<crate::engine::Continuation<'_>>,
     ) -> Result<RunStats, EngineError> {
         let steps = self.w.steps_for(sampling);
         let n = self.w.n;
@@ -626,7 +641,7 @@ tensor = "x"
     ) -> Result<(Vec<f32>, RunStats), EngineError> {
         inputs[0].bytes_mut()[..4].copy_from_slice(&state.to_ne_bytes());
         let mut out = vec![vec![0u8; 280]];
-        let stats = e.run_sampled(inputs, &mut out, false, Sampling { seed, steps })?;
+        let stats = e.run_sampled(inputs, &mut out, false, Sampling { seed, steps }, None)?;
         let v = out[0]
             .chunks_exact(4)
             .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
@@ -809,7 +824,7 @@ tensor = "x"
                 let mut a = dl.alloc_inputs().unwrap();
                 let mut out = vec![vec![0u8; 280]];
                 let mut request = |dl: &mut DeviceLoop, seed: u64, steps: u32| {
-                    dl.run_sampled(&mut a, &mut out, false, Sampling { seed, steps })
+                    dl.run_sampled(&mut a, &mut out, false, Sampling { seed, steps }, None)
                         .unwrap();
                 };
                 for steps in [1, 4, 1, 4] {

@@ -1023,7 +1023,13 @@ tensor = "x"
                 set_state(&mut inputs, x0);
                 let seed = 7 + run as u64;
                 let stats = pipe
-                    .run_sampled(&mut inputs, &mut out, run == 0, Sampling { seed, steps: 5 })
+                    .run_sampled(
+                        &mut inputs,
+                        &mut out,
+                        run == 0,
+                        Sampling { seed, steps: 5 },
+                        None,
+                    )
                     .unwrap();
                 assert_eq!(stats.stages.unwrap().steps, 5);
                 let mut noise = crate::sampler::Noise::new(seed);

@@ -55,6 +55,22 @@ class Exported:
     manifest: Signature
     #: Per graph file: the trtexec precision flags (the script builds `<name>.plan`).
     trt_flags: dict[str, list[str]] = field(default_factory=dict)
+    #: Text after the config's tables: `[rtc]` commented out, where the bundle has none.
+    config_tail: str = ""
+
+    def with_rtc(self, source: dict[str, Any], ramp_rate: float | None = None) -> Exported:
+        """A flow bundle's `[rtc]` from its checkpoint's config (`rtc.table`), else the
+        table commented out (`rtc.commented`)."""
+        from .. import rtc
+
+        groot = self.config["sampler"].get("flow_time") == "groot"
+        rows = int(self.manifest["horizon"])
+        table = rtc.table(source, groot, rows)
+        if table is not None:
+            self.config["rtc"] = table
+        else:
+            self.config_tail = rtc.commented(groot, rows, ramp_rate)
+        return self
 
 
 def flow_pipeline(
@@ -235,12 +251,14 @@ def export(
             f"and pi0.5, whose LeRobot processors apply them; {ckpt.type}'s do not"
         )
     if ckpt.type == "groot":  # built from its base's config, not through load_policy
-        return groot.export(ckpt, out, verbose, base, vlm)
+        ramp = ckpt.config.get("rtc_ramp_rate")
+        exported = groot.export(ckpt, out, verbose, base, vlm)
+        return exported.with_rtc(ckpt.config, float(ramp) if ramp is not None else None)
     policy = load_policy(ckpt)
     if ckpt.type in ("pi0", "pi05"):
-        return pi0.export(ckpt, policy, out, verbose, tokenizer)
+        return pi0.export(ckpt, policy, out, verbose, tokenizer).with_rtc(ckpt.config)
     if ckpt.type == "smolvla":
-        return smolvla.export(ckpt, policy, out, verbose)
+        return smolvla.export(ckpt, policy, out, verbose).with_rtc(ckpt.config)
     if ckpt.type == "act":
         return act.export(ckpt, policy, out, verbose)
     return diffusion.export(ckpt, policy, out, verbose)
