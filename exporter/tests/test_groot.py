@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from checkpoints import GROOT_CAMERAS, groot, tiny_qwen3vl
 from conftest import Exported, check_config, run_cli
+from numpy.typing import NDArray
 
 from policyd_export.checkpoint import load
 from policyd_export.reference import Reference
@@ -455,6 +456,141 @@ def test_lerobots_robot_client_drives_it_over_grpc(
             assert all(np.isfinite(v) for v in a.values())
         assert s.healthy()
         assert 'policyd_requests_total{route="lerobot",endpoint="observe"}' in s.metrics()
+
+
+def _rtc_bundle(bundle: Exported, tmp_path: Path, name: str, rtc: dict[str, Any]) -> Exported:
+    """A copy of the bundle with `[rtc]` as given, a 100 ms latency budget (three control
+    periods at 30 Hz), and its noise a binding no robot sends, filled with zeros."""
+    import shutil
+
+    import tomli_w
+
+    copy = tmp_path / name
+    shutil.copytree(bundle.bundle, copy)
+    config = tomllib.loads((copy / "policyd.toml").read_text())
+    config["sampler"]["inject_noise"] = True
+    config["inputs"].append(
+        {
+            "key": "noise",
+            "tensor": "x_t",
+            "dtypes": ["float32"],
+            "shape": read_manifest(bundle.bundle)["noise"]["shape"],
+            "optional": True,
+            "fill": 0.0,
+        }
+    )
+    config["rtc"] = rtc
+    config["pacing"] = {"latency_budget_ms": 100}
+    (copy / "policyd.toml").write_text(tomli_w.dumps(config))
+    return Exported(bundle.checkpoint, copy, "")
+
+
+def test_rtc_over_grpc_continues_the_chunk_the_robot_was_sent(
+    bundle: Exported,
+    reference: Reference,
+    policyd: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Real-time chunking on LeRobot's gRPC service. With LeRobot's own stub and a fixed delay:
+    the second chunk equals LeRobot's `predict_action_chunk(inference_delay=2,
+    prev_chunk_left_over=…)`, the leftover being the first chunk from the second
+    observation's timestep on (5 rows, zero-padded to the horizon of 6). Then the unmodified
+    `RobotClient` with the delay measured (a 100 ms budget at 30 Hz): every chunk it receives
+    that overlaps the previous one starts with the previous one's action for that timestep
+    (GR00T's frozen rows), which a chunk sampled afresh does not."""
+    import policyd_test_robot as test_robot
+    import torch
+    from lerobot.async_inference.configs import RobotClientConfig
+    from lerobot.async_inference.helpers import (
+        RemotePolicyConfig,
+        map_robot_keys_to_lerobot_features,
+    )
+    from test_lerobot_client import Stub, drive, observation, served
+
+    monkeypatch.chdir(tmp_path)  # robot_client's logger writes logs/ here when imported
+    from lerobot.async_inference.robot_client import RobotClient
+
+    noise = np.zeros(read_manifest(bundle.bundle)["noise"]["shape"], np.float32)
+    frames = {
+        k.removeprefix("observation.images."): (h, w) for k, (_, h, w) in GROOT_CAMERAS.items()
+    }
+    ckpt = str(bundle.checkpoint.resolve())
+
+    def mine(obs: Any) -> dict[str, Any]:
+        raw = obs.get_observation()
+        out = {f"observation.images.{cam}": raw[cam] for cam in frames}
+        out["observation.state"] = np.array(
+            [raw[f"{m}.pos"] for m in test_robot.MOTORS], dtype=np.float32
+        )
+        out["task"] = raw["task"]
+        return out
+
+    fixed = _rtc_bundle(bundle, tmp_path, "fixed", {"execution_horizon": 6, "inference_delay": 2})
+    with served(policyd, fixed, tmp_path) as s:
+        robot = test_robot.PolicydTestRobot(
+            test_robot.PolicydTestRobotConfig(frames=frames, seed=11)
+        )
+        stub = Stub(s.address)
+        stub.setup(RemotePolicyConfig("groot", ckpt, map_robot_keys_to_lerobot_features(robot), 8))
+        first_obs, second_obs = observation(robot, 3), observation(robot, 6)
+        stub.observe(first_obs)
+        chunk1 = stub.actions()
+        stub.observe(second_obs)
+        chunk2 = stub.actions()
+        stub.close()
+    assert [a.get_timestep() for a in chunk2] == list(range(6, 14))
+    got = np.stack([a.get_action().numpy() for a in chunk2]).astype(np.float64)
+    first = reference.chunk(mine(first_obs), noise)
+    prev = torch.cat([first[0, 3:], torch.zeros((1, first.shape[2]))])
+    reference.use_rtc(6, "linear", 10.0)
+    try:
+        want = reference.chunk(
+            mine(second_obs), noise, inference_delay=2, prev_chunk_left_over=prev
+        )
+    finally:
+        reference.policy.config.rtc_config = None
+    want_actions = reference.postprocess(want).astype(np.float64)
+    plain = reference.actions(mine(second_obs), noise).astype(np.float64)
+    scale = float(np.abs(want_actions).max())
+    assert float(np.abs(got - want_actions).max()) <= 1e-4 * scale, (got, want_actions)
+    sent = np.stack([a.get_action().numpy() for a in chunk1]).astype(np.float64)
+    assert np.abs(got[:2] - sent[3:5]).max() <= 1e-5 * scale, "the delayed rows are frozen"
+    assert np.abs(plain[:2] - sent[3:5]).max() > 1e-3 * scale, "afresh, they would not be"
+
+    measured = _rtc_bundle(bundle, tmp_path, "measured", {"execution_horizon": 6})
+    with served(policyd, measured, tmp_path) as s:
+        cfg = RobotClientConfig(
+            policy_type="groot",
+            pretrained_name_or_path=ckpt,
+            robot=test_robot.PolicydTestRobotConfig(frames=frames, seed=12),
+            actions_per_chunk=8,
+            server_address=s.address,
+            task="pick up the red cube",
+            fps=30,
+        )
+        client = RobotClient(cfg)
+        received: list[dict[int, NDArray[Any]]] = []
+        aggregate = client._aggregate_action_queues
+
+        def record(actions: list[Any], *args: Any, **kwargs: Any) -> Any:
+            received.append({a.get_timestep(): a.get_action().numpy() for a in actions})
+            return aggregate(actions, *args, **kwargs)
+
+        client._aggregate_action_queues = record  # type: ignore[method-assign]
+        _, driven = drive(client, cfg.task, 3.0)
+        assert len(driven.actions) >= 45, len(driven.actions)
+        assert s.healthy()
+    # A chunk continues one sent before it (the last released when its observation started,
+    # which need not be the one received just before it).
+    continued = 0
+    for i, b in enumerate(received[1:], 1):
+        t0 = min(b)
+        earlier = [a[t0] for a in received[:i] if t0 in a]
+        assert earlier, [sorted(r) for r in received]
+        assert min(np.abs(b[t0] - a).max() for a in earlier) <= 1e-5 * scale, (t0, earlier, b[t0])
+        continued += 1
+    assert continued >= 3, [sorted(r) for r in received]
 
 
 def test_build_plans_follows_nvidias_precisions(bundle: Exported, tmp_path: Path) -> None:

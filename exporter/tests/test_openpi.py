@@ -28,7 +28,10 @@ from policyd_export import openpi
 from policyd_export.cli import main
 from policyd_export.openpi import FLIP, Robot, TrainConfig
 from policyd_export.openpi_reference import OpenpiReference, resize_with_pad
-from policyd_export.verify import injected_config, serve
+from policyd_export.verify import RTC_CASES, injected_config, serve
+
+#: The openpi config whose verify checks real-time chunking too.
+RTC_CONFIG = "pi05_libero"
 
 #: openpi's per-config facts the reference needs besides `OPENPI`: quantile normalisation
 #: (every model but pi0), the state in the prompt (`discrete_state_input`: pi0.5's default,
@@ -506,11 +509,19 @@ def test_verify_compares_the_bundle_with_openpis_pipeline(
 ) -> None:
     """`policyd-export verify` on an openpi bundle: served actions against openpi's pipeline
     on requests as the config's client sends them, with the statistics the export read (the
-    manifest names them); a bundle whose un-normalisation is off by 0.5 fails it (exit 1)."""
+    manifest names them); a bundle whose un-normalisation is off by 0.5 fails it (exit 1).
+    For pi05_libero, real-time chunking too: RTC chunks against openpi's loop with LeRobot's
+    `RTCProcessor` (verify's four cases; the other configs skip them, to keep CI short)."""
     args = ["--policyd", policyd, "--observations", "2"]
-    assert main(["verify", str(case.bundle), str(case.checkpoint), *args]) == 0
+    rtc = case.name == RTC_CONFIG
+    full = ["verify", str(case.bundle), str(case.checkpoint), *args]
+    assert main(full if rtc else [*full, "--no-rtc"]) == 0
     out = capsys.readouterr().out
-    assert out.count("policyd vs openpi actions") == 2 and "all 4 checks passed" in out, out
+    checks = 4 + (len(RTC_CASES) if rtc else 0)
+    assert out.count("policyd vs openpi actions") == 2, out
+    assert f"all {checks} checks passed" in out, out
+    assert out.count("rtc d=") == (len(RTC_CASES) if rtc else 0), out
+    args.append("--no-rtc")
     wrong = tmp_path / "bundle"
     shutil.copytree(case.bundle, wrong)
     config = tomllib.loads((wrong / "policyd.toml").read_text())

@@ -86,6 +86,18 @@ impl Budget {
                 conns * sessions * per_session,
             ));
         }
+        if let Some(r) = plan.rtc {
+            // `[rtc]`: each session's previous chunk (sized at the session's start, reused
+            // after) and each slot's leftover, both the sample's size in float32.
+            let chunk = (4 * r.rows * r.width) as u64;
+            let sessions = cfg.server.max_sessions as u64;
+            lines.push((
+                format!(
+                    "rtc          ({conns} × {sessions} sessions + {slots} slots) × chunk {chunk}"
+                ),
+                (conns * sessions + slots) * chunk,
+            ));
+        }
         if let Some(g) = plan.planner.as_ref().and_then(|t| t.geometry) {
             lines.push((
                 "planner      camera frame handed to the planner".to_string(),

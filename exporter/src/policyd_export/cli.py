@@ -4,6 +4,7 @@
     policyd-export openpi CHECKPOINT_DIR --config NAME --out BUNDLE_DIR [--norm-stats DIR]
                           [--frame-size HxW]
     policyd-export verify BUNDLE_DIR CHECKPOINT_DIR [--policyd PATH] [--norm-stats FILE]
+                          [--no-rtc]
     policyd-export rewrite IN.onnx OUT.onnx
 
 Exit status: 0 done, 1 verify found a difference, 2 bad input (the message says what to fix).
@@ -115,6 +116,7 @@ def _verify(args: argparse.Namespace) -> int:
         n=args.observations,
         rtol=args.rtol,
         norm_stats=Path(args.norm_stats) if args.norm_stats else None,
+        rtc=not args.no_rtc,
     )
     print(table(rows))
     failed = [r for r in rows if not r.ok]
@@ -257,6 +259,12 @@ def parser() -> argparse.ArgumentParser:
     v.add_argument(
         "--norm-stats",
         help="an openpi bundle's norm_stats.json (default: the file the export read)",
+    )
+    v.add_argument(
+        "--no-rtc",
+        action="store_true",
+        help="skip the real-time chunking checks (four more servers; on by default for a "
+        "flow bundle whose actions are not relative)",
     )
     _trust_flag(v)
     v.set_defaults(run=_verify)

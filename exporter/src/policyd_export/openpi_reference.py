@@ -60,10 +60,17 @@ def resize_with_pad(img: NDArray[Any], height: int = 224, width: int = 224) -> N
     return out
 
 
+#: Real-time chunking for a chunk: LeRobot's `RTCProcessor`, the inference delay, the
+#: leftover and the execution horizon.
+Rtc = tuple[Any, int, torch.Tensor, int]
+
+
 @contextlib.contextmanager
-def openpi_loop() -> Iterator[None]:
+def openpi_loop(rtc: Rtc | None = None) -> Iterator[None]:
     """LeRobot's Euler loop replaced by openpi's (`PI0Pytorch.sample_actions`): float32 `dt`,
-    the time accumulated in float32 while `time >= −dt/2`."""
+    the time accumulated in float32 while `time >= −dt/2`. With `rtc`, each velocity goes
+    through LeRobot's `RTCProcessor.denoise_step` at that time (openpi has no RTC: policyd
+    applies LeRobot's formula on openpi's loop, and this is that formula)."""
     import lerobot.policies.pi0.modeling_pi0 as m0
     import lerobot.policies.pi05.modeling_pi05 as m5
 
@@ -72,7 +79,15 @@ def openpi_loop() -> Iterator[None]:
         x = noise
         time = torch.tensor(1.0, dtype=torch.float32)
         while time >= -dt / 2:
-            x = x + dt * denoise(x, time.expand(noise.shape[0]))
+            at = time.expand(noise.shape[0])
+            if rtc is None:
+                v = denoise(x, at)
+            else:
+                processor, delay, prev, horizon = rtc
+                v = processor.denoise_step(
+                    x, prev, delay, float(time), lambda xt, at=at: denoise(xt, at), horizon
+                )
+            x = x + dt * v
             time = time + dt
         return x
 
@@ -140,6 +155,10 @@ class OpenpiReference:
         policy = Policy.from_pretrained(str(ckpt.path), config=lerobot_config(ckpt))
         self.model = policy.eval().model
         self._check_loaded()
+        # Real-time chunking (`use_rtc`), and the last sampled observation's padded state.
+        self.rtc: Any = None
+        self.horizon = 0
+        self._padded: F64 = np.zeros(0)
 
     def _check_loaded(self) -> None:
         from safetensors.torch import load_file
@@ -172,6 +191,59 @@ class OpenpiReference:
 
     @torch.no_grad()
     def infer(self, obs: dict[str, Any], noise: NDArray[Any]) -> F64:
+        return self.decode(self.sample(obs, noise))
+
+    def use_rtc(self, horizon: int, schedule: str, max_guidance_weight: float) -> None:
+        """RTC on for the next chunks, LeRobot's `RTCProcessor` with these settings."""
+        from lerobot.configs import RTCAttentionSchedule
+        from lerobot.policies.rtc.configuration_rtc import RTCConfig
+        from lerobot.policies.rtc.modeling_rtc import RTCProcessor
+
+        self.rtc = RTCProcessor(
+            RTCConfig(
+                enabled=True,
+                execution_horizon=horizon,
+                prefix_attention_schedule=RTCAttentionSchedule(schedule.upper()),
+                max_guidance_weight=max_guidance_weight,
+            )
+        )
+        self.horizon = horizon
+
+    def rtc_off(self) -> None:
+        self.rtc = None
+
+    def chunk(
+        self,
+        obs: dict[str, Any],
+        noise: NDArray[Any],
+        inference_delay: int | None = None,
+        prev_chunk_left_over: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The model's chunk cut to the robot's columns, [1, rows, columns]: what policyd keeps
+        of a chunk for RTC (its padded columns zero)."""
+        out = self.sample(obs, noise, inference_delay, prev_chunk_left_over)
+        return out[:, :, : self.ckpt.config.robot.columns]
+
+    def postprocess(self, chunk: torch.Tensor) -> F64:
+        """The robot's actions from `chunk` (its padded columns are zeros)."""
+        width = int(self.ckpt.model["action_dim"])
+        padded = torch.zeros((1, chunk.shape[1], width))
+        padded[:, :, : chunk.shape[2]] = chunk
+        return self.decode(padded)
+
+    def actions(self, obs: dict[str, Any], noise: NDArray[Any]) -> F64:
+        return self.infer(obs, noise)
+
+    @torch.no_grad()
+    def sample(
+        self,
+        obs: dict[str, Any],
+        noise: NDArray[Any],
+        inference_delay: int | None = None,
+        prev_chunk_left_over: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The model's chunk for `obs`, [1, rows, action width], normalised and padded; with a
+        leftover (after `use_rtc`), guided towards it."""
         cfg = self.ckpt.config
         robot = cfg.robot
         # Data transforms: the state's parts (DROID's gripper may be a bare number), ALOHA's
@@ -213,12 +285,26 @@ class OpenpiReference:
         img_masks = [torch.tensor([m]) for m in masks]
         tok, tok_mask = torch.from_numpy(ids)[None], torch.from_numpy(mask)[None]
         x = torch.from_numpy(np.asarray(noise, np.float32))[None]
-        with openpi_loop():
+        rtc = None
+        if prev_chunk_left_over is not None and getattr(self, "rtc", None) is not None:
+            rtc = (self.rtc, int(inference_delay or 0), prev_chunk_left_over, self.horizon)
+        self._padded = padded
+        with openpi_loop(rtc):
             if cfg.pi05:
-                out = self.model.sample_actions(tensors, img_masks, tok, tok_mask, noise=x)
+                out: torch.Tensor = self.model.sample_actions(
+                    tensors, img_masks, tok, tok_mask, noise=x
+                )
             else:
                 st = torch.from_numpy(padded.astype(np.float32))[None]
                 out = self.model.sample_actions(tensors, img_masks, tok, tok_mask, st, noise=x)
+        return out
+
+    def decode(self, out: torch.Tensor) -> F64:
+        """openpi's output transforms on a model chunk: un-normalise, `AbsoluteActions` against
+        the last sampled observation's state, the robot's columns, ALOHA's encoding."""
+        cfg = self.ckpt.config
+        robot = cfg.robot
+        padded = self._padded
         actions = self.action_norm.unnormalize(out[0].numpy().astype(np.float64))
         # `AbsoluteActions`: the state after its normalise/un-normalise round trip in float32,
         # added to the masked columns.

@@ -88,6 +88,12 @@ class Reference:
         if hasattr(self.policy, "init_rtc_processor"):
             self.policy.init_rtc_processor()
 
+    def rtc_off(self) -> None:
+        """RTC off again (the policy's config as loaded)."""
+        self.policy.config.rtc_config = None
+        if hasattr(self.policy, "init_rtc_processor"):
+            self.policy.init_rtc_processor()
+
     @torch.no_grad()
     def chunk(
         self,

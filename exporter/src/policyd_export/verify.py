@@ -200,13 +200,16 @@ def verify(
     rtol: float = 1e-4,
     seed: int = 0,
     norm_stats: Path | None = None,
+    rtc: bool = True,
 ) -> list[Row]:
     """Every check as a row: the export's graph checks, then one per served observation,
     against LeRobot's own inference (a LeRobot bundle) or openpi's pipeline (an openpi one;
-    `norm_stats`: its statistics, where the export was given them with --norm-stats)."""
+    `norm_stats`: its statistics, where the export was given them with --norm-stats), then
+    (`rtc`, where the bundle can take it) the real-time chunking cases."""
     manifest = read_manifest(bundle)
+    rtc = rtc and rtc_applies(bundle, manifest) and n >= 2
     if manifest["policy_type"].startswith("openpi/"):
-        return _verify_openpi(bundle, checkpoint, manifest, policyd, n, rtol, seed, norm_stats)
+        return _verify_openpi(bundle, checkpoint, manifest, policyd, n, rtol, seed, norm_stats, rtc)
     from .reference import Reference
 
     ckpt = load_checkpoint(checkpoint)
@@ -219,7 +222,7 @@ def verify(
     reference = Reference(ckpt)
     requests = observations(ckpt, n, seed, manifest.get("prompt_key"))
     rows = _compare(binary, bundle, manifest, requests, reference.actions, rtol, seed, "LeRobot")
-    if rtc_applies(bundle, manifest) and len(requests) >= 2:
+    if rtc:
         rows += _verify_rtc(binary, bundle, manifest, requests[:2], reference, rtol, seed)
     return rows
 
@@ -241,6 +244,7 @@ def _verify_openpi(
     rtol: float,
     seed: int,
     norm_stats: Path | None,
+    rtc: bool,
 ) -> list[Row]:
     """An openpi bundle against openpi's pipeline (`openpi_reference`) on requests as the
     config's openpi client sends them, with the statistics the export read."""
@@ -269,7 +273,10 @@ def _verify_openpi(
         assert noise is not None
         return reference.infer(obs, noise)
 
-    return _compare(binary, bundle, manifest, requests, want, rtol, seed, "openpi")
+    rows = _compare(binary, bundle, manifest, requests, want, rtol, seed, "openpi")
+    if rtc:
+        rows += _verify_rtc(binary, bundle, manifest, requests[:2], reference, rtol, seed)
+    return rows
 
 
 def _compare(
@@ -363,7 +370,8 @@ def _verify_rtc(
 ) -> list[Row]:
     """Real-time chunking: policyd's chunk for a second observation on the `observe` route,
     continuing its first, against LeRobot's `predict_action_chunk(inference_delay=d,
-    prev_chunk_left_over=prev)` with the same noise, `prev` being the first chunk (LeRobot's,
+    prev_chunk_left_over=prev)` (an openpi bundle: openpi's loop with LeRobot's
+    `RTCProcessor`) with the same noise, `prev` being the first chunk (LeRobot's,
     equal to policyd's within the tolerance above) from the second observation's timestep on,
     cut or zero-padded to the horizon as LeRobot's rollout does (`RTC_CASES`)."""
     import torch
@@ -373,6 +381,7 @@ def _verify_rtc(
     shape = manifest["noise"]["shape"]
     noises = [rng.standard_normal(shape).astype(np.float32) for _ in requests]
     groot = manifest.get("family") == "groot"
+    framework = "openpi" if manifest["policy_type"].startswith("openpi/") else "LeRobot"
     first = reference.chunk(requests[0], noises[0])
     plain = reference.actions(requests[1], noises[1]).astype(np.float64)
     rows_sent = first.shape[1]
@@ -393,9 +402,7 @@ def _verify_rtc(
                 requests[1], noises[1], inference_delay=delay, prev_chunk_left_over=prev
             )
         finally:
-            reference.policy.config.rtc_config = None
-            if hasattr(reference.policy, "init_rtc_processor"):
-                reference.policy.init_rtc_processor()
+            reference.rtc_off()
         expected = reference.postprocess(second).astype(np.float64)
         scale = float(np.abs(expected).max()) or 1.0
         if np.abs(expected - plain).max() <= 10 * rtol * scale:
@@ -421,7 +428,7 @@ def _verify_rtc(
         want = expected[steps]
         what = (
             f"rtc d={delay} h={horizon} {'groot' if groot else schedule} leftover "
-            f"{min(rows_sent - k, horizon)}: policyd vs LeRobot {list(served.shape)}"
+            f"{min(rows_sent - k, horizon)}: policyd vs {framework} {list(served.shape)}"
         )
         out.append(Row(what, float(np.abs(served - want).max()), rtol * scale))
     return out
