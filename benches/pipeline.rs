@@ -105,8 +105,14 @@ fn bench(c: &mut Criterion) {
                 let mut seed = 0;
                 b.iter(|| {
                     seed += 1;
-                    p.run_sampled(&mut inputs, &mut outputs, false, Sampling { seed, steps })
-                        .expect("run")
+                    p.run_sampled(
+                        &mut inputs,
+                        &mut outputs,
+                        false,
+                        Sampling { seed, steps },
+                        None,
+                    )
+                    .expect("run")
                 })
             });
         }

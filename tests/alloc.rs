@@ -617,6 +617,91 @@ tensor = "x"
     allocs() - before
 }
 
+/// `[rtc]`: a flow pipeline continuing a leftover (LeRobot's guidance, or GR00T's
+/// inpainting), its rows and delay changing, and a session's chunk kept and cut each request.
+fn rtc_path(n: usize, groot: bool) -> u64 {
+    use policyd::engine::{Continuation, Engine, Sampling};
+    use policyd::rtc::{Previous, Request};
+    let text = format!(
+        r#"
+[engine]
+model = "prefix.onnx"
+[denoise]
+model = "step.onnx"
+wire = {{ feat = "features" }}
+[sampler]
+kind = "flow"
+steps = 10
+max_steps = 20
+x = "x"
+time = "t"
+output = "v"
+flow_time = "{}"
+[rtc]
+execution_horizon = 8
+[[inputs]]
+key = "state"
+tensor = "state"
+dtypes = ["float32"]
+shape = [8]
+[[outputs]]
+tensor = "x"
+"#,
+        if groot { "groot" } else { "lerobot" }
+    );
+    let cfg = Config::parse(&text, "test", None).unwrap();
+    let t = |name: &str, dtype, shape: &[usize]| TensorSpec {
+        name: name.into(),
+        dtype,
+        shape: shape.to_vec(),
+    };
+    let engine = |inputs, outputs| {
+        Box::new(SyntheticEngine::new(
+            IoSpec { inputs, outputs },
+            Behaviour::default(),
+        ))
+    };
+    let prefix = engine(
+        vec![t("state", ElemType::F32, &[1, 8])],
+        vec![t("features", ElemType::F32, &[1, 4])],
+    );
+    let time = if groot { ElemType::I64 } else { ElemType::F32 };
+    let step = engine(
+        vec![
+            t("feat", ElemType::F32, &[1, 4]),
+            t("x", ElemType::F32, &[1, 16, 2]),
+            t("t", time, &[1]),
+        ],
+        vec![t("v", ElemType::F32, &[1, 16, 2])],
+    );
+    let spec = cfg.default_policy().pipeline.clone().unwrap();
+    let mut p = policyd::engine::pipeline::Pipeline::new(prefix, step, &spec).unwrap();
+    let mut inputs = p.alloc_inputs().unwrap();
+    let mut outputs = vec![vec![0u8; 128]];
+    let mut previous = Previous::with_capacity(32);
+    let mut leftover = vec![0f32; 32];
+    let mut go = |i: usize| {
+        previous.capture(&outputs[0], 2, 1, 16, i as i64);
+        let rows = previous.leftover(i as i64 + 1 + (i % 7) as i64, 2, 8, &mut leftover);
+        let continues = Continuation {
+            leftover: &leftover,
+            request: Request { rows, delay: i % 5 },
+        };
+        let sampling = Sampling {
+            seed: i as u64,
+            steps: 1 + (i % 10) as u32,
+        };
+        p.run_sampled(&mut inputs, &mut outputs, false, sampling, Some(continues))
+            .unwrap();
+    };
+    go(0);
+    let before = allocs();
+    for i in 0..n {
+        go(i);
+    }
+    allocs() - before
+}
+
 /// Decoding with per-session `history` (a Diffusion Policy's `n_obs_steps`), four sessions
 /// interleaved on one connection: each session's frame buffer is allocated at its first
 /// request, then only copied into.
@@ -783,6 +868,13 @@ fn steady_state_allocations() {
         0,
         "a pipeline's request allocated: {pipeline:?}"
     );
+    for groot in [false, true] {
+        let rtc = [0; 3].map(|_| rtc_path(1000, groot));
+        println!(
+            "RTC (groot: {groot}; a leftover kept, cut and continued): {rtc:?} allocations over 1000 requests (3 runs)"
+        );
+        assert_eq!(fewest(rtc), 0, "a continued chunk allocated: {rtc:?}");
+    }
     let lerobot = [0; 3].map(|_| lerobot_path(1000));
     println!(
         "LeRobot observation (pickle read, 6 motors, a resized camera, task): {lerobot:?} allocations over 1000 requests (3 runs)"

@@ -63,6 +63,42 @@ def test_the_bundle_is_a_flow_pipeline_with_the_prompt_tokenized(bundle: Pi0, po
     r = check_config(policyd, bundle.bundle / "policyd.toml")
     assert r.returncode == 0, r.stderr
     assert "pipeline: flow" in r.stdout and "tokenizer" in r.stdout, r.stdout
+    # The checkpoint has no rtc_config: `[rtc]` is written commented out, with LeRobot's
+    # defaults (the horizon cut to the 10-row chunk), and uncommented it is a valid config.
+    text = (bundle.bundle / "policyd.toml").read_text()
+    assert "rtc" not in config and "# [rtc]\n# execution_horizon = 10\n" in text, text
+    on = bundle.bundle / "policyd.rtc.toml"
+    head, _, keys = text.partition("# [rtc]\n")
+    on.write_text(head + "[rtc]\n" + "\n".join(k.removeprefix("# ") for k in keys.splitlines()))
+    assert tomllib.loads(on.read_text())["rtc"]["prefix_attention_schedule"] == "linear"
+    r = check_config(policyd, on)
+    assert r.returncode == 0, r.stderr
+    assert "rtc " in r.stdout, r.stdout
+
+
+def test_a_checkpoints_rtc_config_becomes_the_bundles_rtc_table() -> None:
+    """LeRobot's `rtc_config` as the checkpoint has it (on or off), the horizon cut to the
+    chunk; GR00T has none (its RTC is keyed by rtc_ramp_rate, written commented out)."""
+    from policyd_export import rtc
+
+    config = {
+        "rtc_config": {
+            "enabled": False,
+            "execution_horizon": 12,
+            "prefix_attention_schedule": "EXP",
+            "max_guidance_weight": 5.0,
+        }
+    }
+    assert rtc.table(config, groot=False, rows=10) == {
+        "enabled": False,
+        "execution_horizon": 10,
+        "prefix_attention_schedule": "exp",
+        "max_guidance_weight": 5.0,
+    }
+    assert rtc.table({"rtc_config": None}, groot=False, rows=10) is None
+    assert rtc.table(config, groot=True, rows=10) is None
+    text = rtc.commented(groot=True, rows=8, ramp_rate=3.0)
+    assert "# rtc_ramp_rate = 3.0" in text and "schedule" not in text, text
 
 
 def test_served_actions_equal_lerobot(bundle: Pi0, policyd: str) -> None:

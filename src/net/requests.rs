@@ -611,7 +611,6 @@ impl Core {
         });
         // `[rtc]`: the session keeps what it was sent of this chunk, in model space.
         let sent = reply.sent_rows();
-        drop(reply);
         if t.kind == Kind::Observe
             && let Some(r) = plan.rtc
             && let Some(p) = self.sessions.pacing(&t.session)
