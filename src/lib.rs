@@ -9,7 +9,8 @@
 //!   log_limit              log lines a peer can provoke, at most one a second each
 //! transform, protocol,     element conversion; the wire format and its two dialects;
 //!   tokenizer, sampler,    prompts to token ids (openpi's formats); flow/DDPM/DDIM steps;
-//!   rtc                    real-time chunking's per-step math (prefix weights, guidance)
+//!   rtc                    real-time chunking: a session's previous chunk, its leftover, the
+//!                          per-step guidance (LeRobot's) or inpainting (GR00T's)
 //! config                   the file's raw form, its checks, the resolved Config
 //! engine, planner, demo    backends; the task planner; the embedded default
 //! bind                     bindings compiled against an engine: frame → inputs, outputs → reply

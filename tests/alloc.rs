@@ -835,7 +835,14 @@ tensor = "action"
     let payload = fixture("observation_p4");
     let mut go = || {
         let meta = adapter
-            .decode(&mut payloads, &payload, &plan, &mut bufs, &mut seen)
+            .decode(
+                &mut payloads,
+                setup.codec,
+                &payload,
+                &plan,
+                &mut bufs,
+                &mut seen,
+            )
             .unwrap();
         assert_eq!(meta.timestep, Some(7));
     };

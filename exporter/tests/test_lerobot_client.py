@@ -380,6 +380,47 @@ def from_pr3048(data: bytes) -> tuple[dict, dict]:
     return json.loads(data[4 : 4 + n]), (load(rest) if rest else {})
 
 
+def json_setup(config: RemotePolicyConfig, chunk: int) -> bytes:
+    """`config` as a PR #3048 client sends it."""
+    return pr3048(
+        {
+            "type": "RemotePolicyConfig",
+            "policy_type": config.policy_type,
+            "pretrained_name_or_path": config.pretrained_name_or_path,
+            "lerobot_features": config.lerobot_features,
+            "actions_per_chunk": chunk,
+            "device": "cpu",
+            "rename_map": {},
+        }
+    )
+
+
+def json_observation(obs: TimedObservation) -> bytes:
+    """`obs` as a PR #3048 client sends it: scalars in the JSON, arrays as safetensors."""
+    import torch
+
+    raw = obs.get_observation()
+    arrays = {k: torch.from_numpy(v) for k, v in raw.items() if isinstance(v, np.ndarray)}
+    meta = {
+        "type": "TimedObservation",
+        "timestamp": obs.get_timestamp(),
+        "timestep": obs.get_timestep(),
+        "must_go": True,
+        "scalar_data": {k: v for k, v in raw.items() if k not in arrays},
+        "numpy_keys": list(arrays),
+    }
+    return pr3048(meta, arrays)
+
+
+def json_actions(stub: Stub, timeout: float = 30.0) -> tuple[dict, dict]:
+    """The next chunk, which must come in PR #3048's format."""
+    deadline = time.monotonic() + timeout
+    while not (data := stub.stub.GetActions(services_pb2.Empty()).data):
+        assert time.monotonic() < deadline, "no actions within the timeout"
+    assert data[0] != 0x80, "answered in the client's format, not pickle"
+    return from_pr3048(data)
+
+
 def test_pr_3048_json_safetensors_clients_get_answers_in_their_format(
     act: Exported, policyd: str, tmp_path: Path
 ) -> None:
@@ -395,35 +436,9 @@ def test_pr_3048_json_safetensors_clients_get_answers_in_their_format(
         stub.setup(config)
         stub.observe(obs)
         pickled = stub.actions()
-        stub.setup(
-            pr3048(
-                {
-                    "type": "RemotePolicyConfig",
-                    "policy_type": config.policy_type,
-                    "pretrained_name_or_path": config.pretrained_name_or_path,
-                    "lerobot_features": config.lerobot_features,
-                    "actions_per_chunk": 6,
-                    "device": "cpu",
-                    "rename_map": {},
-                }
-            )
-        )
-        raw = obs.get_observation()
-        arrays = {k: torch.from_numpy(v) for k, v in raw.items() if isinstance(v, np.ndarray)}
-        meta = {
-            "type": "TimedObservation",
-            "timestamp": obs.get_timestamp(),
-            "timestep": obs.get_timestep(),
-            "must_go": True,
-            "scalar_data": {k: v for k, v in raw.items() if k not in arrays},
-            "numpy_keys": list(arrays),
-        }
-        stub.observe(pr3048(meta, arrays))
-        deadline = time.monotonic() + 30
-        while not (data := stub.stub.GetActions(services_pb2.Empty()).data):
-            assert time.monotonic() < deadline
-        assert data[0] != 0x80, "answered in the client's format, not pickle"
-        reply, tensors = from_pr3048(data)
+        stub.setup(json_setup(config, 6))
+        stub.observe(json_observation(obs))
+        reply, tensors = json_actions(stub)
         assert reply["type"] == "TimedActions" and len(reply["actions"]) == 6
         for i, (a, p) in enumerate(zip(reply["actions"], pickled, strict=True)):
             assert a["timestep"] == p.get_timestep() == 4 + i
@@ -580,6 +595,41 @@ def test_a_reload_moves_the_session_to_the_new_engine(
         after = stub.actions()
         assert after[0].get_timestep() == 5
         assert abs(after[1].get_timestamp() - after[0].get_timestamp() - 0.1) < 1e-6
+        stub.close()
+
+
+def test_a_json_client_keeps_its_format_across_a_reload(
+    act: Exported, policyd: str, tmp_path: Path
+) -> None:
+    """Issue 51's bug: after a reload that replaced the policy, a PR #3048 (JSON +
+    safetensors) client had every observation refused as "set up with pickle payloads" until
+    it set up again. Its format is part of its setup, which the session carries across the
+    reload: the next observation is answered, in JSON."""
+    import signal
+
+    robot = test_robot.PolicydTestRobot(robot_config(seed=10))
+    config = remote_config(act, robot, chunk=4)
+    with served(policyd, act, tmp_path) as s:
+        stub = Stub(s.address)
+        stub.setup(json_setup(config, 4))
+        stub.observe(json_observation(observation(robot, 0)))
+        reply, _ = json_actions(stub)
+        assert [a["timestep"] for a in reply["actions"]] == [0, 1, 2, 3]
+        text = tomllib.loads(s.config.read_text())
+        text.setdefault("pacing", {})["fps"] = 10.0
+        s.config.write_text(tomli_w.dumps(text))
+        s.proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 60
+        while "session starts afresh" not in s.log.read_text():
+            with contextlib.suppress(grpc.RpcError):
+                stub.stub.GetActions(services_pb2.Empty(), timeout=0.5)
+            assert time.monotonic() < deadline, s.log.read_text()
+            time.sleep(0.2)
+        stub.observe(json_observation(observation(robot, 5)))
+        reply, tensors = json_actions(stub)
+        assert [a["timestep"] for a in reply["actions"]] == [5, 6, 7, 8]
+        assert abs(reply["actions"][1]["timestamp"] - reply["actions"][0]["timestamp"] - 0.1) < 1e-6
+        assert len(tensors) == 4
         stub.close()
 
 

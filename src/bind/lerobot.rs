@@ -129,9 +129,6 @@ pub struct Adapter {
     actions_per_chunk: usize,
     /// The output sent as the actions.
     action_output: usize,
-    /// The client's payload format (its policy config's), used for its observations and
-    /// for the replies.
-    codec: Codec,
 }
 
 impl Adapter {
@@ -277,21 +274,20 @@ impl Adapter {
             task: fit.task,
             actions_per_chunk: apc as usize,
             action_output,
-            codec: Codec::Pickle,
         })
     }
 
-    /// Reads one `TimedObservation`, in the format the client set up with, into a slot's
-    /// inputs; the request's meta for the core.
+    /// Reads one `TimedObservation`, in the format the client set up with (`codec`, its
+    /// setup's), into a slot's inputs; the request's meta for the core.
     pub fn decode(
         &mut self,
         payloads: &mut Payloads,
+        codec: Codec,
         payload: &[u8],
         plan: &Plan,
         inputs: &mut [Box<dyn InputBuffer>],
         seen: &mut [bool],
     ) -> Result<RequestMeta, WireError> {
-        let codec = self.codec;
         payloads
             .observation(codec, payload, |at, entries| {
                 self.bind(at, entries, plan, inputs, seen)
@@ -440,14 +436,5 @@ impl Adapter {
     /// The output sent as the actions: `action` (or `actions`), else the first.
     pub fn action_output(&self) -> usize {
         self.action_output
-    }
-
-    /// The client's payload format, for its observations and the replies.
-    pub fn codec(&self) -> Codec {
-        self.codec
-    }
-
-    pub fn set_codec(&mut self, codec: Codec) {
-        self.codec = codec;
     }
 }

@@ -399,13 +399,12 @@ impl AsyncInference for Service {
         let from = caller(&request)?;
         let _call = from.activity.call();
         let data = request.into_inner().data;
-        let (setup, codec) = Payloads::default()
+        let setup = Payloads::default()
             .setup(&data)
             .map_err(|e| self.refuse("pickle", Status::invalid_argument(e.to_string())))?;
         let set = self.shared.policies.load();
-        let (policy, mut adapter) = for_setup(&self.cfg, &set, &setup)
+        let (policy, adapter) = for_setup(&self.cfg, &set, &setup)
             .map_err(|e| self.refuse("setup", Status::failed_precondition(e)))?;
-        adapter.set_codec(codec);
         crate::log_limited!(
             log::Level::Info,
             "lerobot: {} asks for {} \"{}\" ({} actions per chunk, {} payloads): serving \
@@ -414,7 +413,7 @@ impl AsyncInference for Service {
             clip(&setup.policy_type),
             clip(&setup.pretrained_name_or_path),
             setup.actions_per_chunk,
-            codec.name(),
+            setup.codec.name(),
             policy.name
         );
         let (reply, back) = oneshot::channel();
@@ -840,14 +839,14 @@ impl Session {
         let Some(lease) = policy.worker.pool.try_acquire() else {
             return Ok(());
         };
-        let (adapter, payloads) = (&mut a.adapter, &mut self.payloads);
+        let (adapter, payloads, codec) = (&mut a.adapter, &mut self.payloads, a.setup.codec);
         let mut unreadable = false;
         let started = a.core.start(
             received,
             lease,
             ResetScope::Connection,
             |plan, inputs, seen, _| {
-                let meta = adapter.decode(payloads, payload, plan, inputs, seen);
+                let meta = adapter.decode(payloads, codec, payload, plan, inputs, seen);
                 unreadable = matches!(meta, Err(WireError::Unreadable(_)));
                 meta
             },
@@ -876,7 +875,7 @@ impl Session {
         let (output, apc, codec) = (
             a.adapter.action_output(),
             a.adapter.actions_per_chunk(),
-            a.adapter.codec(),
+            a.setup.codec,
         );
         let mut ok = true;
         let lease = a.core.release(lease, paced, |r| {

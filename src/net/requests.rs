@@ -5,8 +5,9 @@
 //! [service](crate::net::lerobot)) reads bytes and writes replies in its own framing; everything
 //! between is here, once: the decode into a slot (through the front end's own decoder), the
 //! request's sampling seed and prompt tokens, the session table (latest-wins, `must_go`, the
-//! predicted-timestep and similarity filters, history), the scheduler and engine worker, the
-//! engine-stall watchdog, and the pacing that holds a finished result until its release time.
+//! predicted-timestep and similarity filters, history, `[rtc]`'s previous chunk and the
+//! leftover a new observation continues), the scheduler and engine worker, the engine-stall
+//! watchdog, and the pacing that holds a finished result until its release time.
 //! The core never sends: each step says what happened, and the front end answers in its format.
 
 use std::sync::Arc;

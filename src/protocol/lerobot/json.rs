@@ -244,6 +244,7 @@ pub fn policy_setup(payload: &[u8]) -> Result<PolicySetup, LerobotError> {
             .unwrap_or("cpu")
             .to_string(),
         rename_map,
+        codec: super::Codec::Json,
     };
     super::check_setup(&setup)?;
     Ok(setup)

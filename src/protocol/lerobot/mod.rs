@@ -86,6 +86,10 @@ pub struct PolicySetup {
     pub actions_per_chunk: i64,
     pub device: String,
     pub rename_map: Vec<(String, String)>,
+    /// The format the client set up in: its observations must come in it, and its actions
+    /// go back in it. Part of the client's setup, so that whatever outlives the setup (a
+    /// reload's new binding of the same client) keeps it.
+    pub codec: Codec,
 }
 
 /// Most `lerobot_features` one setup may declare (LeRobot's robots have a state, an action and
@@ -244,14 +248,12 @@ impl Default for Payloads {
 pub type Timed = (i64, f64, bool);
 
 impl Payloads {
-    /// Reads a `RemotePolicyConfig` in whichever format it came, and says which.
-    pub fn setup(&mut self, data: &[u8]) -> Result<(PolicySetup, Codec), LerobotError> {
-        let codec = codec(data)?;
-        let setup = match codec {
-            Codec::Pickle => pickled::policy_setup(&self.pickle.read(data)?)?,
-            Codec::Json => json::policy_setup(data)?,
-        };
-        Ok((setup, codec))
+    /// Reads a `RemotePolicyConfig` in whichever format it came (the setup says which).
+    pub fn setup(&mut self, data: &[u8]) -> Result<PolicySetup, LerobotError> {
+        match codec(data)? {
+            Codec::Pickle => pickled::policy_setup(&self.pickle.read(data)?),
+            Codec::Json => json::policy_setup(data),
+        }
     }
 
     /// Reads a `TimedObservation` sent as `expected` (the client's setup format) and hands its

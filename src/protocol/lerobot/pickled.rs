@@ -359,6 +359,7 @@ pub fn policy_setup(tree: &Tree<'_, '_>) -> Result<PolicySetup, LerobotError> {
         actions_per_chunk,
         device,
         rename_map,
+        codec: super::Codec::Pickle,
     };
     check_setup(&setup)?;
     Ok(setup)
