@@ -421,6 +421,30 @@ pub fn check(cfg: &Config, origin: &str) -> Result<String, PolicyError> {
                     ""
                 }
             );
+            if let Some(r) = &p.rtc {
+                let delay = r.inference_delay.map_or_else(
+                    || "the session's measured delay".to_string(),
+                    |d| format!("a fixed delay of {d} steps"),
+                );
+                let how = match r.method {
+                    crate::rtc::Method::Guidance {
+                        schedule,
+                        max_guidance_weight,
+                    } => format!(
+                        "LeRobot's guidance ({schedule:?} prefix weights, at most \
+                         {max_guidance_weight})"
+                    ),
+                    crate::rtc::Method::Inpaint { ramp_rate } => {
+                        format!("GR00T's inpainting (ramp rate {ramp_rate})")
+                    }
+                };
+                let _ = writeln!(
+                    out,
+                    "  rtc: a new chunk continues the last one sent, over {} rows: {how}, {delay} \
+                     (observe and LeRobot's gRPC; docs/pacing.md)",
+                    r.execution_horizon
+                );
+            }
         }
         out.push_str(&budget.render());
         budgets.push((name, budget));
