@@ -546,6 +546,42 @@ tensor = "actions"
     (allocs() - before, encoded)
 }
 
+/// A pipeline of synthetic engines for `text`'s `[sampler]`: a prefix from an 8-float state to
+/// 4 features, and a step graph over a `[1, 16, 2]` sample whose time input is `time` and
+/// whose output is named `out`.
+fn synthetic_pipeline(
+    text: &str,
+    time: ElemType,
+    out: &str,
+) -> policyd::engine::pipeline::Pipeline {
+    let cfg = Config::parse(text, "test", None).unwrap();
+    let t = |name: &str, dtype, shape: &[usize]| TensorSpec {
+        name: name.into(),
+        dtype,
+        shape: shape.to_vec(),
+    };
+    let engine = |inputs, outputs| {
+        Box::new(SyntheticEngine::new(
+            IoSpec { inputs, outputs },
+            Behaviour::default(),
+        ))
+    };
+    let prefix = engine(
+        vec![t("state", ElemType::F32, &[1, 8])],
+        vec![t("features", ElemType::F32, &[1, 4])],
+    );
+    let step = engine(
+        vec![
+            t("feat", ElemType::F32, &[1, 4]),
+            t("x", ElemType::F32, &[1, 16, 2]),
+            t("t", time, &[1]),
+        ],
+        vec![t(out, ElemType::F32, &[1, 16, 2])],
+    );
+    let spec = cfg.default_policy().pipeline.clone().unwrap();
+    policyd::engine::pipeline::Pipeline::new(prefix, step, &spec).unwrap()
+}
+
 /// A pipeline's request (the prefix once, then the sampler's loop over the step graph, with
 /// seeded noise), synthetic engines on both sides, seeds and step counts changing.
 fn pipeline_path(n: usize) -> u64 {
@@ -573,32 +609,7 @@ shape = [8]
 [[outputs]]
 tensor = "x"
 "#;
-    let cfg = Config::parse(text, "test", None).unwrap();
-    let t = |name: &str, dtype, shape: &[usize]| TensorSpec {
-        name: name.into(),
-        dtype,
-        shape: shape.to_vec(),
-    };
-    let engine = |inputs, outputs| {
-        Box::new(SyntheticEngine::new(
-            IoSpec { inputs, outputs },
-            Behaviour::default(),
-        ))
-    };
-    let prefix = engine(
-        vec![t("state", ElemType::F32, &[1, 8])],
-        vec![t("features", ElemType::F32, &[1, 4])],
-    );
-    let step = engine(
-        vec![
-            t("feat", ElemType::F32, &[1, 4]),
-            t("x", ElemType::F32, &[1, 16, 2]),
-            t("t", ElemType::I64, &[1]),
-        ],
-        vec![t("eps", ElemType::F32, &[1, 16, 2])],
-    );
-    let spec = cfg.default_policy().pipeline.clone().unwrap();
-    let mut p = policyd::engine::pipeline::Pipeline::new(prefix, step, &spec).unwrap();
+    let mut p = synthetic_pipeline(text, ElemType::I64, "eps");
     let mut inputs = p.alloc_inputs().unwrap();
     let mut outputs = vec![vec![0u8; 128]];
     let mut go = |i: usize| {
@@ -649,33 +660,8 @@ tensor = "x"
 "#,
         if groot { "groot" } else { "lerobot" }
     );
-    let cfg = Config::parse(&text, "test", None).unwrap();
-    let t = |name: &str, dtype, shape: &[usize]| TensorSpec {
-        name: name.into(),
-        dtype,
-        shape: shape.to_vec(),
-    };
-    let engine = |inputs, outputs| {
-        Box::new(SyntheticEngine::new(
-            IoSpec { inputs, outputs },
-            Behaviour::default(),
-        ))
-    };
-    let prefix = engine(
-        vec![t("state", ElemType::F32, &[1, 8])],
-        vec![t("features", ElemType::F32, &[1, 4])],
-    );
     let time = if groot { ElemType::I64 } else { ElemType::F32 };
-    let step = engine(
-        vec![
-            t("feat", ElemType::F32, &[1, 4]),
-            t("x", ElemType::F32, &[1, 16, 2]),
-            t("t", time, &[1]),
-        ],
-        vec![t("v", ElemType::F32, &[1, 16, 2])],
-    );
-    let spec = cfg.default_policy().pipeline.clone().unwrap();
-    let mut p = policyd::engine::pipeline::Pipeline::new(prefix, step, &spec).unwrap();
+    let mut p = synthetic_pipeline(&text, time, "v");
     let mut inputs = p.alloc_inputs().unwrap();
     let mut outputs = vec![vec![0u8; 128]];
     let mut previous = Previous::with_capacity(32);

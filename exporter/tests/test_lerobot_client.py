@@ -565,12 +565,29 @@ def test_a_peer_off_the_allow_list_is_refused(act: Exported, policyd: str, tmp_p
         assert "not in lerobot.allow" in s.log.read_text()
 
 
+def reload_at_10_hz(s: Served, stub: Stub) -> None:
+    """Changes the served policy (its control rate, to 10 Hz), SIGHUPs policyd and waits until
+    the session has moved to the new engine."""
+    import signal
+
+    text = tomllib.loads(s.config.read_text())
+    text.setdefault("pacing", {})["fps"] = 10.0
+    s.config.write_text(tomli_w.dumps(text))
+    s.proc.send_signal(signal.SIGHUP)
+    deadline = time.monotonic() + 60
+    while "session starts afresh" not in s.log.read_text():
+        # The session moves once it is idle and sees the new generation: poke it.
+        with contextlib.suppress(grpc.RpcError):
+            stub.stub.GetActions(services_pb2.Empty(), timeout=0.5)
+        assert time.monotonic() < deadline, s.log.read_text()
+        time.sleep(0.2)
+
+
 def test_a_reload_moves_the_session_to_the_new_engine(
     act: Exported, policyd: str, tmp_path: Path
 ) -> None:
     """SIGHUP with a changed policy (here its control rate): the session carries on with the
     new engine, without a new setup; its timestamps follow the new rate."""
-    import signal
 
     robot = test_robot.PolicydTestRobot(robot_config(seed=9))
     config = remote_config(act, robot, chunk=4)
@@ -580,17 +597,7 @@ def test_a_reload_moves_the_session_to_the_new_engine(
         stub.observe(observation(robot, 0))
         before = stub.actions()
         assert abs(before[1].get_timestamp() - before[0].get_timestamp() - 1 / 30) < 1e-6
-        text = tomllib.loads(s.config.read_text())
-        text.setdefault("pacing", {})["fps"] = 10.0
-        s.config.write_text(tomli_w.dumps(text))
-        s.proc.send_signal(signal.SIGHUP)
-        deadline = time.monotonic() + 60
-        while "session starts afresh" not in s.log.read_text():
-            # The session moves once it is idle and sees the new generation: poke it.
-            with contextlib.suppress(grpc.RpcError):
-                stub.stub.GetActions(services_pb2.Empty(), timeout=0.5)
-            assert time.monotonic() < deadline, s.log.read_text()
-            time.sleep(0.2)
+        reload_at_10_hz(s, stub)
         stub.observe(observation(robot, 5))
         after = stub.actions()
         assert after[0].get_timestep() == 5
@@ -605,7 +612,6 @@ def test_a_json_client_keeps_its_format_across_a_reload(
     safetensors) client had every observation refused as "set up with pickle payloads" until
     it set up again. Its format is part of its setup, which the session carries across the
     reload: the next observation is answered, in JSON."""
-    import signal
 
     robot = test_robot.PolicydTestRobot(robot_config(seed=10))
     config = remote_config(act, robot, chunk=4)
@@ -615,16 +621,7 @@ def test_a_json_client_keeps_its_format_across_a_reload(
         stub.observe(json_observation(observation(robot, 0)))
         reply, _ = json_actions(stub)
         assert [a["timestep"] for a in reply["actions"]] == [0, 1, 2, 3]
-        text = tomllib.loads(s.config.read_text())
-        text.setdefault("pacing", {})["fps"] = 10.0
-        s.config.write_text(tomli_w.dumps(text))
-        s.proc.send_signal(signal.SIGHUP)
-        deadline = time.monotonic() + 60
-        while "session starts afresh" not in s.log.read_text():
-            with contextlib.suppress(grpc.RpcError):
-                stub.stub.GetActions(services_pb2.Empty(), timeout=0.5)
-            assert time.monotonic() < deadline, s.log.read_text()
-            time.sleep(0.2)
+        reload_at_10_hz(s, stub)
         stub.observe(json_observation(observation(robot, 5)))
         reply, tensors = json_actions(stub)
         assert [a["timestep"] for a in reply["actions"]] == [5, 6, 7, 8]
