@@ -526,4 +526,40 @@ mod tests {
             "an evicted session starts afresh"
         );
     }
+
+    /// `[rtc]`: a session's previous chunk is its own, and nothing of it survives a reset, a
+    /// prompt change, the connection's reset (LeRobot's `Ready`, a new setup) or eviction.
+    #[test]
+    fn a_previous_chunk_is_per_session_and_forgotten_on_every_reset() {
+        let x: Vec<u8> = (0..8)
+            .flat_map(|v| (v as f32 + 1.0).to_le_bytes())
+            .collect();
+        let mut out = [0f32; 8];
+        let mut s = Sessions::keeping_chunks(2, 100, 8);
+        let kept = |s: &mut Sessions, name: &str, out: &mut [f32]| {
+            s.pacing(&id(name))
+                .map_or(0, |p| p.previous.leftover(1, 2, 4, out))
+        };
+        for reset in 0..4 {
+            s.begin(Some(&id("a")));
+            s.begin(Some(&id("b")));
+            s.pacing(&id("a")).unwrap().previous.capture(&x, 2, 2, 4, 0);
+            assert_eq!(kept(&mut s, "a", &mut out), 3);
+            assert_eq!(out[..6], [3.0, 4.0, 5.0, 6.0, 7.0, 8.0]);
+            assert_eq!(kept(&mut s, "b", &mut out), 0, "another session's chunk");
+            match reset {
+                0 => s.reset(Some(&id("a"))),
+                1 => {
+                    s.prompt_changed(Some(&id("a")), 1);
+                    s.prompt_changed(Some(&id("a")), 2);
+                }
+                2 => s.reset_all(),
+                _ => {
+                    s.begin(Some(&id("c")));
+                    s.begin(Some(&id("d")));
+                }
+            }
+            assert_eq!(kept(&mut s, "a", &mut out), 0, "after reset {reset}");
+        }
+    }
 }
