@@ -191,6 +191,18 @@ pub(super) fn policy(
              yet, so turn one of them off",
         ));
     }
+    if let Some(pl) = pipeline.as_mut()
+        && rtc.is_some()
+        && let Some(i) = outputs
+            .iter()
+            .position(|o| o.tensor == pl.x && o.rows.is_some_and(|(start, _)| start > 0))
+    {
+        return Err(cx.invalid(
+            format!("outputs[{i}].rows"),
+            "with [rtc] the chunk sent must start at the sample's first row: a new chunk's \
+             first action is the observation's timestep, and the leftover is aligned to it",
+        ));
+    }
     if let Some(pl) = pipeline.as_mut() {
         pl.rtc = rtc;
     }

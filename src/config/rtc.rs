@@ -267,6 +267,9 @@ tensor = "x_t"
             e.contains("outputs[0].relative_to") && e.contains("[rtc]"),
             "{e}"
         );
+        let e = refusal(FLOW, "[rtc]", "rows = [2, 8]");
+        assert!(e.contains("outputs[0].rows"), "{e}");
+        assert!(config(FLOW, "[rtc]", "rows = [0, 8]").is_ok());
         // Even turned off, [rtc] where it cannot apply is named (a copied table, a wrong file).
         assert!(config(ddim, "[rtc]\nenabled = false", "").is_err());
     }
