@@ -379,10 +379,8 @@ def test_lerobots_robot_client_drives_it_over_grpc(
     keys mapped by LeRobot, the task from the observation) equals LeRobot's
     `predict_action_chunk` on that observation. policyd's initial noise is a binding no robot
     sends, filled with zeros, as the reference's."""
-    import shutil
 
     import policyd_test_robot as test_robot
-    import tomli_w
     from lerobot.async_inference.configs import RobotClientConfig
     from lerobot.async_inference.helpers import (
         RemotePolicyConfig,
@@ -393,23 +391,8 @@ def test_lerobots_robot_client_drives_it_over_grpc(
     monkeypatch.chdir(tmp_path)  # robot_client's logger writes logs/ here when imported
     from lerobot.async_inference.robot_client import RobotClient
 
-    copy = tmp_path / "bundle"
-    shutil.copytree(bundle.bundle, copy)
-    config = tomllib.loads((copy / "policyd.toml").read_text())
-    config["sampler"]["inject_noise"] = True
     noise_shape = read_manifest(bundle.bundle)["noise"]["shape"]
-    config["inputs"].append(
-        {
-            "key": "noise",
-            "tensor": "x_t",
-            "dtypes": ["float32"],
-            "shape": noise_shape,
-            "optional": True,
-            "fill": 0.0,
-        }
-    )
-    (copy / "policyd.toml").write_text(tomli_w.dumps(config))
-    exported = Exported(bundle.checkpoint, copy, "")
+    exported = _zero_noise_bundle(bundle, tmp_path, "bundle")
     frames = {
         k.removeprefix("observation.images."): (h, w) for k, (_, h, w) in GROOT_CAMERAS.items()
     }
@@ -458,9 +441,9 @@ def test_lerobots_robot_client_drives_it_over_grpc(
         assert 'policyd_requests_total{route="lerobot",endpoint="observe"}' in s.metrics()
 
 
-def _rtc_bundle(bundle: Exported, tmp_path: Path, name: str, rtc: dict[str, Any]) -> Exported:
-    """A copy of the bundle with `[rtc]` as given, a 100 ms latency budget (three control
-    periods at 30 Hz), and its noise a binding no robot sends, filled with zeros."""
+def _zero_noise_bundle(bundle: Exported, tmp_path: Path, name: str, **tables: Any) -> Exported:
+    """A copy of the bundle whose noise is a binding no robot sends, filled with zeros (as the
+    reference's), with the top-level `tables` given (`rtc`, `pacing`)."""
     import shutil
 
     import tomli_w
@@ -479,10 +462,15 @@ def _rtc_bundle(bundle: Exported, tmp_path: Path, name: str, rtc: dict[str, Any]
             "fill": 0.0,
         }
     )
-    config["rtc"] = rtc
-    config["pacing"] = {"latency_budget_ms": 100}
+    config.update(tables)
     (copy / "policyd.toml").write_text(tomli_w.dumps(config))
     return Exported(bundle.checkpoint, copy, "")
+
+
+def _rtc_bundle(bundle: Exported, tmp_path: Path, name: str, rtc: dict[str, Any]) -> Exported:
+    """A zero-noise copy with `[rtc]` as given and a 100 ms latency budget (three control
+    periods at 30 Hz)."""
+    return _zero_noise_bundle(bundle, tmp_path, name, rtc=rtc, pacing={"latency_budget_ms": 100})
 
 
 def test_rtc_over_grpc_continues_the_chunk_the_robot_was_sent(

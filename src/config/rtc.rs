@@ -81,66 +81,75 @@ pub(super) fn rtc(
         cx.between("rtc.inference_delay", d, 0, crate::limits::MAX_ELEMENTS)?;
     }
     let method = if p.flow_time == FlowTime::Groot {
-        for (key, set) in [
-            (
-                "rtc.prefix_attention_schedule",
-                r.prefix_attention_schedule.is_some(),
-            ),
-            ("rtc.max_guidance_weight", r.max_guidance_weight.is_some()),
-        ] {
-            if set {
-                return Err(cx.invalid(
-                    key,
-                    "GR00T N1.7's RTC inpaints the leftover into the noise (LeRobot maps it so), \
-                     with no schedule or guidance weight; its key is rtc.rtc_ramp_rate",
-                ));
-            }
-        }
-        let k = r.rtc_ramp_rate.unwrap_or(RAMP_RATE);
-        if !(k.is_finite() && k > 0.0) {
-            return Err(cx.invalid(
-                "rtc.rtc_ramp_rate",
-                format!("must be a positive number, got {k}"),
-            ));
-        }
-        Method::Inpaint {
-            ramp_rate: k as f32,
-        }
+        inpaint(cx, r)?
     } else {
-        if r.rtc_ramp_rate.is_some() {
-            return Err(cx.invalid(
-                "rtc.rtc_ramp_rate",
-                "is GR00T N1.7's (sampler.flow_time = \"groot\"); this flow policy is guided by \
-                 rtc.prefix_attention_schedule and rtc.max_guidance_weight",
-            ));
-        }
-        let names: Vec<(&str, Schedule)> = Schedule::NAMES.to_vec();
-        let schedule = cx.one_of(
-            "rtc.prefix_attention_schedule",
-            r.prefix_attention_schedule
-                .as_deref()
-                .map(str::to_ascii_lowercase)
-                .as_deref(),
-            Some(Schedule::Linear),
-            &names,
-        )?;
-        let g = r.max_guidance_weight.unwrap_or(MAX_GUIDANCE_WEIGHT);
-        if !(g.is_finite() && g > 0.0 && g <= 1e6) {
-            return Err(cx.invalid(
-                "rtc.max_guidance_weight",
-                format!("must be a positive number up to 1e6, got {g}"),
-            ));
-        }
-        Method::Guidance {
-            schedule,
-            max_guidance_weight: g as f32,
-        }
+        guidance(cx, r)?
     };
     Ok(Some(Settings {
         execution_horizon: horizon,
         inference_delay: r.inference_delay,
         method,
     }))
+}
+
+/// GR00T N1.7's keys: its ramp rate, and no schedule or guidance weight.
+fn inpaint(cx: &Keys, r: &RawRtc) -> Result<Method, ConfigError> {
+    for (key, set) in [
+        (
+            "rtc.prefix_attention_schedule",
+            r.prefix_attention_schedule.is_some(),
+        ),
+        ("rtc.max_guidance_weight", r.max_guidance_weight.is_some()),
+    ] {
+        if set {
+            return Err(cx.invalid(
+                key,
+                "GR00T N1.7's RTC inpaints the leftover into the noise (LeRobot maps it so), \
+                 with no schedule or guidance weight; its key is rtc.rtc_ramp_rate",
+            ));
+        }
+    }
+    let k = r.rtc_ramp_rate.unwrap_or(RAMP_RATE);
+    if !(k.is_finite() && k > 0.0) {
+        return Err(cx.invalid(
+            "rtc.rtc_ramp_rate",
+            format!("must be a positive number, got {k}"),
+        ));
+    }
+    Ok(Method::Inpaint {
+        ramp_rate: k as f32,
+    })
+}
+
+/// The guided flow families' keys: the schedule and the guidance weight, and no ramp rate.
+fn guidance(cx: &Keys, r: &RawRtc) -> Result<Method, ConfigError> {
+    if r.rtc_ramp_rate.is_some() {
+        return Err(cx.invalid(
+            "rtc.rtc_ramp_rate",
+            "is GR00T N1.7's (sampler.flow_time = \"groot\"); this flow policy is guided by \
+             rtc.prefix_attention_schedule and rtc.max_guidance_weight",
+        ));
+    }
+    let schedule = cx.one_of(
+        "rtc.prefix_attention_schedule",
+        r.prefix_attention_schedule
+            .as_deref()
+            .map(str::to_ascii_lowercase)
+            .as_deref(),
+        Some(Schedule::Linear),
+        &Schedule::NAMES,
+    )?;
+    let g = r.max_guidance_weight.unwrap_or(MAX_GUIDANCE_WEIGHT);
+    if !(g.is_finite() && g > 0.0 && g <= 1e6) {
+        return Err(cx.invalid(
+            "rtc.max_guidance_weight",
+            format!("must be a positive number up to 1e6, got {g}"),
+        ));
+    }
+    Ok(Method::Guidance {
+        schedule,
+        max_guidance_weight: g as f32,
+    })
 }
 
 #[cfg(test)]

@@ -393,8 +393,7 @@ impl Core {
         timestep: i64,
         slot: &mut crate::runtime::worker::Slot,
     ) {
-        let id = self.sessions.current().clone();
-        let Some(p) = self.sessions.pacing(&id) else {
+        let Some(p) = self.sessions.current_pacing() else {
             return;
         };
         let (buf, continues) = slot.continuation_mut();

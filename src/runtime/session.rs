@@ -140,6 +140,15 @@ impl Sessions {
         &self.current
     }
 
+    /// The current session's pacing state (`None` before its first request).
+    pub fn current_pacing(&mut self) -> Option<&mut SessionPacing> {
+        let current = &self.current;
+        self.entries
+            .iter_mut()
+            .find(|e| e.id == *current)
+            .map(|e| &mut e.pacing)
+    }
+
     /// A live session's pacing state (`None` once evicted).
     pub fn pacing(&mut self, id: &SessionId) -> Option<&mut SessionPacing> {
         self.entries

@@ -100,9 +100,11 @@ def observations(
     return out
 
 
-def injected_config(bundle: Path, manifest: Manifest, tmp: Path) -> tuple[Path, bool]:
-    """A copy of the bundle's config that takes its noise from the request; True when DDPM's
-    per-step noise is an input too."""
+def injected_config(
+    bundle: Path, manifest: Manifest, tmp: Path, rtc: dict[str, Any] | None = None
+) -> tuple[Path, bool]:
+    """A copy of the bundle's config that takes its noise from the request (and `[rtc]` as
+    given); True when DDPM's per-step noise is an input too."""
     config = tomllib.loads((bundle / CONFIG).read_text())
     config["engine"]["model"] = str((bundle / config["engine"]["model"]).resolve())
     for binding in config["inputs"]:
@@ -136,6 +138,8 @@ def injected_config(bundle: Path, manifest: Manifest, tmp: Path) -> tuple[Path, 
     config.setdefault("server", {})["host"] = "127.0.0.1"
     # verify speaks openpi-client only; LeRobot's port may be taken (by LeRobot's own server).
     config.pop("lerobot", None)
+    if rtc is not None:
+        config["rtc"] = rtc
     path = tmp / "policyd.toml"
     path.write_text(tomli_w.dumps(config))
     return path, step_noise
@@ -340,13 +344,6 @@ RTC_CASES = [(2, 6, "linear", 2), (0, 4, "exp", 1), (5, 4, "ones", 1), (1, 6, "z
 RTC_MAX_GUIDANCE = 10.0
 
 
-def rtc_config(config_path: Path, rtc: dict[str, Any]) -> None:
-    """Rewrites the (injected) config at `config_path` with `[rtc]` as given."""
-    config = tomllib.loads(config_path.read_text())
-    config["rtc"] = rtc
-    config_path.write_text(tomli_w.dumps(config))
-
-
 def observe(ws: Any, obs: dict[str, Any], timestep: int) -> dict[str, Any]:
     """One `observe` on policyd's WebSocket (openpi's msgpack), and the chunk it pushes."""
     from openpi_client import msgpack_numpy
@@ -411,8 +408,7 @@ def _verify_rtc(
                 "them with policyd's would prove nothing"
             )
         with tempfile.TemporaryDirectory() as tmp:
-            config, _ = injected_config(bundle, manifest, Path(tmp))
-            rtc_config(config, rtc)
+            config, _ = injected_config(bundle, manifest, Path(tmp), rtc)
             with serve(binary, config) as port:
                 with connect(f"ws://127.0.0.1:{port}", compression=None, max_size=None) as ws:
                     ws.recv(timeout=120)  # the metadata
