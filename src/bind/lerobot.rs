@@ -408,11 +408,11 @@ impl Adapter {
 }
 
 /// A LeRobot payload error as a request error: what the reader refused is
-/// [`WireError::Unreadable`], counted apart from observations that read but do not fit.
+/// [`WireError::Lerobot`], counted apart from observations that read but do not fit.
 fn wire(e: lerobot::LerobotError) -> WireError {
     match e {
         lerobot::LerobotError::Invalid(m) => WireError::Payload(m),
-        e => WireError::Unreadable(e.to_string()),
+        e => WireError::Lerobot(e),
     }
 }
 

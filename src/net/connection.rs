@@ -450,6 +450,7 @@ where
         match started {
             Started::Queued => Ok(()),
             Started::Failed(f) => self.fail(f).await,
+            Started::Undecodable(e) => self.fail(Failure::Request(e.to_string())).await,
             // One policy served: the name can only be unknown (or added by a reload since).
             Started::OtherPolicy(name) => self.switch_to(&name, frame, received).await,
             Started::Skipped {

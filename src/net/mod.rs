@@ -1,7 +1,10 @@
-//! How do clients reach a policy? The listener's HTTP layer (health, metrics, upgrade, routing
-//! by path: [`http`]), API keys ([`auth`]), TLS ([`tls`]), the frame-size guard under
-//! tungstenite ([`frame_guard`]), each peer address's share of the connection caps ([`peers`])
-//! and one WebSocket connection's loop ([`connection`]).
+//! How do clients reach a policy? The server's accept loop and drain ([`listener`]), its HTTP
+//! layer (health, metrics, upgrade, routing by path: [`http`]), API keys ([`auth`]), TLS
+//! ([`tls`]), the frame-size guard under tungstenite ([`frame_guard`]), each peer address's
+//! share of the connection caps ([`peers`]), one WebSocket connection's loop ([`connection`]),
+//! the request core both front ends drive ([`requests`]), and LeRobot's gRPC service
+//! ([`lerobot`]: its RPCs, its session and who owns it, each in its own file) over its
+//! connections ([`grpc_conn`]).
 
 pub mod auth;
 pub mod connection;
@@ -10,7 +13,6 @@ pub mod grpc_conn;
 pub mod http;
 pub mod lerobot;
 pub mod listener;
-pub mod owner;
 pub mod peers;
 pub mod requests;
 pub mod scrape;

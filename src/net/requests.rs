@@ -36,6 +36,9 @@ pub enum Started {
     Reset,
     /// Not run: the front end reports the failure.
     Failed(Failure),
+    /// Not run: the request did not decode (counted as a request error when reported, as
+    /// [`Started::Failed`]); the front end may tell the causes apart.
+    Undecodable(WireError),
     /// An observation was filtered out, or replaced one still waiting (counted already);
     /// `report` is the policy's `pacing.report_skipped`.
     Skipped {
@@ -252,7 +255,7 @@ impl Core {
                     if e.is_non_finite() {
                         stats.metrics.non_finite_inputs.inc();
                     }
-                    return Started::Failed(Failure::Request(e.to_string()));
+                    return Started::Undecodable(e);
                 }
             }
         };

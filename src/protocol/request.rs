@@ -32,10 +32,11 @@ pub enum WireError {
     /// Another front end's payload (LeRobot's) was read but does not fit the policy.
     #[error("{0}")]
     Payload(String),
-    /// Another front end's payload that its reader refused (LeRobot's strict pickle reader):
-    /// counted apart from payloads that read but do not fit.
+    /// A LeRobot payload its reader refused: counted apart from payloads that read but do not
+    /// fit (the JSON + safetensors reader's refusals are all of that kind, `Payload`; what is
+    /// left is the strict pickle reader's, or an empty payload).
     #[error("pickle: {0}")]
-    Unreadable(String),
+    Lerobot(super::lerobot::LerobotError),
     #[error("not msgpack: byte 0x{byte:02x} at offset {offset} is not a valid msgpack marker")]
     NotMsgpack { byte: u8, offset: usize },
     #[error("truncated msgpack: the frame ends at byte {len} but a value needs {need} more")]

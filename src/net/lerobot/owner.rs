@@ -1,5 +1,6 @@
 //! Who may act on LeRobot's one session? The rule as pure code: what the session knows of its
-//! owner and of the caller in, a verdict out (the service applies it, see `net::lerobot`).
+//! owner and of the caller in, a verdict out ([`Rule::decide`]); and [`Owner`], which applies it
+//! to the connection a call came by and records who owns the session after it.
 //!
 //! - The owner's own connection may always act.
 //! - From the owner's address, a poll or observation from a new connection carries the session
@@ -12,7 +13,13 @@
 //!   once `lerobot.owner_grace_s` has passed since the owner's last call: the robot that comes
 //!   back within the grace gets its session back, whoever called in between.
 
+use std::sync::Arc;
 use std::time::Duration;
+
+use tonic::Status;
+
+use crate::net::grpc_conn::ConnInfo;
+use crate::net::peers::canonical;
 
 /// What the session knows of its owner, seen from one call.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -119,6 +126,85 @@ impl Denied {
             Denied::NotYours => "the session belongs to another client; call Ready and \
                                  SendPolicyInstructions to start a session of your own"
                 .to_string(),
+        }
+    }
+}
+
+/// The session's owner: the connection that set it up (or adopted it), and the rule.
+pub struct Owner {
+    conn: Option<ConnInfo>,
+    /// The owner adopted the session by a poll or observation ([`Claim::Reconnect`]).
+    adopted: bool,
+    rule: Rule,
+}
+
+/// What [`Owner::own`] changed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Change {
+    /// The caller was the owner already, or now carries its own session on.
+    Kept,
+    /// Another connection's session was taken over: its waiting poll and chunk go.
+    TookOver,
+}
+
+impl Owner {
+    pub fn new(rule: Rule) -> Owner {
+        Owner {
+            conn: None,
+            adopted: false,
+            rule,
+        }
+    }
+
+    /// Whether a call from `from` may act on the session, and how: [`Rule::decide`] applied
+    /// to what is known of the owner. While the owner's connection is open and has made a
+    /// call within `takeover_after`, no other connection may: the safety rule that keeps one
+    /// peer from steering another's robot; and the owner's address may claim its session back
+    /// first.
+    pub fn claim(&self, from: &ConnInfo, sets_up: bool) -> Result<Claim, Status> {
+        let seen = self.conn.as_ref().map(|o| Seen {
+            same_connection: Arc::ptr_eq(&o.activity, &from.activity),
+            same_address: canonical(o.peer.ip()) == canonical(from.peer.ip()),
+            owner_closed: o.activity.closed(),
+            owner_adopted: self.adopted,
+            owner_quiet: o.activity.idle_for(),
+        });
+        self.rule
+            .decide(seen, sets_up)
+            .map_err(|d| Status::permission_denied(d.message(&self.rule)))
+    }
+
+    /// Records `from` as the session's owner after a successful [`Owner::claim`].
+    pub fn own(&mut self, from: &ConnInfo, claim: &Claim) -> Change {
+        match claim {
+            Claim::Owner => Change::Kept,
+            Claim::Reconnect => {
+                crate::log_limited!(
+                    log::Level::Info,
+                    "lerobot: {} reconnected; its session carries on",
+                    from.peer
+                );
+                self.conn = Some(from.clone());
+                self.adopted = true;
+                Change::Kept
+            }
+            Claim::Takeover => {
+                if let Some(old) = &self.conn {
+                    crate::warn_limited!(
+                        "lerobot: {} takes the session over from {} ({})",
+                        from.peer,
+                        old.peer,
+                        if old.activity.closed() {
+                            "disconnected"
+                        } else {
+                            "silent"
+                        }
+                    );
+                }
+                self.conn = Some(from.clone());
+                self.adopted = false;
+                Change::TookOver
+            }
         }
     }
 }
