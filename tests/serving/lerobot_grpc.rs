@@ -981,3 +981,202 @@ async fn a_poller_on_the_robots_host_cannot_keep_the_robot_out() {
         "the poller was never refused"
     );
 }
+
+/// A PR #3048 payload: the JSON's length (big-endian u32), the JSON, then a safetensors file.
+fn json_payload(meta: serde_json::Value, tensors: &[(&str, &[usize], &[u8])]) -> Vec<u8> {
+    let json = meta.to_string().into_bytes();
+    let mut out = (json.len() as u32).to_be_bytes().to_vec();
+    out.extend_from_slice(&json);
+    if !tensors.is_empty() {
+        let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
+            .iter()
+            .map(|(name, shape, data)| {
+                let view = safetensors::tensor::TensorView::new(
+                    safetensors::Dtype::U8,
+                    shape.to_vec(),
+                    data,
+                )
+                .expect("a tensor view");
+                (name.to_string(), view)
+            })
+            .collect();
+        out.extend_from_slice(&safetensors::serialize(views, None).expect("safetensors"));
+    }
+    out
+}
+
+/// [`setup`] as a PR #3048 client sends it.
+fn json_setup() -> Vec<u8> {
+    json_payload(
+        serde_json::json!({
+            "type": "RemotePolicyConfig",
+            "policy_type": "act",
+            "pretrained_name_or_path": "default",
+            "actions_per_chunk": 10,
+            "device": "cpu",
+            "lerobot_features": {
+                "observation.state": {"dtype": "float32", "shape": [6], "names": MOTORS},
+                "observation.images.front": {"dtype": "image", "shape": [4, 6, 3]},
+            },
+        }),
+        &[],
+    )
+}
+
+/// [`observation`] as a PR #3048 client sends it: motor `i` reads `10·(i + 1)`.
+fn json_observation(step: i64) -> Vec<u8> {
+    let scalars: serde_json::Map<String, serde_json::Value> = MOTORS
+        .iter()
+        .enumerate()
+        .map(|(i, m)| (m.to_string(), serde_json::json!(10.0 * (i + 1) as f64)))
+        .collect();
+    json_payload(
+        serde_json::json!({
+            "type": "TimedObservation",
+            "timestamp": 1.0e9 + step as f64,
+            "timestep": step,
+            "must_go": true,
+            "scalar_data": scalars,
+        }),
+        &[("front", &[4, 6, 3], &[7u8; 4 * 6 * 3])],
+    )
+}
+
+/// The first action's first value of a PR #3048 reply (`action_0`, float32), polling until a
+/// chunk comes.
+async fn first_json_action(c: &mut AsyncInferenceClient<Channel>) -> f32 {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let data = c
+            .get_actions(Empty {})
+            .await
+            .expect("GetActions")
+            .into_inner()
+            .data;
+        if !data.is_empty() {
+            assert_ne!(data[0], 0x80, "a JSON client got a pickle");
+            let n = u32::from_be_bytes(data[..4].try_into().expect("4 bytes")) as usize;
+            let tensors =
+                safetensors::SafeTensors::deserialize(&data[4 + n..]).expect("safetensors");
+            let a0 = tensors.tensor("action_0").expect("action_0");
+            return f32::from_le_bytes(a0.data()[..4].try_into().expect("4 bytes"));
+        }
+        assert!(Instant::now() < deadline, "no actions within 10 s");
+    }
+}
+
+/// A server whose config a test can change and reload (as SIGHUP does), with the LeRobot
+/// service on `grpc`.
+struct Reloadable {
+    text: std::sync::Arc<std::sync::Mutex<String>>,
+    reload: tokio::sync::mpsc::Sender<()>,
+    /// The WebSocket listener (its `/metrics`).
+    addr: SocketAddr,
+    _stop: tokio::sync::oneshot::Sender<()>,
+}
+
+fn config_text(grpc: SocketAddr, warmup_runs: u32) -> String {
+    format!(
+        "[server]\nhost = \"127.0.0.1\"\nport = 0\n\
+         [engine]\nmodel = \"synthetic\"\nwarmup_runs = {warmup_runs}\n\
+         [pacing]\nfps = 30\n\
+         [[inputs]]\nkey = \"observation.state\"\ntensor = \"state\"\ndtypes = [\"float32\"]\nshape = [6]\n\
+         [[inputs]]\nkey = \"observation.images.front\"\ntensor = \"front\"\ndtypes = [\"uint8\"]\nshape = [4, 6, 3]\n\
+         [[outputs]]\ntensor = \"actions\"\n\
+         [lerobot]\nlisten = \"{grpc}\"\nmax_payload_bytes = 2097152\n"
+    )
+}
+
+async fn serve_reloadable(grpc: SocketAddr) -> Reloadable {
+    use policyd::config::{Config, PolicySpec};
+    use policyd::engine::{Engine, EngineError};
+    use policyd::policy::OpenFn;
+    use std::sync::{Arc, Mutex};
+    let text = config_text(grpc, 1);
+    let cfg = Config::parse(&text, "test", None).expect("config");
+    let open: Arc<OpenFn> = Arc::new(|_: &PolicySpec| -> Result<Box<dyn Engine>, EngineError> {
+        Ok(Box::new(policyd::testing::synthetic::SyntheticEngine::new(
+            io(),
+            Behaviour::default(),
+        )))
+    });
+    let set =
+        tokio::task::block_in_place(|| policyd::policy::build::build(&cfg, None, open.as_ref()))
+            .expect("builds")
+            .set;
+    let listener = policyd::net::listener::bind(&cfg).await.expect("bind");
+    let addr = listener.local_addr().expect("bound address");
+    let text = Arc::new(Mutex::new(text));
+    let source = text.clone();
+    let (reload, requests) = tokio::sync::mpsc::channel(4);
+    let reloader = policyd::policy::reload::Reloader {
+        load: Arc::new(move || Config::parse(&source.lock().expect("lock"), "test", None)),
+        requests,
+    };
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let access = policyd::net::Access::load(&cfg).expect("access");
+    tokio::spawn(policyd::net::listener::serve_set(
+        cfg,
+        access,
+        Arc::new(arc_swap::ArcSwap::from_pointee(set)),
+        Arc::new(policyd::metrics::Stats::new()),
+        listener,
+        async {
+            let _ = stopped.await;
+        },
+        Some((reloader, open)),
+    ));
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while tokio::net::TcpStream::connect(grpc).await.is_err() {
+        assert!(Instant::now() < deadline, "the gRPC port never opened");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    Reloadable {
+        text,
+        reload,
+        addr,
+        _stop: stop,
+    }
+}
+
+/// Issue 51's bug: a reload that replaced the policy's engine rebuilt the session's adapter
+/// without the client's payload format, so a JSON + safetensors client had every observation
+/// refused ("set up with pickle payloads") until it set up again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_json_client_keeps_its_format_across_a_reload() {
+    let grpc = free_port();
+    let server = serve_reloadable(grpc).await;
+    let mut robot = client(grpc).await;
+    set_up(&mut robot, json_setup())
+        .await
+        .expect("a JSON setup");
+    observe(&mut robot, &json_observation(0))
+        .await
+        .expect("a JSON observation");
+    assert_eq!(first_json_action(&mut robot).await, 10.0);
+    // Another warm-up count: the policy's engine is rebuilt, and the session follows it.
+    let reloaded = "policyd_config_reloads_total{result=\"ok\"} 1";
+    assert!(
+        !common::http_get(server.addr, "/metrics", "")
+            .await
+            .contains(reloaded)
+    );
+    *server.text.lock().expect("lock") = config_text(grpc, 2);
+    server.reload.send(()).await.expect("reload request");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !common::http_get(server.addr, "/metrics", "")
+        .await
+        .contains(reloaded)
+    {
+        assert!(Instant::now() < deadline, "no reload");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // The session moves to the new engine once nothing is in flight (the observation's start
+    // waits for that); each observation after it must still be read as JSON.
+    for step in 1..4 {
+        if let Err(e) = observe(&mut robot, &json_observation(step)).await {
+            panic!("observation {step} after the reload refused: {e}");
+        }
+        assert_eq!(first_json_action(&mut robot).await, 10.0);
+    }
+}
