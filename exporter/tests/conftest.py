@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import subprocess
 import sys
@@ -26,11 +28,32 @@ def policyd() -> str:
 
 
 def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    """`policyd-export ARGS` as a user runs it (the installed console script)."""
+    """`policyd-export ARGS`, run in this process: its exit status and what it printed.
+
+    In-process because each console-script run spent 10-20 s importing torch, LeRobot and
+    transformers before doing anything (about a fifth of the suite's time in CI).
+    `test_cli.py::test_the_console_script_runs_as_a_user_runs_it` keeps one real run."""
+    from policyd_export.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    saved = dict(os.environ)
+    os.environ.update(env or {})
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(list(args))
+            except SystemExit as e:  # argparse's usage errors
+                code = e.code if isinstance(e.code, int) else 2
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    return subprocess.CompletedProcess(list(args), code, out.getvalue(), err.getvalue())
+
+
+def run_console_script(*args: str) -> subprocess.CompletedProcess:
+    """`policyd-export ARGS` as a user runs it: the installed console script, in a process."""
     exe = Path(sys.executable).parent / "policyd-export"
-    return subprocess.run(
-        [str(exe), *args], capture_output=True, text=True, env={**os.environ, **(env or {})}
-    )
+    return subprocess.run([str(exe), *args], capture_output=True, text=True)
 
 
 def check_config(policyd: str, config: Path) -> subprocess.CompletedProcess:

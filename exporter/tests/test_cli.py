@@ -8,7 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import run_cli
+from conftest import run_cli, run_console_script
 
 
 def _copy(src: Path, dst: Path) -> Path:
@@ -34,6 +34,14 @@ def _fails(args: list[str], *needles: str) -> str:
 
 def test_not_a_directory(tmp_path: Path) -> None:
     _fails(["lerobot", str(tmp_path / "nope"), "--out", str(tmp_path / "b")], "not a directory")
+
+
+def test_the_console_script_runs_as_a_user_runs_it(tmp_path: Path) -> None:
+    """The installed `policyd-export` (the other tests call its main in-process)."""
+    r = run_console_script("lerobot", str(tmp_path / "nope"), "--out", str(tmp_path / "b"))
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "not a directory" in r.stderr, r.stderr
+    assert not (tmp_path / "b").exists()
 
 
 def test_not_a_checkpoint(tmp_path: Path) -> None:
