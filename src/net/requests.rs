@@ -240,41 +240,72 @@ impl Core {
             Option<&Link>,
         ) -> Result<RequestMeta, WireError>,
     {
-        let stats = self.stats.clone();
+        let meta = match self.decode(&mut lease, decode) {
+            Ok(meta) => meta,
+            Err(not) => return not,
+        };
+        if meta.endpoint == Endpoint::Reset {
+            self.stats.metrics.request(self.route, meta.endpoint);
+            drop(lease);
+            return self.reset(&meta, reset_scope);
+        }
+        if let Err(failed) = self.prepare_run(&meta, &mut lease) {
+            return failed;
+        }
+        self.stats.metrics.request(self.route, meta.endpoint);
+        let pacing = &self.policy.spec.pacing;
+        let release_at = crate::runtime::pacing::release_target(received, pacing.latency_budget_ms);
+        match meta.endpoint {
+            Endpoint::Observe => self.start_observe(&meta, lease, received, release_at),
+            _ => self.start_infer(&meta, lease, received, release_at),
+        }
+    }
+
+    /// The request decoded into the slot's inputs; or what [`Core::start`] answers instead (it
+    /// did not decode, or it names another policy).
+    fn decode<D>(&mut self, lease: &mut Lease, decode: D) -> Result<RequestMeta, Started>
+    where
+        D: FnOnce(
+            &Plan,
+            &mut [Box<dyn InputBuffer>],
+            &mut [bool],
+            Option<&Link>,
+        ) -> Result<RequestMeta, WireError>,
+    {
+        let slot = lease.slot();
+        // A run continues no chunk unless `observe` says which (`start_observe`).
+        *slot.continuation_mut().1 = None;
+        let (inputs, seen) = slot.inputs_mut();
+        let meta =
+            decode(&self.policy.plan, inputs, seen, self.planner.as_deref()).map_err(|e| {
+                if e.is_non_finite() {
+                    self.stats.metrics.non_finite_inputs.inc();
+                }
+                Started::Undecodable(e)
+            })?;
+        match &meta.policy {
+            Some(name) if name.as_str() != self.policy.name => {
+                Err(Started::OtherPolicy(name.clone()))
+            }
+            _ => Ok(meta),
+        }
+    }
+
+    /// What a run needs beside its inputs: the sampler's steps and seed, the prompt's tokens;
+    /// refused while the engine is stalled.
+    fn prepare_run(&mut self, meta: &RequestMeta, lease: &mut Lease) -> Result<(), Started> {
         let policy = self.policy.clone();
         let plan = &policy.plan;
-        let pacing = &policy.spec.pacing;
         let slot = lease.slot();
-        // A run continues no chunk unless `observe` says which (below).
-        *slot.continuation_mut().1 = None;
-        let meta = {
-            let (inputs, seen) = slot.inputs_mut();
-            match decode(plan, inputs, seen, self.planner.as_deref()) {
-                Ok(m) => m,
-                Err(e) => {
-                    if e.is_non_finite() {
-                        stats.metrics.non_finite_inputs.inc();
-                    }
-                    return Started::Undecodable(e);
-                }
-            }
-        };
-        if let Some(name) = &meta.policy
-            && name.as_str() != policy.name
-        {
-            return Started::OtherPolicy(name.clone());
-        }
-        if let Some((default, max)) = plan.sampling
-            && meta.endpoint != Endpoint::Reset
-        {
+        if let Some((default, max)) = plan.sampling {
             let steps = match meta.num_inference_steps {
                 None => default,
                 Some(n) if n >= 1 && n <= i64::from(max) => n as u32,
                 Some(n) => {
-                    return Started::Failed(Failure::Request(format!(
+                    return Err(Started::Failed(Failure::Request(format!(
                         "sampling_params.num_inference_steps must be within 1..={max} \
                          (this policy's sampler.max_steps), got {n}"
-                    )));
+                    ))));
                 }
             };
             // A request's own seed makes its noise a pure function of it; without one the
@@ -285,105 +316,135 @@ impl Core {
             };
             slot.set_sampling(crate::engine::Sampling { seed, steps });
         }
-        if plan.tokens.is_some() && meta.endpoint != Endpoint::Reset {
+        if plan.tokens.is_some() {
             let cache = self.sessions.prompt_cache(meta.session_id.as_ref());
             match plan.tokenize(slot.inputs_mut().0, cache) {
                 Ok(t) => self.tokenized(&policy, t),
-                Err(e) => return Started::Failed(Failure::Request(e.to_string())),
+                Err(e) => return Err(Started::Failed(Failure::Request(e.to_string()))),
             }
         }
-        if meta.endpoint != Endpoint::Reset && *policy.worker.state.stalled.borrow() {
-            return Started::Failed(self.stall_failure());
+        if *policy.worker.state.stalled.borrow() {
+            return Err(Started::Failed(self.stall_failure()));
         }
-        stats.metrics.request(self.route, meta.endpoint);
-        let release_at = crate::runtime::pacing::release_target(received, pacing.latency_budget_ms);
-        match meta.endpoint {
-            Endpoint::Reset => {
-                drop(lease);
-                match reset_scope {
-                    ResetScope::Session => {
-                        self.sessions.reset(meta.session_id.as_ref());
-                        self.drop_waiting();
-                    }
-                    ResetScope::Connection => self.reset_all(),
-                }
-                self.count_sessions();
-                Started::Reset
+        Ok(())
+    }
+
+    /// `endpoint: reset`: the session's state (or the connection's, as the front end scopes
+    /// it) forgotten.
+    fn reset(&mut self, meta: &RequestMeta, scope: ResetScope) -> Started {
+        match scope {
+            ResetScope::Session => {
+                self.sessions.reset(meta.session_id.as_ref());
+                self.drop_waiting();
             }
-            Endpoint::Infer => {
-                self.check_prompt(meta.session_id.as_ref(), slot.inputs_mut().0);
-                let (reset, _) = self.sessions.begin(meta.session_id.as_ref());
-                self.count_sessions();
-                plan.stack_history(
-                    slot.inputs_mut().0,
-                    self.sessions.history(meta.session_id.as_ref()),
-                    reset,
-                );
-                slot.prepare(
-                    self.ticket(Kind::Infer, received, release_at, (0, 0.0)),
-                    reset,
-                );
-                let key = self.key(slot.ticket().session.clone());
-                match lease.submit(&policy.worker, &self.port, key) {
-                    Ok(_) => {
-                        self.outstanding += 1;
-                        self.infer_busy = true;
-                        Started::Queued
-                    }
-                    Err(_) => Started::Failed(not_running()),
-                }
-            }
-            Endpoint::Observe => {
-                let (timestep, timestamp) = match meta.observed_at() {
-                    Ok(t) => t,
-                    Err(e) => return Started::Failed(Failure::Request(e.to_string())),
-                };
-                stats.skips.observed.fetch_add(1, Ordering::Relaxed);
-                self.check_prompt(meta.session_id.as_ref(), slot.inputs_mut().0);
-                let mut state = [0f64; crate::limits::MAX_SIMILARITY_STATE];
-                let state = plan.similarity_state(slot.inputs_mut().0, &mut state);
-                let (reset, session) = self.sessions.begin(meta.session_id.as_ref());
-                if let Some(gap) = session.observed(received) {
-                    stats.metrics.observe_interval.observe(gap.as_secs_f64());
-                }
-                let must_go = meta.must_go.unwrap_or(false);
-                let admitted = session.admit(&self.filters, timestep, must_go, state);
-                self.count_sessions();
-                if let Err(why) = admitted {
-                    drop(lease);
-                    return self.skipped(timestep, why);
-                }
-                plan.stack_history(
-                    slot.inputs_mut().0,
-                    self.sessions.history(meta.session_id.as_ref()),
-                    reset,
-                );
-                if let Some(r) = plan.rtc {
-                    self.continuation(r, pacing.fps, timestep, slot);
-                }
-                let ticket =
-                    self.ticket(Kind::Observe, received, release_at, (timestep, timestamp));
-                slot.prepare(ticket, reset);
-                let key = self.key(slot.ticket().session.clone());
-                match lease.submit(&policy.worker, &self.port, key) {
-                    Ok(None) => {
-                        self.outstanding += 1;
-                        Started::Queued
-                    }
-                    Ok(Some(mut old)) => {
-                        // The session's waiting observation was replaced before it ran.
-                        let old_step = old.slot().ticket().timestep;
-                        let sid = old.slot().ticket().session.clone();
-                        drop(old);
-                        if let Some(p) = self.sessions.pacing(&sid) {
-                            p.forget(old_step);
-                        }
-                        self.skipped(old_step, SkipReason::Superseded)
-                    }
-                    Err(_) => Started::Failed(not_running()),
-                }
-            }
+            ResetScope::Connection => self.reset_all(),
         }
+        self.count_sessions();
+        Started::Reset
+    }
+
+    /// `infer`: run now, whatever the session did before.
+    fn start_infer(
+        &mut self,
+        meta: &RequestMeta,
+        mut lease: Lease,
+        received: Instant,
+        release_at: Option<Instant>,
+    ) -> Started {
+        let policy = self.policy.clone();
+        let slot = lease.slot();
+        self.check_prompt(meta.session_id.as_ref(), slot.inputs_mut().0);
+        let (reset, _) = self.sessions.begin(meta.session_id.as_ref());
+        self.count_sessions();
+        policy.plan.stack_history(
+            slot.inputs_mut().0,
+            self.sessions.history(meta.session_id.as_ref()),
+            reset,
+        );
+        slot.prepare(
+            self.ticket(Kind::Infer, received, release_at, (0, 0.0)),
+            reset,
+        );
+        match self.queue(lease) {
+            Ok(_) => {
+                self.infer_busy = true;
+                Started::Queued
+            }
+            Err(failed) => failed,
+        }
+    }
+
+    /// `observe`: the session's filters admit it (or skip it), it continues the chunk the
+    /// robot is executing (`[rtc]`), and it replaces the session's observation still waiting.
+    fn start_observe(
+        &mut self,
+        meta: &RequestMeta,
+        mut lease: Lease,
+        received: Instant,
+        release_at: Option<Instant>,
+    ) -> Started {
+        let policy = self.policy.clone();
+        let plan = &policy.plan;
+        let (timestep, timestamp) = match meta.observed_at() {
+            Ok(t) => t,
+            Err(e) => return Started::Failed(Failure::Request(e.to_string())),
+        };
+        self.stats.skips.observed.fetch_add(1, Ordering::Relaxed);
+        let slot = lease.slot();
+        self.check_prompt(meta.session_id.as_ref(), slot.inputs_mut().0);
+        let mut state = [0f64; crate::limits::MAX_SIMILARITY_STATE];
+        let state = plan.similarity_state(slot.inputs_mut().0, &mut state);
+        let (reset, session) = self.sessions.begin(meta.session_id.as_ref());
+        if let Some(gap) = session.observed(received) {
+            self.stats
+                .metrics
+                .observe_interval
+                .observe(gap.as_secs_f64());
+        }
+        let must_go = meta.must_go.unwrap_or(false);
+        let admitted = session.admit(&self.filters, timestep, must_go, state);
+        self.count_sessions();
+        if let Err(why) = admitted {
+            drop(lease);
+            return self.skipped(timestep, why);
+        }
+        plan.stack_history(
+            slot.inputs_mut().0,
+            self.sessions.history(meta.session_id.as_ref()),
+            reset,
+        );
+        if let Some(r) = plan.rtc {
+            self.continuation(r, policy.spec.pacing.fps, timestep, slot);
+        }
+        let ticket = self.ticket(Kind::Observe, received, release_at, (timestep, timestamp));
+        slot.prepare(ticket, reset);
+        match self.queue(lease) {
+            Ok(None) => Started::Queued,
+            Ok(Some(mut old)) => {
+                // The session's waiting observation was replaced before it ran.
+                let old_step = old.slot().ticket().timestep;
+                let sid = old.slot().ticket().session.clone();
+                drop(old);
+                if let Some(p) = self.sessions.pacing(&sid) {
+                    p.forget(old_step);
+                }
+                self.skipped(old_step, SkipReason::Superseded)
+            }
+            Err(failed) => failed,
+        }
+    }
+
+    /// Hands a prepared slot to the policy's worker; the lease of the session's observation it
+    /// replaced, if any (only an observation replaces one: then nothing more is outstanding).
+    fn queue(&mut self, lease: Lease) -> Result<Option<Lease>, Started> {
+        let key = self.key(lease.peek().ticket().session.clone());
+        let replaced = lease
+            .submit(&self.policy.worker, &self.port, key)
+            .map_err(|_| Started::Failed(not_running()))?;
+        if replaced.is_none() {
+            self.outstanding += 1;
+        }
+        Ok(replaced)
     }
 
     /// `[rtc]`: the current session's previous chunk from `timestep` on into the slot's
