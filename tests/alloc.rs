@@ -204,7 +204,10 @@ async fn own_path(n: usize) -> u64 {
             if *observe {
                 Dialect::Openpi.encode_observe(
                     &mut plan.reply(&mut parts),
-                    (t.timestep, 0.5),
+                    policyd::protocol::TimedStep {
+                        timestep: t.timestep,
+                        timestamp: 0.5,
+                    },
                     1.0 / 30.0,
                     d,
                     reply,

@@ -517,7 +517,7 @@ where
                 }
                 Kind::Observe => dialect.encode_observe(
                     r.reply,
-                    (r.ticket.timestep, r.ticket.timestamp),
+                    r.ticket.at(),
                     1.0 / r.fps,
                     r.delay_steps,
                     r.buf,

@@ -22,7 +22,9 @@ use crate::metrics::Stats;
 use crate::planner::Link;
 use crate::policy::Policy;
 use crate::protocol::dialect::{Precision, ResetScope};
-use crate::protocol::{self, Endpoint, Failure, PolicyName, RequestMeta, Route, WireError};
+use crate::protocol::{
+    self, Endpoint, Failure, PolicyName, RequestMeta, Route, TimedStep, WireError,
+};
 use crate::runtime::pacing::{Pacer, Release, ReleaseQueue};
 use crate::runtime::scheduler::{Kind, SessionKey, SkipReason};
 use crate::runtime::session::{Filters, Sessions};
@@ -83,8 +85,8 @@ pub struct Released<'r, 'p, 'a> {
     pub fps: f64,
     pub compute: Duration,
     pub latency: Duration,
-    /// `(prefix ms, denoise ms, steps)` of a pipeline's run.
-    pub stages: Option<(f64, f64, u32)>,
+    /// A pipeline's stages, as the reply reports them.
+    pub stages: Option<protocol::StageTimes>,
     /// The previous `infer`'s total time as the client saw it (openpi's `prev_total_ms`).
     pub prev_total_ms: Option<f64>,
     pub buf: &'r mut Vec<u8>,
@@ -362,7 +364,7 @@ impl Core {
             reset,
         );
         slot.prepare(
-            self.ticket(Kind::Infer, received, release_at, (0, 0.0)),
+            self.ticket(Kind::Infer, received, release_at, TimedStep::default()),
             reset,
         );
         match self.queue(lease) {
@@ -385,7 +387,7 @@ impl Core {
     ) -> Started {
         let policy = self.policy.clone();
         let plan = &policy.plan;
-        let (timestep, timestamp) = match meta.observed_at() {
+        let at = match meta.observed_at() {
             Ok(t) => t,
             Err(e) => return Started::Failed(Failure::Request(e.to_string())),
         };
@@ -402,11 +404,11 @@ impl Core {
                 .observe(gap.as_secs_f64());
         }
         let must_go = meta.must_go.unwrap_or(false);
-        let admitted = session.admit(&self.filters, timestep, must_go, state);
+        let admitted = session.admit(&self.filters, at.timestep, must_go, state);
         self.count_sessions();
         if let Err(why) = admitted {
             drop(lease);
-            return self.skipped(timestep, why);
+            return self.skipped(at.timestep, why);
         }
         plan.stack_history(
             slot.inputs_mut().0,
@@ -414,9 +416,9 @@ impl Core {
             reset,
         );
         if let Some(r) = plan.rtc {
-            self.continuation(r, policy.spec.pacing.fps, timestep, slot);
+            self.continuation(r, policy.spec.pacing.fps, at.timestep, slot);
         }
-        let ticket = self.ticket(Kind::Observe, received, release_at, (timestep, timestamp));
+        let ticket = self.ticket(Kind::Observe, received, release_at, at);
         slot.prepare(ticket, reset);
         match self.queue(lease) {
             Ok(None) => Started::Queued,
@@ -663,12 +665,10 @@ impl Core {
             fps: pacing.fps,
             compute,
             latency,
-            stages: stages.map(|s| {
-                (
-                    s.prefix.as_secs_f64() * 1e3,
-                    s.denoise.as_secs_f64() * 1e3,
-                    s.steps,
-                )
+            stages: stages.map(|s| protocol::StageTimes {
+                prefix_ms: s.prefix.as_secs_f64() * 1e3,
+                denoise_ms: s.denoise.as_secs_f64() * 1e3,
+                steps: s.steps,
             }),
             prev_total_ms: self.prev_total_ms,
             buf,
@@ -705,7 +705,7 @@ impl Core {
         kind: Kind,
         received: Instant,
         release_at: Option<Instant>,
-        (timestep, timestamp): (i64, f64),
+        at: TimedStep,
     ) -> Ticket {
         Ticket {
             kind,
@@ -713,8 +713,8 @@ impl Core {
             session: self.sessions.current().clone(),
             received,
             release_at,
-            timestep,
-            timestamp,
+            timestep: at.timestep,
+            timestamp: at.timestamp,
         }
     }
 

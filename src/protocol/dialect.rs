@@ -200,12 +200,12 @@ impl Dialect {
 
     /// An `observe` push: `{"type": "actions", key: ndarray, …, "timesteps": int64[H],
     /// "timestamps": float64[H], "obs_timestep", "delay_steps"}`, where step i of the kept
-    /// chunk is [`timed_step`](super::timed_step)`(timestep, timestamp, dt, start + i)`. Both
+    /// chunk is [`timed_step`](super::timed_step)`(obs, dt, start + i)`. Both
     /// dialects; vllm-omni's arrays are float32.
     pub fn encode_observe(
         self,
         out: &mut impl Outputs,
-        obs: (i64, f64),
+        obs: super::TimedStep,
         dt: f64,
         delay_steps: u32,
         buf: &mut Vec<u8>,
@@ -220,25 +220,24 @@ impl Dialect {
             e.str(out.key(i));
             out.write(i, self.precision(), &mut e);
         }
-        let (timestep, timestamp) = obs;
         let (start, end) = out.rows();
         let n = end - start;
         e.str("timesteps");
         e.ndarray(ElemType::I64, &[n], 8 * n, |d| {
             for (i, c) in d.chunks_exact_mut(8).enumerate() {
-                let (step, _) = super::timed_step(timestep, timestamp, dt, start + i);
+                let step = super::timed_step(obs, dt, start + i).timestep;
                 c.copy_from_slice(&step.to_le_bytes());
             }
         });
         e.str("timestamps");
         e.ndarray(ElemType::F64, &[n], 8 * n, |d| {
             for (i, c) in d.chunks_exact_mut(8).enumerate() {
-                let (_, t) = super::timed_step(timestep, timestamp, dt, start + i);
+                let t = super::timed_step(obs, dt, start + i).timestamp;
                 c.copy_from_slice(&t.to_le_bytes());
             }
         });
         e.str("obs_timestep");
-        e.int(timestep);
+        e.int(obs.timestep);
         e.str("delay_steps");
         e.int(i64::from(delay_steps));
     }

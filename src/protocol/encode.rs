@@ -78,7 +78,7 @@ pub struct Timing {
     /// first request.
     pub prev_total_ms: Option<f64>,
     /// A pipeline's stages: prefix ms, denoising ms (all steps), steps run.
-    pub stages: Option<(f64, f64, u32)>,
+    pub stages: Option<super::StageTimes>,
 }
 
 /// Writes the two timing entries (`policy_timing`, `server_timing`) of an openpi reply.
@@ -87,13 +87,13 @@ pub fn encode_timing(enc: &mut Encoder<'_>, t: &Timing) {
     enc.map(if t.stages.is_some() { 4 } else { 1 });
     enc.str("infer_ms");
     enc.f64(t.policy_infer_ms);
-    if let Some((prefix, denoise, steps)) = t.stages {
+    if let Some(s) = t.stages {
         enc.str("prefix_ms");
-        enc.f64(prefix);
+        enc.f64(s.prefix_ms);
         enc.str("denoise_ms");
-        enc.f64(denoise);
+        enc.f64(s.denoise_ms);
         enc.str("steps");
-        enc.int(i64::from(steps));
+        enc.int(i64::from(s.steps));
     }
     enc.str("server_timing");
     enc.map(if t.prev_total_ms.is_some() { 2 } else { 1 });

@@ -49,11 +49,32 @@ impl From<Dialect> for Route {
     }
 }
 
-/// Step `i` of a timed action chunk for an observation taken at `timestep`/`timestamp`:
-/// `(timestep + i, timestamp + i·dt)` (LeRobot's `TimedAction`s), for the scheduler's filters
-/// and the `observe` reply alike.
-pub fn timed_step(timestep: i64, timestamp: f64, dt: f64, i: usize) -> (i64, f64) {
-    (timestep.saturating_add(i as i64), timestamp + i as f64 * dt)
+/// A control step and its time on the robot's clock: when an observation was taken, or when
+/// an action is due.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct TimedStep {
+    pub timestep: i64,
+    /// Seconds on the robot's clock.
+    pub timestamp: f64,
+}
+
+/// Step `i` of a timed action chunk for an observation taken `at`: `(timestep + i,
+/// timestamp + i·dt)` (LeRobot's `TimedAction`s), for the scheduler's filters and the
+/// `observe` reply alike.
+pub fn timed_step(at: TimedStep, dt: f64, i: usize) -> TimedStep {
+    TimedStep {
+        timestep: at.timestep.saturating_add(i as i64),
+        timestamp: at.timestamp + i as f64 * dt,
+    }
+}
+
+/// A pipeline's stages as a reply reports them: prefix and denoising (all steps) in
+/// milliseconds, and the steps run.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct StageTimes {
+    pub prefix_ms: f64,
+    pub denoise_ms: f64,
+    pub steps: u32,
 }
 
 /// The most characters of a client's string that an error message or a log line repeats.

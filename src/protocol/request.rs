@@ -155,7 +155,7 @@ impl WireError {
 
 impl RequestMeta {
     /// An `observe` request's timestep and timestamp, checked.
-    pub fn observed_at(&self) -> Result<(i64, f64), WireError> {
+    pub fn observed_at(&self) -> Result<super::TimedStep, WireError> {
         let timestep = self.timestep.ok_or(WireError::Observe {
             problem: "needs 'timestep' (an integer: the control step the observation was taken at)",
         })?;
@@ -172,7 +172,10 @@ impl RequestMeta {
                 problem: "needs a finite 'timestamp' of 0 or more",
             });
         }
-        Ok((timestep, timestamp))
+        Ok(super::TimedStep {
+            timestep,
+            timestamp,
+        })
     }
 }
 
@@ -1436,7 +1439,11 @@ mod tests {
                 policy_infer_ms: 1e300,
                 server_infer_ms: 1e300,
                 prev_total_ms: Some(1e300),
-                stages: Some((1e300, 1e300, u32::MAX)),
+                stages: Some(crate::protocol::StageTimes {
+                    prefix_ms: 1e300,
+                    denoise_ms: 1e300,
+                    steps: u32::MAX,
+                }),
             },
         );
         assert!(t.len() <= TIMING_SIZE, "{} > {TIMING_SIZE}", t.len());

@@ -240,7 +240,7 @@ impl SkipStats {
 }
 
 #[cfg(test)]
-use crate::protocol::timed_step;
+use crate::protocol::{TimedStep, timed_step};
 
 #[cfg(test)]
 mod tests {
@@ -332,11 +332,19 @@ mod tests {
 
     #[test]
     fn timed_actions_advance_by_one_step_and_dt() {
-        assert_eq!(timed_step(5, 100.0, 0.1, 0), (5, 100.0));
-        let (step, t) = timed_step(5, 100.0, 0.1, 9);
-        assert_eq!(step, 14);
-        assert!((t - 100.9).abs() < 1e-9);
-        assert_eq!(timed_step(i64::MAX, 0.0, 0.1, 3).0, i64::MAX, "saturates");
+        let at = |timestep, timestamp| TimedStep {
+            timestep,
+            timestamp,
+        };
+        assert_eq!(timed_step(at(5, 100.0), 0.1, 0), at(5, 100.0));
+        let nine = timed_step(at(5, 100.0), 0.1, 9);
+        assert_eq!(nine.timestep, 14);
+        assert!((nine.timestamp - 100.9).abs() < 1e-9);
+        assert_eq!(
+            timed_step(at(i64::MAX, 0.0), 0.1, 3).timestep,
+            i64::MAX,
+            "saturates"
+        );
     }
 
     #[test]

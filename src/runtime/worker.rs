@@ -36,6 +36,16 @@ pub struct Ticket {
     pub timestamp: f64,
 }
 
+impl Ticket {
+    /// The observation's step and time (zero for `infer`).
+    pub fn at(&self) -> crate::protocol::TimedStep {
+        crate::protocol::TimedStep {
+            timestep: self.timestep,
+            timestamp: self.timestamp,
+        }
+    }
+}
+
 impl Default for Ticket {
     fn default() -> Self {
         Ticket {

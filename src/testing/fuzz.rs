@@ -291,7 +291,16 @@ pub fn decode(data: &[u8]) {
         } else {
             Dialect::Openpi
         };
-        dialect.encode_observe(&mut reply, (7, 0.25), 1.0 / 30.0, delay, &mut c.reply);
+        dialect.encode_observe(
+            &mut reply,
+            crate::protocol::TimedStep {
+                timestep: 7,
+                timestamp: 0.25,
+            },
+            1.0 / 30.0,
+            delay,
+            &mut c.reply,
+        );
         assert!(
             c.reply.len() <= c.plan.reply_capacity,
             "reply over its capacity"

@@ -245,7 +245,10 @@ fn the_reply_is_a_protocol_2_list_of_timed_actions_built_with_torch_tensor() {
     let mut buf = Vec::new();
     lerobot::pickled::encode_actions(
         bytes.iter().map(Vec::as_slice),
-        (40, 100.0),
+        policyd::protocol::TimedStep {
+            timestep: 40,
+            timestamp: 100.0,
+        },
         1,
         0.5,
         &mut buf,
@@ -312,7 +315,10 @@ fn the_json_safetensors_reply_parses_back_and_observations_read() {
     let mut buf = Vec::new();
     lerobot_json::encode_actions(
         bytes.iter().map(Vec::as_slice),
-        (40, 100.0),
+        policyd::protocol::TimedStep {
+            timestep: 40,
+            timestamp: 100.0,
+        },
         1,
         0.5,
         &mut buf,

@@ -390,16 +390,11 @@ impl Session {
         let lease = a.core.release(lease, paced, |r| {
             let first = r.reply.first_row();
             let dt = 1.0 / r.fps;
-            let (timestep, timestamp) = (r.ticket.timestep, r.ticket.timestamp);
+            let at = r.ticket.at();
             match r.reply.rows_f32(output, apc.max(first + 1)) {
-                Some((rows, row)) if row > 0 => lerobot::encode_actions(
-                    codec,
-                    rows.chunks_exact(row),
-                    (timestep, timestamp),
-                    first,
-                    dt,
-                    r.buf,
-                ),
+                Some((rows, row)) if row > 0 => {
+                    lerobot::encode_actions(codec, rows.chunks_exact(row), at, first, dt, r.buf)
+                }
                 _ => ok = false,
             }
         });

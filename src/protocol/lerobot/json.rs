@@ -254,7 +254,7 @@ pub fn policy_setup(payload: &[u8]) -> Result<PolicySetup, LerobotError> {
 /// safetensors file of `action_<i>` (float32, one row each), as PR #3048's `serialize_actions`.
 pub fn encode_actions<'a>(
     rows: impl ExactSizeIterator<Item = &'a [u8]> + Clone,
-    (timestep, timestamp): (i64, f64),
+    at: crate::protocol::TimedStep,
     first: usize,
     dt: f64,
     buf: &mut Vec<u8>,
@@ -264,7 +264,10 @@ pub fn encode_actions<'a>(
     buf.extend_from_slice(&[0; 4]);
     let _ = write!(buf, r#"{{"type": "TimedActions", "actions": ["#);
     for i in 0..rows.len() {
-        let (step, t) = crate::protocol::timed_step(timestep, timestamp, dt, first + i);
+        let crate::protocol::TimedStep {
+            timestep: step,
+            timestamp: t,
+        } = crate::protocol::timed_step(at, dt, first + i);
         let sep = if i == 0 { "" } else { ", " };
         let _ = write!(buf, r#"{sep}{{"timestamp": {t:?}, "timestep": {step}}}"#);
     }

@@ -300,7 +300,7 @@ impl Payloads {
 pub fn encode_actions<'a>(
     codec: Codec,
     rows: impl ExactSizeIterator<Item = &'a [u8]> + Clone,
-    at: (i64, f64),
+    at: super::TimedStep,
     first: usize,
     dt: f64,
     buf: &mut Vec<u8>,

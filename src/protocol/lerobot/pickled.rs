@@ -444,7 +444,7 @@ fn feature(
 /// `timestep + first + i`, `timestamp + (first + i)·dt`, as `torch.tensor([...])`.
 pub fn encode_actions<'a>(
     rows: impl Iterator<Item = &'a [u8]>,
-    (timestep, timestamp): (i64, f64),
+    at: crate::protocol::TimedStep,
     first: usize,
     dt: f64,
     buf: &mut Vec<u8>,
@@ -463,7 +463,10 @@ pub fn encode_actions<'a>(
     buf.clear();
     buf.extend_from_slice(&[0x80, 2, b']', b'(']);
     for (i, row) in rows.enumerate() {
-        let (step, t) = crate::protocol::timed_step(timestep, timestamp, dt, first + i);
+        let crate::protocol::TimedStep {
+            timestep: step,
+            timestamp: t,
+        } = crate::protocol::timed_step(at, dt, first + i);
         buf.extend_from_slice(TIMED_ACTION);
         buf.extend_from_slice(&[b')', 0x81, b'}', b'(']);
         text(buf, "timestamp");
