@@ -285,9 +285,8 @@ async fn observe(
         .map(|_| ())
 }
 
-/// The first action's first value (the synthetic engine's first input value), polling until a
-/// chunk comes.
-async fn first_action(c: &mut AsyncInferenceClient<Channel>) -> f64 {
+/// The next chunk's reply, polling until one comes (an empty reply is "none yet").
+async fn next_chunk(c: &mut AsyncInferenceClient<Channel>) -> Vec<u8> {
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
         let data = c
@@ -297,17 +296,23 @@ async fn first_action(c: &mut AsyncInferenceClient<Channel>) -> f64 {
             .into_inner()
             .data;
         if !data.is_empty() {
-            // The reply's first float is `G` + 8 big-endian bytes after the first
-            // `torch.tensor([` (the action's values; the timestamp precedes it).
-            let at = data
-                .windows(4)
-                .position(|w| w == b"(](G")
-                .expect("an action tensor");
-            let v: [u8; 8] = data[at + 4..at + 12].try_into().expect("8 bytes");
-            return f64::from_be_bytes(v);
+            return data;
         }
         assert!(Instant::now() < deadline, "no actions within 10 s");
     }
+}
+
+/// The first action's first value (the synthetic engine's first input value) of the next chunk.
+async fn first_action(c: &mut AsyncInferenceClient<Channel>) -> f64 {
+    let data = next_chunk(c).await;
+    // The reply's first float is `G` + 8 big-endian bytes after the first `torch.tensor([`
+    // (the action's values; the timestamp precedes it).
+    let at = data
+        .windows(4)
+        .position(|w| w == b"(](G")
+        .expect("an action tensor");
+    let v: [u8; 8] = data[at + 4..at + 12].try_into().expect("8 bytes");
+    f64::from_be_bytes(v)
 }
 
 /// Sets up with `motors` (a 4x6 camera) and sends observation `step`: the first action's first
@@ -1042,27 +1047,14 @@ fn json_observation(step: i64) -> Vec<u8> {
     )
 }
 
-/// The first action's first value of a PR #3048 reply (`action_0`, float32), polling until a
-/// chunk comes.
+/// The first action's first value of the next chunk, a PR #3048 reply (`action_0`, float32).
 async fn first_json_action(c: &mut AsyncInferenceClient<Channel>) -> f32 {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let data = c
-            .get_actions(Empty {})
-            .await
-            .expect("GetActions")
-            .into_inner()
-            .data;
-        if !data.is_empty() {
-            assert_ne!(data[0], 0x80, "a JSON client got a pickle");
-            let n = u32::from_be_bytes(data[..4].try_into().expect("4 bytes")) as usize;
-            let tensors =
-                safetensors::SafeTensors::deserialize(&data[4 + n..]).expect("safetensors");
-            let a0 = tensors.tensor("action_0").expect("action_0");
-            return f32::from_le_bytes(a0.data()[..4].try_into().expect("4 bytes"));
-        }
-        assert!(Instant::now() < deadline, "no actions within 10 s");
-    }
+    let data = next_chunk(c).await;
+    assert_ne!(data[0], 0x80, "a JSON client got a pickle");
+    let n = u32::from_be_bytes(data[..4].try_into().expect("4 bytes")) as usize;
+    let tensors = safetensors::SafeTensors::deserialize(&data[4 + n..]).expect("safetensors");
+    let a0 = tensors.tensor("action_0").expect("action_0");
+    f32::from_le_bytes(a0.data()[..4].try_into().expect("4 bytes"))
 }
 
 /// A server whose config a test can change and reload (as SIGHUP does), with the LeRobot

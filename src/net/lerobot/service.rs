@@ -68,6 +68,22 @@ impl Service {
         Status::new(status.code(), message)
     }
 
+    /// Sends the session task a command that takes the session (`Ready`, a setup) and waits
+    /// for its answer: refused (`owner`) if another connection owns the session.
+    async fn ask(
+        &self,
+        command: impl FnOnce(oneshot::Sender<Result<(), Status>>) -> Command,
+    ) -> Result<(), Status> {
+        let (reply, back) = oneshot::channel();
+        self.tx
+            .send(command(reply))
+            .await
+            .map_err(|_| Self::gone())?;
+        back.await
+            .map_err(|_| Self::gone())?
+            .map_err(|s| self.refuse(Reason::Owner, s))
+    }
+
     fn gone() -> Status {
         Status::unavailable("policyd is shutting down")
     }
@@ -141,14 +157,7 @@ impl AsyncInference for Service {
         self.shared.stats.metrics.lerobot_rpc("Ready");
         let from = caller(&request)?;
         let _call = from.activity.call();
-        let (reply, back) = oneshot::channel();
-        self.tx
-            .send(Command::Ready { from, reply })
-            .await
-            .map_err(|_| Self::gone())?;
-        back.await
-            .map_err(|_| Self::gone())?
-            .map_err(|s| self.refuse(Reason::Owner, s))?;
+        self.ask(|reply| Command::Ready { from, reply }).await?;
         Ok(Response::new(Empty {}))
     }
 
@@ -180,20 +189,14 @@ impl AsyncInference for Service {
             setup.codec.name(),
             policy.name
         );
-        let (reply, back) = oneshot::channel();
-        self.tx
-            .send(Command::Setup {
-                from,
-                policy,
-                adapter: Box::new(adapter),
-                setup: Box::new(setup),
-                reply,
-            })
-            .await
-            .map_err(|_| Self::gone())?;
-        back.await
-            .map_err(|_| Self::gone())?
-            .map_err(|s| self.refuse(Reason::Owner, s))?;
+        self.ask(|reply| Command::Setup {
+            from,
+            policy,
+            adapter: Box::new(adapter),
+            setup: Box::new(setup),
+            reply,
+        })
+        .await?;
         Ok(Response::new(Empty {}))
     }
 
