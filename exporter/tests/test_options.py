@@ -15,15 +15,10 @@ import pytest
 from conftest import ROOT
 
 from policyd_export import options
+from policyd_export.registry import SUPPORTED, config_class
 
-CLASSES = {
-    "act": "lerobot.policies.act.configuration_act:ACTConfig",
-    "groot": "lerobot.policies.groot.configuration_groot:GrootConfig",
-    "diffusion": "lerobot.policies.diffusion.configuration_diffusion:DiffusionConfig",
-    "pi0": "lerobot.policies.pi0.configuration_pi0:PI0Config",
-    "pi05": "lerobot.policies.pi05.configuration_pi05:PI05Config",
-    "smolvla": "lerobot.policies.smolvla.configuration_smolvla:SmolVLAConfig",
-}
+#: Each exported policy type's LeRobot config class (the registry's list).
+CLASSES = {t: config_class(t) for t in SUPPORTED}
 
 
 def config_fields(kind: str) -> set[str]:
@@ -31,6 +26,10 @@ def config_fields(kind: str) -> set[str]:
 
     module, name = CLASSES[kind].split(":")
     return {f.name for f in dataclasses.fields(getattr(importlib.import_module(module), name))}
+
+
+def test_the_tables_cover_exactly_the_registrys_types() -> None:
+    assert sorted(options.TABLES) == list(SUPPORTED)
 
 
 @pytest.mark.parametrize("kind", sorted(CLASSES))

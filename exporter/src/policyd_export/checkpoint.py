@@ -18,9 +18,9 @@ from numpy.typing import NDArray
 
 from . import options
 from .errors import ExportError, read_json
+from .registry import SUPPORTED
 
 #: Policy types this exporter turns into bundles (config.json's "type").
-SUPPORTED = ("act", "diffusion", "groot", "pi0", "pi05", "smolvla")
 #: Types LeRobot has that are planned but not exported yet, with what stands in the way.
 PLANNED = {
     "pi0_fast": "autoregressive decoding, no prefix + step split (not exported yet)",

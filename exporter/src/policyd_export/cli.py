@@ -19,15 +19,16 @@ import time
 from pathlib import Path
 
 from .errors import ExportError
+from .registry import SUPPORTED
 from .remote_code import FLAG, guard
 
-SUPPORTED_HELP = "supported policy types: act, diffusion, groot, pi0, pi05, smolvla"
+SUPPORTED_HELP = f"supported policy types: {', '.join(SUPPORTED)}"
 
 
 def _lerobot(args: argparse.Namespace) -> int:
     from . import bundle
     from .checkpoint import load
-    from .families import export
+    from .families import Request, export
 
     start = time.monotonic()
     ckpt = load(args.checkpoint)
@@ -35,14 +36,14 @@ def _lerobot(args: argparse.Namespace) -> int:
     tmp = bundle.prepare(out, args.force)
     try:
         tokenizer = Path(args.tokenizer) if args.tokenizer else None
-        exported = export(
-            ckpt,
+        request = Request(
             tmp,
             verbose=args.verbose,
             tokenizer=tokenizer,
             base=Path(args.base) if args.base else None,
             vlm=Path(args.vlm) if args.vlm else None,
         )
+        exported = export(ckpt, request)
         bundle.write(tmp, bundle.lerobot_source(ckpt, args.lerobot_name), exported)
         bundle.commit(tmp, out)
     except BaseException:

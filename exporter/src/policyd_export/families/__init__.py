@@ -235,30 +235,33 @@ def load_policy(ckpt: Checkpoint) -> Any:  # a LeRobot PreTrainedPolicy (LeRobot
     return policy.eval()
 
 
-def export(
-    ckpt: Checkpoint,
-    out: Path,
-    verbose: bool = False,
-    tokenizer: Path | None = None,
-    base: Path | None = None,
-    vlm: Path | None = None,
-) -> Exported:
-    from . import act, diffusion, groot, pi0, smolvla
+@dataclass(frozen=True)
+class Request:
+    """What an export is given besides the checkpoint: where to write it, and the files a
+    family may need from the command line (pi0's tokenizer, GR00T's base and VLM)."""
 
-    if ckpt.relative is not None and ckpt.type not in ("pi0", "pi05"):
+    out: Path
+    verbose: bool = False
+    tokenizer: Path | None = None
+    base: Path | None = None
+    vlm: Path | None = None
+
+
+#: A family's entry: every family module's `export` has this signature.
+ExportFn = Callable[[Checkpoint, Request], Exported]
+
+
+def export(ckpt: Checkpoint, request: Request) -> Exported:
+    """Exports `ckpt` with the family [`registry`](..registry) names for its type."""
+    import importlib
+
+    from ..registry import family
+
+    fam = family(ckpt.type)
+    if ckpt.relative is not None and not fam.relative_actions:
         raise ExportError(
             f"{ckpt.path}: relative actions (relative_actions_processor) are exported for pi0 "
             f"and pi0.5, whose LeRobot processors apply them; {ckpt.type}'s do not"
         )
-    if ckpt.type == "groot":  # built from its base's config, not through load_policy
-        ramp = ckpt.config.get("rtc_ramp_rate")
-        exported = groot.export(ckpt, out, verbose, base, vlm)
-        return exported.with_rtc(ckpt.config, float(ramp) if ramp is not None else None)
-    policy = load_policy(ckpt)
-    if ckpt.type in ("pi0", "pi05"):
-        return pi0.export(ckpt, policy, out, verbose, tokenizer).with_rtc(ckpt.config)
-    if ckpt.type == "smolvla":
-        return smolvla.export(ckpt, policy, out, verbose).with_rtc(ckpt.config)
-    if ckpt.type == "act":
-        return act.export(ckpt, policy, out, verbose)
-    return diffusion.export(ckpt, policy, out, verbose)
+    entry: ExportFn = importlib.import_module(f"{__name__}.{fam.name}").export
+    return entry(ckpt, request)

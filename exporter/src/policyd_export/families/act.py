@@ -17,7 +17,7 @@ from torch import nn
 from .. import graphs
 from ..bindings import input_binding, output_binding
 from ..checkpoint import Checkpoint
-from . import OBS_ENV_STATE, OBS_STATE, Exported, FlatInputs, Signature, Table
+from . import OBS_ENV_STATE, OBS_STATE, Exported, FlatInputs, Request, Signature, Table, load_policy
 
 
 class Act(FlatInputs):
@@ -28,7 +28,7 @@ class Act(FlatInputs):
         self.model: Any = model  # a LeRobot module (untyped)
 
 
-def export(ckpt: Checkpoint, policy: Any, out: Path, verbose: bool) -> Exported:
+def _export(ckpt: Checkpoint, policy: Any, out: Path, verbose: bool) -> Exported:
     cfg = policy.config
     images = list(cfg.image_features)
     vectors = [f for f in ckpt.inputs if f.type in ("STATE", "ENV")]
@@ -72,3 +72,8 @@ def export(ckpt: Checkpoint, policy: Any, out: Path, verbose: bool) -> Exported:
     }
     # ACT in FP16 on Orin: 0.077 % RMSE against fp32 (docs/export.md).
     return Exported(config, [graph], manifest, {"model.onnx": ["--fp16"]})
+
+
+def export(ckpt: Checkpoint, request: Request) -> Exported:
+    """The family's entry ([`registry`](..registry)): ACT as one graph."""
+    return _export(ckpt, load_policy(ckpt), request.out, request.verbose)

@@ -24,7 +24,7 @@ from .. import graphs
 from ..bindings import input_binding, output_binding
 from ..checkpoint import Checkpoint
 from ..errors import ExportError
-from . import OBS_ENV_STATE, OBS_STATE, Exported, FlatInputs, Signature, Table
+from . import OBS_ENV_STATE, OBS_STATE, Exported, FlatInputs, Request, Signature, Table, load_policy
 
 
 class Encoder(FlatInputs):
@@ -79,7 +79,7 @@ def sampler(cfg: Any) -> dict[str, Any]:  # cfg: a LeRobot DiffusionConfig
     }
 
 
-def export(ckpt: Checkpoint, policy: Any, out: Path, verbose: bool) -> Exported:
+def _export(ckpt: Checkpoint, policy: Any, out: Path, verbose: bool) -> Exported:
     cfg = policy.config
     model = policy.diffusion
     n_obs = int(cfg.n_obs_steps)
@@ -150,3 +150,8 @@ def export(ckpt: Checkpoint, policy: Any, out: Path, verbose: bool) -> Exported:
     # The U-Net runs num_inference_steps times and its errors compound: fp32 by default.
     flags = {"encoder.onnx": ["--fp16"], "unet.onnx": []}
     return Exported(config, [encoder, unet], manifest, flags)
+
+
+def export(ckpt: Checkpoint, request: Request) -> Exported:
+    """The family's entry ([`registry`](..registry)): an encoder and a U-Net pipeline."""
+    return _export(ckpt, load_policy(ckpt), request.out, request.verbose)

@@ -45,7 +45,7 @@ from .. import graphs
 from ..checkpoint import Checkpoint
 from ..errors import ExportError, read_json
 from ..remote_code import check_dir, resolve
-from . import OBS_STATE, Exported, flow_pipeline, local_file
+from . import OBS_STATE, Exported, Request, flow_pipeline, local_file
 
 TOKENIZER_FILE = "tokenizer.json"
 #: Text tokens a prompt may take (the chat template's fixed tokens come on top).
@@ -636,7 +636,7 @@ def _action(post: Any, action_dim: int) -> tuple[dict[str, Any], int | None]:
     return keys, rows
 
 
-def export(
+def _export(
     ckpt: Checkpoint,
     out: Path,
     verbose: bool,
@@ -825,3 +825,11 @@ def export(
     # NVIDIA's deployment: BF16 engines, the vision tower in FP32 (it sits in the prefix here).
     exported.trt_flags = {"prefix.onnx": [], "step.onnx": ["--bf16"]}
     return exported
+
+
+def export(ckpt: Checkpoint, request: Request) -> Exported:
+    """The family's entry ([`registry`](..registry)): built from its base model's config (not
+    through `load_policy`), `[rtc]` from the checkpoint's config with its ramp rate."""
+    ramp = ckpt.config.get("rtc_ramp_rate")
+    exported = _export(ckpt, request.out, request.verbose, request.base, request.vlm)
+    return exported.with_rtc(ckpt.config, float(ramp) if ramp is not None else None)

@@ -34,7 +34,7 @@ from ..bindings import input_binding, output_binding, relative_actions
 from ..checkpoint import Checkpoint, Feature
 from ..errors import ExportError
 from ..remote_code import RemoteCodeRefused, check_dir
-from . import Exported, Table, lerobot_flow, local_file
+from . import Exported, Request, Table, lerobot_flow, load_policy, local_file
 
 OBS_STATE = "observation.state"
 TOKENIZER_FILE = "tokenizer.model"
@@ -271,7 +271,7 @@ def graphs(
     return g1, g2, prefix_out
 
 
-def export(
+def _export(
     ckpt: Checkpoint, policy: Any, out: Path, verbose: bool, tokenizer: Path | None = None
 ) -> Exported:
     cfg = policy.config
@@ -332,3 +332,11 @@ def export(
     return lerobot_flow(
         ckpt.type, cfg, steps, [g1, g2], prefix_out, inputs, output, tok.get("task_key", "task")
     )
+
+
+def export(ckpt: Checkpoint, request: Request) -> Exported:
+    """The family's entry ([`registry`](..registry)): pi0 and pi0.5 as flow pipelines,
+    `[rtc]` from the checkpoint's config."""
+    policy = load_policy(ckpt)
+    exported = _export(ckpt, policy, request.out, request.verbose, request.tokenizer)
+    return exported.with_rtc(ckpt.config)

@@ -33,7 +33,7 @@ from ..bindings import input_binding, output_binding
 from ..checkpoint import Checkpoint
 from ..errors import ExportError
 from ..remote_code import check_dir
-from . import OBS_STATE, Exported, lerobot_flow, local_file
+from . import OBS_STATE, Exported, Request, lerobot_flow, load_policy, local_file
 from .pi0 import Step  # the cache rebuilt from the stacked keys and values, `denoise_step`
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -101,7 +101,7 @@ def _tokenizer(ckpt: Checkpoint, vlm: str, out: Path) -> tuple[dict[str, Any], i
     return t, int(tok.pad_token_id or 0), None if bos is None else str(bos)
 
 
-def export(ckpt: Checkpoint, policy: Any, out: Path, verbose: bool) -> Exported:
+def _export(ckpt: Checkpoint, policy: Any, out: Path, verbose: bool) -> Exported:
     cfg = policy.config
     model = policy.model
     if cfg.adapt_to_pi_aloha:
@@ -164,3 +164,10 @@ def export(ckpt: Checkpoint, policy: Any, out: Path, verbose: bool) -> Exported:
     return lerobot_flow(
         "smolvla", cfg, steps, [g1, g2], prefix_out, inputs, output, tok.get("task_key", "task")
     )
+
+
+def export(ckpt: Checkpoint, request: Request) -> Exported:
+    """The family's entry ([`registry`](..registry)): a flow pipeline, `[rtc]` from the
+    checkpoint's config."""
+    exported = _export(ckpt, load_policy(ckpt), request.out, request.verbose)
+    return exported.with_rtc(ckpt.config)
