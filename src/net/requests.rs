@@ -242,7 +242,12 @@ impl Core {
             Option<&Link>,
         ) -> Result<RequestMeta, WireError>,
     {
-        let meta = match self.decode(&mut lease, decode) {
+        let slot = lease.slot();
+        // A run continues no chunk unless `observe` says which (`start_observe`).
+        *slot.continuation_mut().1 = None;
+        let (inputs, seen) = slot.inputs_mut();
+        let decoded = decode(&self.policy.plan, inputs, seen, self.planner.as_deref());
+        let meta = match self.decoded(decoded) {
             Ok(meta) => meta,
             Err(not) => return not,
         };
@@ -263,28 +268,15 @@ impl Core {
         }
     }
 
-    /// The request decoded into the slot's inputs; or what [`Core::start`] answers instead (it
+    /// The decoded request, if this core runs it; else what [`Core::start`] answers instead (it
     /// did not decode, or it names another policy).
-    fn decode<D>(&mut self, lease: &mut Lease, decode: D) -> Result<RequestMeta, Started>
-    where
-        D: FnOnce(
-            &Plan,
-            &mut [Box<dyn InputBuffer>],
-            &mut [bool],
-            Option<&Link>,
-        ) -> Result<RequestMeta, WireError>,
-    {
-        let slot = lease.slot();
-        // A run continues no chunk unless `observe` says which (`start_observe`).
-        *slot.continuation_mut().1 = None;
-        let (inputs, seen) = slot.inputs_mut();
-        let meta =
-            decode(&self.policy.plan, inputs, seen, self.planner.as_deref()).map_err(|e| {
-                if e.is_non_finite() {
-                    self.stats.metrics.non_finite_inputs.inc();
-                }
-                Started::Undecodable(e)
-            })?;
+    fn decoded(&self, decoded: Result<RequestMeta, WireError>) -> Result<RequestMeta, Started> {
+        let meta = decoded.map_err(|e| {
+            if e.is_non_finite() {
+                self.stats.metrics.non_finite_inputs.inc();
+            }
+            Started::Undecodable(e)
+        })?;
         match &meta.policy {
             Some(name) if name.as_str() != self.policy.name => {
                 Err(Started::OtherPolicy(name.clone()))

@@ -80,67 +80,7 @@ pub async fn serve(shared: Arc<Shared>, listener: TcpListener) {
     // Peers are checked as they connect: off the allow-list, or over lerobot.max_connections,
     // a connection is closed at once, counted, and logged at most once a second.
     let (conns, incoming) = mpsc::channel::<std::io::Result<GrpcConn>>(16);
-    let mut stop = shared.shutdown.clone();
-    let accept_shared = shared.clone();
-    let open = Arc::new(tokio::sync::Semaphore::new(cfg.max_connections));
-    let peers =
-        crate::net::peers::PeerShare::new(cfg.max_connections_per_peer, cfg.max_connections);
-    let accept = tokio::spawn(async move {
-        loop {
-            tokio::select! {
-                changed = stop.changed() => {
-                    if changed.is_err() || *stop.borrow() {
-                        break;
-                    }
-                }
-                accepted = listener.accept() => match accepted {
-                    Ok((stream, peer)) => {
-                        let metrics = &accept_shared.stats.metrics;
-                        if !allowed(&cfg, peer) {
-                            crate::warn_limited!(
-                                "lerobot: {peer} is not in lerobot.allow; connection refused"
-                            );
-                            metrics.lerobot_refused(Reason::Peer.label());
-                            continue;
-                        }
-                        let Some(peer_permit) = peers.try_acquire(peer.ip()) else {
-                            crate::warn_limited!(
-                                "lerobot: {peer} refused: this address holds its share of the \
-                                 connections (lerobot.max_connections_per_peer = {})",
-                                cfg.max_connections_per_peer
-                            );
-                            metrics.lerobot_refused(Reason::PeerShare.label());
-                            continue;
-                        };
-                        let Ok(permit) = open.clone().try_acquire_owned() else {
-                            crate::warn_limited!(
-                                "lerobot: {peer} refused: {} connections are open \
-                                 (lerobot.max_connections)",
-                                cfg.max_connections
-                            );
-                            metrics.lerobot_refused(Reason::Connections.label());
-                            continue;
-                        };
-                        let _ = stream.set_nodelay(true);
-                        let conn = GrpcConn::new(
-                            stream,
-                            peer,
-                            (permit, peer_permit),
-                            cfg.handshake_timeout,
-                            cfg.idle_timeout,
-                        );
-                        if conns.send(Ok(conn)).await.is_err() {
-                            break;
-                        }
-                    }
-                    Err(e) => {
-                        crate::warn_limited!("lerobot: accept failed: {e}");
-                        tokio::time::sleep(Duration::from_millis(50)).await;
-                    }
-                },
-            }
-        }
-    });
+    let accept = tokio::spawn(accept(shared.clone(), cfg, listener, conns));
     let mut stop = shared.shutdown.clone();
     let refusals = shared.clone();
     let result = tonic::transport::Server::builder()
@@ -171,6 +111,74 @@ pub async fn serve(shared: Arc<Shared>, listener: TcpListener) {
     }
     accept.abort();
     session.abort();
+}
+
+/// Accepts the service's connections until the server shuts down, handing tonic those that
+/// pass the allow-list, the per-address share and `lerobot.max_connections`.
+async fn accept(
+    shared: Arc<Shared>,
+    cfg: LerobotConfig,
+    listener: TcpListener,
+    conns: mpsc::Sender<std::io::Result<GrpcConn>>,
+) {
+    let mut stop = shared.shutdown.clone();
+    let open = Arc::new(tokio::sync::Semaphore::new(cfg.max_connections));
+    let peers =
+        crate::net::peers::PeerShare::new(cfg.max_connections_per_peer, cfg.max_connections);
+    loop {
+        tokio::select! {
+            changed = stop.changed() => {
+                if changed.is_err() || *stop.borrow() {
+                    break;
+                }
+            }
+            accepted = listener.accept() => match accepted {
+                Ok((stream, peer)) => {
+                    let metrics = &shared.stats.metrics;
+                    if !allowed(&cfg, peer) {
+                        crate::warn_limited!(
+                            "lerobot: {peer} is not in lerobot.allow; connection refused"
+                        );
+                        metrics.lerobot_refused(Reason::Peer.label());
+                        continue;
+                    }
+                    let Some(peer_permit) = peers.try_acquire(peer.ip()) else {
+                        crate::warn_limited!(
+                            "lerobot: {peer} refused: this address holds its share of the \
+                             connections (lerobot.max_connections_per_peer = {})",
+                            cfg.max_connections_per_peer
+                        );
+                        metrics.lerobot_refused(Reason::PeerShare.label());
+                        continue;
+                    };
+                    let Ok(permit) = open.clone().try_acquire_owned() else {
+                        crate::warn_limited!(
+                            "lerobot: {peer} refused: {} connections are open \
+                             (lerobot.max_connections)",
+                            cfg.max_connections
+                        );
+                        metrics.lerobot_refused(Reason::Connections.label());
+                        continue;
+                    };
+                    let _ = stream.set_nodelay(true);
+                    let conn = GrpcConn::new(
+                        stream,
+                        peer,
+                        (permit, peer_permit),
+                        cfg.handshake_timeout,
+                        cfg.idle_timeout,
+                    );
+                    if conns.send(Ok(conn)).await.is_err() {
+                        break;
+                    }
+                }
+                Err(e) => {
+                    crate::warn_limited!("lerobot: accept failed: {e}");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            },
+        }
+    }
 }
 
 /// Why the service refused a connection or a call: the `reason` label of
