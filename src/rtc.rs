@@ -206,6 +206,61 @@ impl Inpaint {
     }
 }
 
+/// One step's correction of the model's velocity, in the form the device loop's update
+/// kernel reads after the step's sampler coefficients (`update.ptx`, 12 bytes: the kind as a
+/// u32 — 0 plain, 1 guide, 2 scale — then `g` and `time` as float32s) and computes per
+/// element: what [`guide`] and the strengths compute on the host, in the same order.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum StepTerm {
+    Plain,
+    /// Guidance towards the leftover with weight `g` at flow time `time`.
+    Guide {
+        g: f32,
+        time: f32,
+    },
+    /// Each row's velocity times its strength (GR00T).
+    Scale,
+}
+
+impl StepTerm {
+    pub const BYTES: usize = 12;
+
+    pub fn write(&self, out: &mut [u8]) {
+        let (kind, g, time) = match *self {
+            StepTerm::Plain => (0u32, 0.0f32, 0.0f32),
+            StepTerm::Guide { g, time } => (1, g, time),
+            StepTerm::Scale => (2, 0.0, 0.0),
+        };
+        out[..4].copy_from_slice(&kind.to_le_bytes());
+        out[4..8].copy_from_slice(&g.to_le_bytes());
+        out[8..12].copy_from_slice(&time.to_le_bytes());
+    }
+
+    /// Reads what [`StepTerm::write`] wrote; an unknown kind reads as plain (as the kernel
+    /// treats it).
+    pub fn read(b: &[u8]) -> StepTerm {
+        let word = |at: usize| [b[at], b[at + 1], b[at + 2], b[at + 3]];
+        match u32::from_le_bytes(word(0)) {
+            1 => StepTerm::Guide {
+                g: f32::from_le_bytes(word(4)),
+                time: f32::from_le_bytes(word(8)),
+            },
+            2 => StepTerm::Scale,
+            _ => StepTerm::Plain,
+        }
+    }
+
+    /// One element's velocity `v`, with the sample `x`, the leftover `p` and its row's weight
+    /// or strength `w`: the kernel's arithmetic, each product and difference rounded apart.
+    pub fn apply(&self, v: f32, x: f32, p: f32, w: f32) -> f32 {
+        match *self {
+            StepTerm::Guide { g, time } if w != 0.0 => v - g * ((p - (x - time * v)) * w),
+            StepTerm::Scale if w != 1.0 => v * w,
+            _ => v,
+        }
+    }
+}
+
 /// `[rtc]`, resolved: how a policy's sampler continues the previous chunk.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Settings {
@@ -357,6 +412,31 @@ impl Loop {
                 inpaint.strengths(ramp_rate, &mut self.per_row);
                 self.active = true;
             }
+        }
+    }
+
+    /// Each row's guidance weight or velocity strength for the current run.
+    pub fn per_row(&self) -> &[f32] {
+        &self.per_row
+    }
+
+    /// The current run's correction at flow time `time`, as the device loop's update kernel
+    /// applies it (with [`Loop::per_row`] and the leftover): [`StepTerm::Plain`] when the run
+    /// is not guided.
+    pub fn step_term(&self, time: f32) -> StepTerm {
+        match (self.active, self.settings.method) {
+            (false, _) => StepTerm::Plain,
+            (
+                true,
+                Method::Guidance {
+                    max_guidance_weight,
+                    ..
+                },
+            ) => StepTerm::Guide {
+                g: guidance_weight(time, max_guidance_weight),
+                time,
+            },
+            (true, Method::Inpaint { .. }) => StepTerm::Scale,
         }
     }
 
@@ -647,6 +727,61 @@ mod tests {
         .strengths(6.0, &mut s);
         assert_eq!(v, [s[0], s[0], s[1], s[1], 1.0, 1.0, 1.0, 1.0]);
         assert_eq!(s[0], 0.0, "the delayed row is frozen");
+    }
+
+    /// The device kernel's form of a step (its record bytes, then per element with the row's
+    /// weight) gives the host loop's velocity to the bit, for guidance at several times (the
+    /// guidance weight capped at both ends) and for GR00T's strengths; an unguided run is plain.
+    #[test]
+    fn the_kernels_step_term_is_the_host_loops_velocity() {
+        let guided = Method::Guidance {
+            schedule: Schedule::Exp,
+            max_guidance_weight: 7.0,
+        };
+        let (rows, width) = (6, 3);
+        let prev: Vec<f32> = (0..rows * width)
+            .map(|k| {
+                if k < 4 * width {
+                    k as f32 * 0.37 - 2.0
+                } else {
+                    0.0
+                }
+            })
+            .collect();
+        for method in [guided, Method::Inpaint { ramp_rate: 6.0 }] {
+            let settings = Settings {
+                execution_horizon: 5,
+                inference_delay: None,
+                method,
+            };
+            let mut l = Loop::new(settings, rows, width);
+            let mut x: Vec<f32> = (0..rows * width)
+                .map(|k| (k % 7) as f32 * 0.3 - 1.0)
+                .collect();
+            l.start(None, &prev, &mut x);
+            assert_eq!(l.step_term(0.5), StepTerm::Plain);
+            l.start(Some(Request { rows: 4, delay: 2 }), &prev, &mut x);
+            for time in [1.0f32, 0.9, 0.5, 0.1, 0.0] {
+                let term = l.step_term(time);
+                let mut b = [0u8; StepTerm::BYTES];
+                term.write(&mut b);
+                let term = StepTerm::read(&b);
+                assert_ne!(term, StepTerm::Plain);
+                let v0: Vec<f32> = (0..rows * width)
+                    .map(|k| (k % 5) as f32 * 0.21 - 0.4)
+                    .collect();
+                let mut want = v0.clone();
+                l.velocity(time, &x, &prev, &mut want);
+                let got: Vec<f32> = (0..rows * width)
+                    .map(|k| term.apply(v0[k], x[k], prev[k], l.per_row()[k / width]))
+                    .collect();
+                assert_eq!(got, want, "{method:?} at {time}");
+                if time > 0.0 || matches!(method, Method::Inpaint { .. }) {
+                    // (Guidance's weight is 0 at time 0: LeRobot's NaN mapped to 0.)
+                    assert_ne!(got, v0, "{method:?} at {time}: the step is corrected");
+                }
+            }
+        }
     }
 
     /// GR00T's mapping (LeRobot's `_prepare_n1_7_rtc_inputs` and `get_action_with_features`):

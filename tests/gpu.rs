@@ -12,6 +12,7 @@
 use policyd::engine::tensorrt::device::{
     CudaDevice, Device, HostAlloc, Mark, UpdateArgs, driver_present,
 };
+use policyd::rtc::StepTerm;
 use policyd::sampler::{Betas, Diffusion, Kind, Prediction, Sampler, Update};
 
 const MIB: usize = 1 << 20;
@@ -158,7 +159,9 @@ fn samplers() -> Vec<Sampler> {
 
 /// The sampler's update kernel (`update.ptx`), JIT-compiled by this driver: for every
 /// sampler's coefficients it computes what `sampler::Update::apply` computes on the host,
-/// exactly; a non-finite model output lowers the flag to the step; and it runs from a graph.
+/// exactly, and with real-time chunking's terms (guidance, GR00T's strengths) what
+/// `rtc::StepTerm::apply` computes before it; a non-finite model output lowers the flag to
+/// the step; and it runs from a graph.
 #[test]
 #[ignore = "needs an NVIDIA GPU: cross/gpu-check"]
 fn the_update_kernel_computes_the_hosts_update_exactly() {
@@ -169,7 +172,10 @@ fn the_update_kernel_computes_the_hosts_update_exactly() {
     // More than one block of 256 threads, and not a multiple of it.
     let n = 1000usize;
     let (x_at, m_at, z_at, coef_at, flag_at) = (0, 4 * n, 8 * n, 12 * n, 12 * n + 64);
-    let total = flag_at + 4;
+    // RTC: the leftover, and rows of 7 values (the last one partial).
+    let width = 7usize;
+    let (prev_at, rows_at) = (flag_at + 64, flag_at + 64 + 4 * n);
+    let total = rows_at + 4 * n.div_ceil(width);
     let host = dev.alloc_host(total, false).unwrap();
     let d = dev.alloc_device(total).unwrap();
     // SAFETY: `host` is a live page-locked allocation of `total` bytes, used only between
@@ -185,17 +191,27 @@ fn the_update_kernel_computes_the_hosts_update_exactly() {
         flag: d + flag_at as u64,
         n: n as u32,
         step,
+        prev: d + prev_at as u64,
+        rows: d + rows_at as u64,
+        width: width as u32,
     };
-    let fill = |h: &mut [u8], u: &Update, salt: usize| {
+    let fill_rtc = |h: &mut [u8], u: &Update, term: StepTerm, salt: usize| {
         for k in 0..n {
             let v = |a: usize, b: usize| ((k * a + salt) % b) as f32 / b as f32 * 6.0 - 3.0;
             put(h, x_at + 4 * k, v(37, 101));
             put(h, m_at + 4 * k, v(53, 97));
             put(h, z_at + 4 * k, v(29, 89));
+            put(h, prev_at + 4 * k, v(31, 83));
+        }
+        // Weights in [0, 1] with exact zeros and ones among them.
+        for r in 0..n.div_ceil(width) {
+            put(h, rows_at + 4 * r, ((r * 5 + salt) % 9) as f32 / 8.0);
         }
         u.write(&mut h[coef_at..coef_at + Update::BYTES]);
+        term.write(&mut h[coef_at + Update::BYTES..coef_at + Update::BYTES + StepTerm::BYTES]);
         h[flag_at..flag_at + 4].copy_from_slice(&u32::MAX.to_le_bytes());
     };
+    let fill = |h: &mut [u8], u: &Update, salt: usize| fill_rtc(h, u, StepTerm::Plain, salt);
     let run = |step: u32| {
         // SAFETY: the buffers are live and `total` bytes; synchronised before the host reads.
         unsafe {
@@ -206,9 +222,11 @@ fn the_update_kernel_computes_the_hosts_update_exactly() {
         }
         dev.synchronize().expect("the update kernel ran");
     };
-    let check = |h: &[u8], before: &[f32], u: &Update, what: &str| {
+    let check_rtc = |h: &[u8], before: &[f32], u: &Update, term: StepTerm, what: &str| {
         for (k, &x) in before.iter().enumerate() {
-            let want = u.apply(x, f(h, m_at + 4 * k), f(h, z_at + 4 * k));
+            let w = f(h, rows_at + 4 * (k / width));
+            let m = term.apply(f(h, m_at + 4 * k), x, f(h, prev_at + 4 * k), w);
+            let want = u.apply(x, m, f(h, z_at + 4 * k));
             let got = f(h, x_at + 4 * k);
             assert!(
                 got == want || (got.is_nan() && want.is_nan()),
@@ -217,6 +235,9 @@ fn the_update_kernel_computes_the_hosts_update_exactly() {
                 want.to_bits()
             );
         }
+    };
+    let check = |h: &[u8], before: &[f32], u: &Update, what: &str| {
+        check_rtc(h, before, u, StepTerm::Plain, what)
     };
     for (si, s) in samplers().iter().enumerate() {
         for steps in [1, 10] {
@@ -233,6 +254,22 @@ fn the_update_kernel_computes_the_hosts_update_exactly() {
                 );
             }
         }
+    }
+    // Real-time chunking: guidance (the weight at both caps and between) and GR00T's strengths,
+    // on flow's update.
+    let flow = samplers()[0].clone();
+    let terms = [
+        StepTerm::Guide { g: 10.0, time: 1.0 },
+        StepTerm::Guide { g: 2.75, time: 0.4 },
+        StepTerm::Guide { g: 0.0, time: 0.0 },
+        StepTerm::Scale,
+    ];
+    for (ti, term) in terms.into_iter().enumerate() {
+        let u = flow.update(2, 10);
+        fill_rtc(h, &u, term, 50 + ti);
+        let before: Vec<f32> = (0..n).map(|k| f(h, x_at + 4 * k)).collect();
+        run(2);
+        check_rtc(h, &before, &u, term, &format!("{term:?}"));
     }
     // A NaN and an infinity in the model's output: the flag holds the lowest step.
     let u = samplers()[1].update(3, 10);

@@ -59,8 +59,10 @@ pub enum Mark {
 
 /// One launch of the sampler's update kernel (`update.ptx`): the sample `x` (updated in place),
 /// the step graph's output `m`, the step's noise (0 when it draws none), its ten coefficients
-/// (`sampler::Update`), the word that records the first step whose output was not finite, the
-/// element count and the step's index.
+/// (`sampler::Update`, then the step's `rtc::StepTerm`), the word that records the first step
+/// whose output was not finite, the element count and the step's index; for real-time
+/// chunking, the leftover (`n` values), one weight or strength per row, and the row width
+/// (`prev` and `rows` are read only when the step's term asks: 0 without `[rtc]`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct UpdateArgs {
     pub x: DevicePtr,
@@ -70,7 +72,13 @@ pub struct UpdateArgs {
     pub flag: DevicePtr,
     pub n: u32,
     pub step: u32,
+    pub prev: DevicePtr,
+    pub rows: DevicePtr,
+    pub width: u32,
 }
+
+/// Bytes of a step's record the kernel reads: the coefficients, then the RTC term.
+pub const UPDATE_RECORD: usize = crate::sampler::Update::BYTES + crate::rtc::StepTerm::BYTES;
 
 /// The PTX of the update kernel and its entry point.
 pub const UPDATE_PTX: &str = include_str!("update.ptx");
@@ -391,20 +399,22 @@ mod cuda {
         }
 
         unsafe fn launch_update(&self, kernel: Kernel, a: &UpdateArgs) -> Result<(), GpuError> {
-            let (mut x, mut m, mut noise, mut coef, mut flag, mut n, mut step) =
-                (a.x, a.m, a.noise, a.coef, a.flag, a.n, a.step);
-            let mut params: [*mut c_void; 7] = [
-                (&raw mut x).cast(),
-                (&raw mut m).cast(),
-                (&raw mut noise).cast(),
-                (&raw mut coef).cast(),
-                (&raw mut flag).cast(),
-                (&raw mut n).cast(),
-                (&raw mut step).cast(),
+            let mut a = *a;
+            let mut params: [*mut c_void; 10] = [
+                (&raw mut a.x).cast(),
+                (&raw mut a.m).cast(),
+                (&raw mut a.noise).cast(),
+                (&raw mut a.coef).cast(),
+                (&raw mut a.flag).cast(),
+                (&raw mut a.n).cast(),
+                (&raw mut a.step).cast(),
+                (&raw mut a.prev).cast(),
+                (&raw mut a.rows).cast(),
+                (&raw mut a.width).cast(),
             ];
             let blocks = a.n.div_ceil(UPDATE_BLOCK).max(1);
-            // SAFETY: the parameters match the kernel's (.u64 ×5, .u32 ×2) and are read
-            // during the call; the caller guarantees the addresses.
+            // SAFETY: the parameters match the kernel's (.u64 ×5, .u32 ×2, .u64 ×2, .u32), in
+            // its order, and are read during the call; the caller guarantees the addresses.
             unsafe {
                 result::launch_kernel(
                     kernel.function as sys::CUfunction,

@@ -14,13 +14,14 @@
 
 use std::sync::Arc;
 
-use super::device::{Device, DevicePtr, Graph, Kernel, Mark, UpdateArgs};
+use super::device::{Device, DevicePtr, Graph, Kernel, Mark, UPDATE_RECORD, UpdateArgs};
 use super::{Pinned, TensorRtEngine, load_err, run_err};
 use crate::config::PipelineConfig;
 use crate::dtype::ElemType;
 use crate::engine::pipeline::{Pipeline, Wiring, not_finite};
+use crate::engine::{Continuation, Sampling, Stages};
 use crate::engine::{Engine, EngineError, InputBuffer, IoSpec, RunStats};
-use crate::engine::{Sampling, Stages};
+use crate::rtc::StepTerm;
 use crate::sampler::{Noise, Update};
 use crate::transform::fill_bytes;
 
@@ -30,9 +31,11 @@ pub const MAX_LOOP_GRAPHS: usize = 8;
 
 /// TensorRT's alignment for tensor addresses, used for every buffer in the block.
 const ALIGN: usize = 256;
-/// One step's record in the block: its [`Update`] (40 bytes), then its time at [`TIME_AT`].
+/// One step's record in the block: its [`Update`] (40 bytes) and its [`StepTerm`] (12
+/// bytes), what the kernel reads; then its time (up to 8 bytes) at [`TIME_AT`].
 const RECORD: usize = 64;
-const TIME_AT: usize = 48;
+const TIME_AT: usize = 56;
+const _: () = assert!(UPDATE_RECORD <= TIME_AT && TIME_AT + 8 <= RECORD);
 
 /// Where each buffer sits in the loop's block: device memory, mirrored byte for byte by
 /// page-locked host memory that the host fills and the copies read and write.
@@ -46,6 +49,10 @@ struct Layout {
     time: usize,
     /// The first step whose output was not finite (`u32::MAX`: none).
     flag: usize,
+    /// `[rtc]`: the leftover (the sample's size) and one weight or strength per row; empty
+    /// without it.
+    prev: usize,
+    rows: usize,
     /// `max_steps` step records.
     records: usize,
     /// `max_steps` × n noise values, when the sampler draws noise per step.
@@ -54,12 +61,17 @@ struct Layout {
 }
 
 impl Layout {
-    fn new(n: usize, max_steps: usize, noisy: bool) -> Layout {
+    /// `rtc_rows`: the sample's rows with `[rtc]`, else 0.
+    fn new(n: usize, max_steps: usize, noisy: bool, rtc_rows: usize) -> Layout {
         let up = |v: usize| v.div_ceil(ALIGN) * ALIGN;
         let dt = up(4 * n);
         let time = dt + ALIGN;
         let flag = time + ALIGN;
-        let records = flag + ALIGN;
+        let prev = flag + ALIGN;
+        let (rows, records) = match rtc_rows {
+            0 => (prev, prev),
+            r => (prev + up(4 * n), prev + up(4 * n) + up(4 * r)),
+        };
         let noise = up(records + RECORD * max_steps);
         let bytes = noise + if noisy { 4 * n * max_steps } else { 0 };
         Layout {
@@ -67,6 +79,8 @@ impl Layout {
             dt,
             time,
             flag,
+            prev,
+            rows,
             records,
             noise,
             bytes,
@@ -103,6 +117,8 @@ pub struct DeviceLoop {
     host: Pinned,
     /// The step-graph output the update reads.
     m: DevicePtr,
+    /// `[rtc]`'s per-row values, and the initial sample as floats for GR00T's inpainting.
+    rtc: Option<(crate::rtc::Loop, Vec<f32>)>,
     use_graphs: bool,
     graphs_failed: bool,
     graphs: heapless::Vec<(usize, Graph), MAX_LOOP_GRAPHS>,
@@ -127,19 +143,6 @@ pub fn build(
              (rebuild the plan with --outputIOFormats=fp32:chw to keep it on the device)",
             cfg.output,
             w.out_type
-        );
-        return Ok(Box::new(Pipeline::new(
-            Box::new(prefix),
-            Box::new(denoise),
-            cfg,
-        )?));
-    }
-    if cfg.rtc.is_some() {
-        // The device loop's update kernel has no guidance term yet: with [rtc] the loop runs
-        // on the host (both plans still on the device), copying the sample every step.
-        log::info!(
-            "tensorrt: [rtc] is on, and the device loop's update has no guidance yet: the \
-             sampler's loop runs on the host, copying the sample every step"
         );
         return Ok(Box::new(Pipeline::new(
             Box::new(prefix),
@@ -180,7 +183,13 @@ impl DeviceLoop {
             return Err(err("the step graph", &"is not on the prefix's device"));
         }
         prefix.keep_outputs_on_device();
-        let layout = Layout::new(w.n, w.max_steps, w.noisy);
+        let rtc = w.rtc_loop().map(|l| (l, vec![0.0; w.n]));
+        let layout = Layout::new(
+            w.n,
+            w.max_steps,
+            w.noisy,
+            rtc.as_ref().map_or(0, |r| r.0.rows),
+        );
         let kernel = device
             .load_update()
             .map_err(|e| err("the sampler's update kernel (update.ptx)", &e))?;
@@ -206,6 +215,7 @@ impl DeviceLoop {
         };
         let mut this = DeviceLoop {
             m: denoise.output_address(w.out),
+            rtc,
             use_graphs: prefix.graphs_enabled(),
             denoise,
             prefix,
@@ -256,10 +266,16 @@ impl DeviceLoop {
 
 impl DeviceLoop {
     /// Writes a request's part of the block on the host: the initial sample (drawn from
-    /// `seed`, or the injected noise), `dt`, the flag, every step's record and noise. The draws
-    /// come in the host loop's order (the sample, then each noisy step's values), so a seed
-    /// gives the same noise on both.
-    fn fill(&mut self, steps: usize, seed: u64, injected: &mut [Box<dyn InputBuffer>]) {
+    /// `seed`, or the injected noise), `dt`, the flag, with `[rtc]` the leftover and its rows'
+    /// weights, every step's record and noise. The draws come in the host loop's order (the
+    /// sample, then each noisy step's values), so a seed gives the same noise on both.
+    fn fill(
+        &mut self,
+        steps: usize,
+        seed: u64,
+        injected: &mut [Box<dyn InputBuffer>],
+        continues: Option<Continuation<'_>>,
+    ) {
         let (l, w, n) = (self.layout, &self.w, self.w.n);
         let h = self.host.bytes_mut();
         let mut noise = Noise::new(seed);
@@ -280,6 +296,25 @@ impl DeviceLoop {
             fill_bytes(ty, w.sampler.dt(steps), &mut h[l.dt..l.dt + ty.size()]);
         }
         h[l.flag..l.flag + 4].copy_from_slice(&u32::MAX.to_le_bytes());
+        if let Some((lp, x)) = self.rtc.as_mut() {
+            // As the host loop starts: the weights, or the leftover inpainted into the sample.
+            let get =
+                |h: &[u8], at: usize| f32::from_le_bytes([h[at], h[at + 1], h[at + 2], h[at + 3]]);
+            for (k, v) in x.iter_mut().enumerate() {
+                *v = get(h, l.x + 4 * k);
+            }
+            let leftover = continues.map_or(&[][..], |c| c.leftover);
+            lp.start(continues.map(|c| c.request), leftover, x);
+            for (k, v) in x.iter().enumerate() {
+                put(h, l.x + 4 * k, *v);
+            }
+            for (k, v) in lp.per_row().iter().enumerate() {
+                put(h, l.rows + 4 * k, *v);
+            }
+            for k in 0..n {
+                put(h, l.prev + 4 * k, leftover.get(k).copied().unwrap_or(0.0));
+            }
+        }
         let time_bytes = w.time_type.size();
         for (i, time) in w.sampler.times(steps).enumerate() {
             let r = l.record(i);
@@ -288,6 +323,11 @@ impl DeviceLoop {
                 None => w.sampler.update(i, steps),
             };
             u.write(&mut h[r..r + Update::BYTES]);
+            let term = match &self.rtc {
+                Some((lp, _)) => lp.step_term(time.value() as f32),
+                None => StepTerm::Plain,
+            };
+            term.write(&mut h[r + Update::BYTES..r + UPDATE_RECORD]);
             fill_bytes(
                 w.time_type,
                 time.value(),
@@ -350,6 +390,9 @@ impl DeviceLoop {
                 flag: at(l.flag),
                 n: n as u32,
                 step: i as u32,
+                prev: if self.rtc.is_some() { at(l.prev) } else { 0 },
+                rows: if self.rtc.is_some() { at(l.rows) } else { 0 },
+                width: self.rtc.as_ref().map_or(1, |r| r.0.width as u32),
             };
             // SAFETY: as above; `m` is the step graph's output, `n` float32s.
             unsafe { self.device.launch_update(self.kernel, &args) }
@@ -451,8 +494,7 @@ impl Engine for DeviceLoop {
         outputs: &mut [Vec<u8>],
         _reset: bool,
         sampling: Sampling,
-        // `build` keeps [rtc] policies on the host loop: none comes here.
-        _continues: Option<crate::engine::Continuation<'_>>,
+        continues: Option<Continuation<'_>>,
     ) -> Result<RunStats, EngineError> {
         let steps = self.w.steps_for(sampling);
         let n = self.w.n;
@@ -467,7 +509,7 @@ impl Engine for DeviceLoop {
         let slot = self.prefix.prepare(prefix_in)?;
         // Before `fill`: a failed capture runs a throwaway loop through the mirror.
         let graph = self.graph(steps);
-        self.fill(steps, sampling.seed, extra);
+        self.fill(steps, sampling.seed, extra, continues);
         let event = |e| run_err("event", e);
         self.device.mark(Mark::Start).map_err(event)?;
         self.prefix.queue(slot)?;
@@ -711,6 +753,92 @@ tensor = "x"
                 assert_eq!(dev.live_graphs(), 0);
                 assert_eq!(*dev.modules.lock().unwrap(), 0, "the kernel unloaded");
             }
+        }
+    }
+
+    /// `[rtc]` on the device: guidance (two schedules) and GR00T's inpainting give the host
+    /// loop's actions to the bit, plain and replayed as graphs, for leftovers of several
+    /// lengths and delays (the delay past the horizon, 0, a leftover shorter than the
+    /// horizon), and a request with no leftover is the unguided chunk; nothing allocates.
+    #[test]
+    fn real_time_chunking_runs_in_the_device_loop() {
+        let guided = |schedule: &str| {
+            format!(
+                "{FLOW}\n[rtc]\nexecution_horizon = 8\nprefix_attention_schedule = \"{schedule}\"\nmax_guidance_weight = 4.0"
+            )
+        };
+        let groot = format!("{FLOW}\nflow_time = \"groot\"\n[rtc]\nexecution_horizon = 6");
+        let n = 70;
+        for sampler in [guided("linear"), guided("exp"), groot] {
+            let p = pipeline(&sampler);
+            assert!(p.rtc.is_some(), "{sampler}");
+            let mut host = host_loop(STEP, &p);
+            let mut host_in = host.alloc_inputs().unwrap();
+            let (dev, mut dl) = device_loop(STEP, &p, &opts(true, ZeroCopy::Off));
+            let plain = pipeline(sampler.split("\n[rtc]").next().unwrap());
+            let (_, mut unguided) = device_loop(STEP, &plain, &opts(true, ZeroCopy::Off));
+            let mut plain_in = unguided.alloc_inputs().unwrap();
+            let mut a = dl.alloc_inputs().unwrap();
+            let mut leftover = vec![0.0f32; n];
+            let chunk = |e: &mut dyn Engine,
+                             inputs: &mut [Box<dyn InputBuffer>],
+                             leftover: &[f32],
+                             request: Option<crate::rtc::Request>| {
+                inputs[0].bytes_mut()[..4].copy_from_slice(&0.3f32.to_ne_bytes());
+                let mut out = vec![vec![0u8; 4 * n]];
+                let continues = request.map(|request| Continuation { leftover, request });
+                let sampling = Sampling { seed: 11, steps: 5 };
+                e.run_sampled(inputs, &mut out, false, sampling, continues)
+                    .unwrap();
+                out[0]
+                    .chunks_exact(4)
+                    .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+                    .collect::<Vec<f32>>()
+            };
+            let none = chunk(&mut unguided, &mut plain_in, &leftover, None);
+            // (valid rows of the leftover, delay)
+            for (r, (rows, delay)) in [(8, 2), (8, 0), (3, 1), (8, 9), (0, 0), (5, 3)]
+                .into_iter()
+                .enumerate()
+            {
+                leftover.fill(0.0);
+                for (k, v) in leftover[..rows * 7].iter_mut().enumerate() {
+                    *v = ((k * 13 + r) % 17) as f32 / 8.0 - 1.0;
+                }
+                let request = Some(crate::rtc::Request { rows, delay });
+                let got = chunk(&mut dl, &mut a, &leftover, request);
+                let want = chunk(&mut host, &mut host_in, &leftover, request);
+                assert_eq!(got, want, "{sampler}: rows {rows}, delay {delay}");
+                if rows == 0 {
+                    assert_eq!(got, none, "{sampler}: no leftover, no RTC");
+                } else {
+                    assert_ne!(got, none, "{sampler}: rows {rows}, delay {delay}: guided");
+                }
+                assert_eq!(chunk(&mut dl, &mut a, &leftover, None), none, "{sampler}");
+            }
+            assert!(dl.counts.graph > 0, "replayed as a graph");
+            let mut out = vec![vec![0u8; 4 * n]];
+            let before = standin::allocations();
+            for r in 0..50 {
+                let request = crate::rtc::Request {
+                    rows: 1 + r % 8,
+                    delay: r % 3,
+                };
+                let continues = Some(Continuation {
+                    leftover: &leftover,
+                    request,
+                });
+                let sampling = Sampling {
+                    seed: r as u64,
+                    steps: 5,
+                };
+                dl.run_sampled(&mut a, &mut out, false, sampling, continues)
+                    .unwrap();
+            }
+            assert_eq!(standin::allocations() - before, 0, "{sampler}: allocations");
+            drop(a);
+            drop(dl);
+            assert_eq!(dev.live(), 0, "everything freed");
         }
     }
 

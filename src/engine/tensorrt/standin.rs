@@ -206,7 +206,7 @@ impl HostDevice {
             }
             Op::Update(a) => {
                 *self.updates.lock().unwrap() += 1;
-                let (n, u) = (a.n as usize, crate::sampler::Update::BYTES);
+                let (n, u) = (a.n as usize, super::device::UPDATE_RECORD);
                 self.check_live(a.x as usize, 4 * n, "update x");
                 self.check_live(a.m as usize, 4 * n, "update m");
                 self.check_live(a.coef as usize, u, "update coefficients");
@@ -220,17 +220,39 @@ impl HostDevice {
                         &mut *(a.flag as *mut u32),
                     )
                 };
+                let term = crate::rtc::StepTerm::read(&coef[crate::sampler::Update::BYTES..]);
                 let coef = crate::sampler::Update::read(coef);
                 let noise = (coef.s != 0.0).then(|| {
                     self.check_live(a.noise as usize, 4 * n, "update noise");
                     // SAFETY: checked just above.
                     unsafe { std::slice::from_raw_parts(a.noise as *const f32, n) }
                 });
+                // The RTC inputs, read as the kernel reads them: only for a guided step.
+                let rtc = (term != crate::rtc::StepTerm::Plain).then(|| {
+                    let width = a.width as usize;
+                    assert!(width > 0, "update width");
+                    self.check_live(a.prev as usize, 4 * n, "update leftover");
+                    self.check_live(a.rows as usize, 4 * n.div_ceil(width), "update rows");
+                    // SAFETY: checked just above.
+                    unsafe {
+                        (
+                            std::slice::from_raw_parts(a.prev as *const f32, n),
+                            std::slice::from_raw_parts(a.rows as *const f32, n.div_ceil(width)),
+                            width,
+                        )
+                    }
+                });
                 for k in 0..n {
                     if !m[k].is_finite() {
                         *flag = (*flag).min(a.step);
                     }
-                    x[k] = coef.apply(x[k], m[k], noise.map_or(0.0, |z| z[k]));
+                    let m = match rtc {
+                        Some((prev, rows, width)) => {
+                            term.apply(m[k], x[k], prev[k], rows[k / width])
+                        }
+                        None => m[k],
+                    };
+                    x[k] = coef.apply(x[k], m, noise.map_or(0.0, |z| z[k]));
                 }
             }
         }
