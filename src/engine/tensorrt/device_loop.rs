@@ -553,12 +553,17 @@ impl Engine for DeviceLoop {
         lines.extend(self.denoise.working_memory());
         lines.push((
             format!(
-                "tensorrt     sampler loop: sample ({} values), step records ({} steps){}; on \
-                 the device and page-locked",
+                "tensorrt     sampler loop: sample ({} values), step records ({} steps){}{}; \
+                 on the device and page-locked",
                 self.w.n,
                 self.w.max_steps,
                 if self.w.noisy {
                     ", noise for every step"
+                } else {
+                    ""
+                },
+                if self.rtc.is_some() {
+                    ", the RTC leftover and row weights"
                 } else {
                     ""
                 }
@@ -781,9 +786,9 @@ tensor = "x"
             let mut a = dl.alloc_inputs().unwrap();
             let mut leftover = vec![0.0f32; n];
             let chunk = |e: &mut dyn Engine,
-                             inputs: &mut [Box<dyn InputBuffer>],
-                             leftover: &[f32],
-                             request: Option<crate::rtc::Request>| {
+                         inputs: &mut [Box<dyn InputBuffer>],
+                         leftover: &[f32],
+                         request: Option<crate::rtc::Request>| {
                 inputs[0].bytes_mut()[..4].copy_from_slice(&0.3f32.to_ne_bytes());
                 let mut out = vec![vec![0u8; 4 * n]];
                 let continues = request.map(|request| Continuation { leftover, request });
