@@ -1,6 +1,6 @@
 //! How do a frame's values reach the engine, and the engine's outputs the reply? The bindings
 //! of one policy, checked against its engine's real inputs and outputs and compiled once
-//! (`compile.rs`): the request path then makes no decisions. It looks up a key and applies a
+//! (`compile/`): the request path then makes no decisions. It looks up a key and applies a
 //! precompiled transform into a preallocated slot buffer (`input.rs`), and cuts and converts
 //! outputs into the reply (`output.rs`), which the dialect frames.
 //!

@@ -1,6 +1,10 @@
 //! `[auth]` and `[tls]`: the API keys a client must present and the certificate it is served with.
 
-use super::*;
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+use super::{ConfigError, invalid, path};
 
 /// `[auth]`: who may open a WebSocket. With no key configured, anyone on the network can.
 #[derive(Clone, Deserialize)]

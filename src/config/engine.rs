@@ -1,6 +1,11 @@
 //! `[engine]`: which backend runs the model, where the model is, and the backend's options.
 
-use super::*;
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+use super::{ConfigError, Keys, path};
+use crate::limits::MAX_SLOTS;
 
 /// `[engine]`: which backend runs which model.
 #[derive(Clone, Deserialize)]

@@ -1,7 +1,9 @@
 //! `[lerobot]`: LeRobot's gRPC service, its caps and deadlines, and the `[[lerobot.serve]]`
 //! names a `robot_client` may ask for.
 
-use super::*;
+use serde::Deserialize;
+
+use super::{ConfigError, Keys, PolicySpec, invalid};
 
 /// `[lerobot]`: LeRobot's `AsyncInference` gRPC service for its unmodified `robot_client`
 /// (see docs/lerobot.md). Plaintext and unauthenticated like LeRobot's own server, so it is off

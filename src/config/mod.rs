@@ -2,10 +2,12 @@
 //! every closed set an enum, every path absolute against the file's folder, one
 //! [`PolicySpec`] per policy. One file per section holds that section's raw form (its TOML
 //! shape, deserialized with `deny_unknown_fields` and the documented defaults), its checks and
-//! its resolved type: `server.rs`, `access.rs` (`[auth]`, `[tls]`), `engine.rs`,
-//! `bindings.rs` (`[[inputs]]`, `[[outputs]]`), `pacing.rs`, `pipeline.rs` (`[denoise]`,
-//! `[sampler]`), `rtc.rs` (`[rtc]`), `planner.rs`, `lerobot.rs`; `policies.rs` assembles them (the `[[policies]]`
-//! list) and `raw.rs` is the file's top level. A new key touches its section's file only.
+//! its resolved type: `server.rs`, `access.rs` (`[auth]`, `[tls]`), `engine.rs`, `bindings/`
+//! (`[[inputs]]`, one file per facet of a binding, and `[[outputs]]`), `pacing.rs`,
+//! `pipeline.rs` (`[denoise]`, `[sampler]`), `rtc.rs` (`[rtc]`), `planner.rs`, `lerobot.rs`;
+//! `policies.rs` assembles them (the `[[policies]]` list) and `raw.rs` is the file's top
+//! level. A new key touches its section's file (for a binding, its facet's) and `raw.rs`'s
+//! table if the key is new to the file; each file names what it uses from the others.
 //! Parsing reads the config file and nothing else: key files, certificates and models are
 //! opened by the layers that use them ([`crate::net`], [`crate::planner`], [`crate::policy`]).
 //! Checks against the engine's real inputs and outputs are [`crate::bind`]'s.
@@ -24,15 +26,7 @@ mod server;
 
 use std::path::{Path, PathBuf};
 
-use serde::Deserialize;
-
-use crate::dtype::ElemType;
-use crate::limits::{
-    MAX_ELEMENTS, MAX_LATENCY_WINDOW, MAX_PATH, MAX_POLICIES, MAX_POLICY_NAME,
-    MAX_SIMILARITY_STATE, MAX_SLOTS, element_count,
-};
-use crate::protocol::RESERVED_KEYS;
-use crate::protocol::dialect::ResetReply;
+use crate::limits::{MAX_ELEMENTS, element_count};
 
 pub use access::{AuthConfig, Secret, TlsConfig};
 pub use bindings::{InputConfig, InputKind, Layout, OutputConfig, RelativeConfig, TokenizerConfig};
@@ -42,18 +36,6 @@ pub use pacing::PacingConfig;
 pub use pipeline::PipelineConfig;
 pub use planner::{DEFAULT_PLANNER_PROMPT, PlannerConfig, Precedence, check_url};
 pub use server::ServerConfig;
-// The sections' raw forms and checks, for one another (each section file reads `super::*`).
-use access::*;
-use bindings::*;
-use engine::*;
-use lerobot::*;
-use pacing::*;
-use pipeline::*;
-use planner::*;
-use policies::*;
-use raw::*;
-use rtc::*;
-use server::*;
 
 /// A configuration error. The message names the config key and what to fix.
 #[derive(Debug, thiserror::Error)]
@@ -142,7 +124,7 @@ impl Config {
             path: origin.to_string(),
             message: e.to_string(),
         })?;
-        resolve(raw, base)
+        policies::resolve(raw, base)
     }
 
     /// The policy served to clients that name none.
@@ -276,6 +258,8 @@ fn elements(cx: &Keys, key: &str, shape: &[usize]) -> Result<usize, ConfigError>
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::dtype::ElemType;
+    use crate::protocol::dialect::ResetReply;
 
     const MIN: &str = r#"
 [engine]

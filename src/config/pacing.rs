@@ -1,6 +1,9 @@
 //! `[pacing]`: the latency budget, timed actions and the `observe` filters.
 
-use super::*;
+use serde::Deserialize;
+
+use super::{ConfigError, InputConfig, Keys};
+use crate::limits::{MAX_LATENCY_WINDOW, MAX_SIMILARITY_STATE, element_count};
 
 /// `[pacing]`: the latency budget, timed actions and the `observe` filters.
 #[derive(Clone, Debug, PartialEq, Deserialize)]

@@ -1,6 +1,10 @@
 //! `[denoise]` and `[sampler]`: a flow or diffusion policy's step graph and its sampler.
 
-use super::*;
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+use super::{ConfigError, Keys, ModelSource, path};
 
 /// `[denoise]`: the step graph of a pipeline (an action expert, a denoising U-Net), on
 /// `[engine]`'s backend.

@@ -1,7 +1,11 @@
 //! `[planner]`: the task planner (a VLM behind an OpenAI-compatible endpoint) that feeds the
 //! default policy its subtask.
 
-use super::*;
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+use super::{ConfigError, Keys, Secret, path};
 
 /// `[planner]`: a vision-language model behind an OpenAI-compatible chat-completions API that
 /// names the policy's next subtask from the instruction and the current camera view. Off by

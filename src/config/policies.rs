@@ -1,7 +1,20 @@
 //! How the file becomes a [`Config`]: the `[[policies]]` list, and each policy's sections
 //! checked in turn, every error naming its key through the section's [`Keys`].
 
-use super::*;
+use std::path::Path;
+
+use super::access::{auth, tls};
+use super::bindings::{RawInput, RawOutput, inputs, outputs};
+use super::engine::{RawEngine, engine};
+use super::lerobot::lerobot;
+use super::pacing::{PacingConfig, pacing};
+use super::pipeline::{RawDenoise, RawSampler, pipeline};
+use super::planner::planner;
+use super::raw::RawConfig;
+use super::rtc::{RawRtc, rtc};
+use super::server::server;
+use super::{Config, ConfigError, Keys, PolicySpec, check_metadata, invalid};
+use crate::limits::{MAX_POLICIES, MAX_POLICY_NAME};
 
 /// Checks and resolves a parsed file; `base` is its folder (paths are relative to it).
 pub(super) fn resolve(raw: RawConfig, base: Option<&Path>) -> Result<Config, ConfigError> {

@@ -3,7 +3,17 @@
 //! before any value is checked. Private to `config`: closed sets are still strings here, so
 //! that the checks can name the key of a bad value; paths are still relative to the file.
 
-use super::*;
+use serde::Deserialize;
+
+use super::access::{RawAuth, RawTls};
+use super::bindings::{RawInput, RawOutput};
+use super::engine::RawEngine;
+use super::lerobot::RawLerobot;
+use super::pacing::PacingConfig;
+use super::pipeline::{RawDenoise, RawSampler};
+use super::planner::RawPlanner;
+use super::rtc::RawRtc;
+use super::server::RawServer;
 
 /// The whole configuration file.
 #[derive(Clone, Deserialize)]

@@ -1,7 +1,9 @@
 //! `[rtc]`: real-time chunking, how a flow policy's new chunk continues the one the robot is
 //! executing (LeRobot's `RTCConfig`, and GR00T N1.7's own keys).
 
-use super::*;
+use serde::Deserialize;
+
+use super::{ConfigError, Keys, PipelineConfig};
 use crate::rtc::{Method, Schedule, Settings};
 use crate::sampler::{FlowTime, Kind};
 
@@ -154,7 +156,10 @@ fn guidance(cx: &Keys, r: &RawRtc) -> Result<Method, ConfigError> {
 
 #[cfg(test)]
 mod tests {
+    use std::path::Path;
+
     use super::*;
+    use crate::config::Config;
 
     fn config(sampler: &str, rtc: &str, outputs: &str) -> Result<Config, ConfigError> {
         let text = format!(

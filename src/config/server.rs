@@ -1,6 +1,9 @@
 //! `[server]`: where policyd listens and what one connection, session and message may hold.
 
-use super::*;
+use serde::Deserialize;
+
+use super::{ConfigError, Keys};
+use crate::protocol::dialect::ResetReply;
 
 /// `[server]`: the listener and per-connection limits.
 #[derive(Clone, Deserialize)]

@@ -486,7 +486,7 @@ async fn non_finite_state_is_refused_in_both_dialects_and_counted() {
 async fn non_finite_state_is_served_where_the_binding_allows_it() {
     let srv = start(|c| {
         for p in &mut c.policies {
-            p.inputs[0].allow_non_finite = true;
+            p.inputs[0].norm.allow_non_finite = true;
         }
     })
     .await;
