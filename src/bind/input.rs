@@ -6,7 +6,7 @@ use super::{InputBinding, Plan, PlannerTap};
 use crate::dtype::{ByteOrder, ElemType, WireDType};
 use crate::engine::InputBuffer;
 use crate::planner::Link;
-use crate::protocol::{self, Value, Visitor, WireError};
+use crate::protocol::{self, ArrayView, Value, Visitor, WireError};
 use crate::transform::{all_finite, load_f64, load_f64_ordered};
 
 impl Plan {
@@ -223,84 +223,59 @@ impl Visitor for SlotWriter<'_> {
         if std::mem::replace(&mut self.seen[i], true) {
             return Err(WireError::DuplicateKey { key: b.key.clone() });
         }
-        let expected_types = || {
-            b.accepted
-                .iter()
-                .map(|(t, _)| t.name())
-                .collect::<Vec<_>>()
-                .join(" or ")
-        };
-        let a = match value {
-            Value::Array(a) if b.text => {
-                return Err(WireError::ExpectedText {
-                    key: b.key.clone(),
-                    got: dtype_name(a.declared),
-                });
-            }
-            Value::Text { dtype, data } if b.text => {
-                write_text(b, dtype, data, self.bufs[b.index].bytes_mut())?;
-                if let Some((tap, link)) = self.tap
-                    && tap.prompt == i
-                    && link.planner_first
-                {
-                    // The client's prompt is the planner's instruction (valid UTF-8 by now).
-                    match dtype {
-                        None | Some(WireDType::Bytes(_)) => {
-                            let end = data.iter().rposition(|&c| c != 0).map_or(0, |e| e + 1);
-                            link.client_instruction(&data[..end]);
-                        }
-                        // UTF-32: re-read as the UTF-8 bytes just written (rare; allocates).
-                        Some(_) => {
-                            let buf = self.bufs[b.index].bytes_mut();
-                            let t = b.engine_type;
-                            let bytes: Vec<u8> = (0..buf.len() / t.size())
-                                .map(|k| load_f64(t, buf, k))
-                                .take_while(|&v| v != b.fill)
-                                .map(|v| v as u8)
-                                .collect();
-                            link.client_instruction(&bytes);
-                        }
-                    }
-                }
-                return Ok(());
-            }
-            Value::Array(a) => a,
-            Value::Text { dtype, .. } => {
-                return Err(WireError::WrongDType {
-                    key: b.key.clone(),
-                    expected: expected_types(),
-                    got: dtype.map(dtype_name).unwrap_or_else(|| "text".into()),
-                });
-            }
-        };
-        let declared = match a.declared {
-            WireDType::Num(t, _) => t,
-            other => {
-                return Err(WireError::WrongDType {
-                    key: b.key.clone(),
-                    expected: expected_types(),
-                    got: dtype_name(other),
-                });
-            }
-        };
-        let pos = b.accepted.iter().position(|(t, _)| *t == declared);
-        if pos.is_none() && !a.native {
-            return Err(WireError::WrongDType {
+        match value {
+            Value::Array(a) if b.text => Err(WireError::ExpectedText {
                 key: b.key.clone(),
-                expected: expected_types(),
-                got: declared.name().into(),
-            });
-        }
-        // A one-value vector may also come as a bare number, as openpi's DROID inputs take the
-        // gripper position (`ndim == 0` gets an axis).
-        let one_value = a.shape.is_empty() && b.shape.as_slice() == [1];
-        if a.shape.as_slice() != b.shape.as_slice() && !one_value {
-            return Err(WireError::WrongShape {
+                got: dtype_name(a.declared),
+            }),
+            Value::Text { dtype, data } if b.text => self.text(i, dtype, data),
+            Value::Array(a) => self.array(i, a),
+            Value::Text { dtype, .. } => Err(WireError::WrongDType {
                 key: b.key.clone(),
-                expected: b.shape.clone(),
-                got: a.shape.to_vec(),
-            });
+                expected: expected_types(b),
+                got: dtype.map(dtype_name).unwrap_or_else(|| "text".into()),
+            }),
         }
+    }
+}
+
+impl SlotWriter<'_> {
+    /// A string for text binding `i`; the planner's instruction too when it is the prompt.
+    fn text(&mut self, i: usize, dtype: Option<WireDType>, data: &[u8]) -> Result<(), WireError> {
+        let b = &self.plan.inputs[i];
+        write_text(b, dtype, data, self.bufs[b.index].bytes_mut())?;
+        let Some((tap, link)) = self.tap else {
+            return Ok(());
+        };
+        if tap.prompt != i || !link.planner_first {
+            return Ok(());
+        }
+        // The client's prompt is the planner's instruction (valid UTF-8 by now).
+        match dtype {
+            None | Some(WireDType::Bytes(_)) => {
+                let end = data.iter().rposition(|&c| c != 0).map_or(0, |e| e + 1);
+                link.client_instruction(&data[..end]);
+            }
+            // UTF-32: re-read as the UTF-8 bytes just written (rare; allocates).
+            Some(_) => {
+                let buf = self.bufs[b.index].bytes_mut();
+                let t = b.engine_type;
+                let bytes: Vec<u8> = (0..buf.len() / t.size())
+                    .map(|k| load_f64(t, buf, k))
+                    .take_while(|&v| v != b.fill)
+                    .map(|v| v as u8)
+                    .collect();
+                link.client_instruction(&bytes);
+            }
+        }
+        Ok(())
+    }
+
+    /// An array for numeric binding `i`: checked, transformed into the engine's buffer (the
+    /// last of its frames), checked again, clipped; kept as sent for relative actions.
+    fn array(&mut self, i: usize, a: ArrayView<'_>) -> Result<(), WireError> {
+        let b = &self.plan.inputs[i];
+        let pos = check_array(b, &a)?;
         if let Some((tap, link)) = self.tap
             && tap.camera == Some(i)
             && a.storage == ElemType::U8
@@ -356,6 +331,49 @@ impl Visitor for SlotWriter<'_> {
         }
         Ok(())
     }
+}
+
+/// An array's dtype and shape against binding `b`: the accepted dtype's index (`None`: a
+/// native scalar, converted from its storage type).
+fn check_array(b: &InputBinding, a: &ArrayView<'_>) -> Result<Option<usize>, WireError> {
+    let declared = match a.declared {
+        WireDType::Num(t, _) => t,
+        other => {
+            return Err(WireError::WrongDType {
+                key: b.key.clone(),
+                expected: expected_types(b),
+                got: dtype_name(other),
+            });
+        }
+    };
+    let pos = b.accepted.iter().position(|(t, _)| *t == declared);
+    if pos.is_none() && !a.native {
+        return Err(WireError::WrongDType {
+            key: b.key.clone(),
+            expected: expected_types(b),
+            got: declared.name().into(),
+        });
+    }
+    // A one-value vector may also come as a bare number, as openpi's DROID inputs take the
+    // gripper position (`ndim == 0` gets an axis).
+    let one_value = a.shape.is_empty() && b.shape.as_slice() == [1];
+    if a.shape.as_slice() != b.shape.as_slice() && !one_value {
+        return Err(WireError::WrongShape {
+            key: b.key.clone(),
+            expected: b.shape.clone(),
+            got: a.shape.to_vec(),
+        });
+    }
+    Ok(pos)
+}
+
+/// The binding's accepted dtypes, for an error.
+fn expected_types(b: &InputBinding) -> String {
+    b.accepted
+        .iter()
+        .map(|(t, _)| t.name())
+        .collect::<Vec<_>>()
+        .join(" or ")
 }
 
 /// Writes a string into a text binding's buffer: its UTF-8 bytes, one per element, then the
