@@ -14,7 +14,7 @@ use tokio::net::TcpListener;
 use crate::config::{Config, PolicySpec};
 use crate::engine::Engine;
 use crate::metrics::Stats;
-use crate::net::listener::{self, ServeError};
+use crate::net::server::{self, ServeError};
 use crate::policy::build::PolicyError;
 use crate::policy::reload::Reloader;
 use crate::policy::{OpenFn, PolicySet};
@@ -102,7 +102,7 @@ fn open_files(cfg: &Config) {
 pub async fn listen(cfg: &Config) -> Result<TcpListener, ServeError> {
     match crate::service::inherited_listener() {
         Some(l) => Ok(l),
-        None => listener::bind(cfg).await,
+        None => server::bind(cfg).await,
     }
 }
 
@@ -214,7 +214,7 @@ where
     notify(&[NotifyState::Ready, NotifyState::Status(&status)]);
     let stats = Arc::new(Stats::new());
     let reloader = reload.map(|r| (r, open.clone()));
-    let result = listener::serve_set(
+    let result = server::serve_set(
         cfg,
         access,
         policies,

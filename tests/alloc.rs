@@ -333,11 +333,11 @@ async fn server_per_request(n: u64) -> f64 {
     let cfg = Config::parse(CONFIG, "test", None).unwrap();
     let engine = Box::new(SyntheticEngine::new(io(), Behaviour::default()));
     let loaded = policyd::policy::build::load_engine(&cfg, cfg.default_policy(), engine).unwrap();
-    let listener = policyd::net::listener::bind(&cfg).await.unwrap();
+    let listener = policyd::net::server::bind(&cfg).await.unwrap();
     let addr = listener.local_addr().unwrap();
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
     let srv = tokio::spawn(async move {
-        let _ = policyd::net::listener::serve(cfg, loaded, listener, async {
+        let _ = policyd::net::server::serve(cfg, loaded, listener, async {
             let _ = rx.await;
         })
         .await;

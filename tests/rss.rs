@@ -171,11 +171,11 @@ fn resident_memory_stays_flat_over_20000_requests() {
         let engine = Box::new(SyntheticEngine::new(io(), Behaviour::default()));
         let loaded =
             policyd::policy::build::load_engine(&cfg, cfg.default_policy(), engine).unwrap();
-        let listener = policyd::net::listener::bind(&cfg).await.unwrap();
+        let listener = policyd::net::server::bind(&cfg).await.unwrap();
         let addr = listener.local_addr().unwrap();
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();
         tokio::spawn(async move {
-            let _ = policyd::net::listener::serve(cfg, loaded, listener, async {
+            let _ = policyd::net::server::serve(cfg, loaded, listener, async {
                 let _ = rx.await;
             })
             .await;

@@ -17,13 +17,15 @@ use tokio_tungstenite::tungstenite::handshake::derive_accept_key;
 use tokio_tungstenite::tungstenite::protocol::Role;
 
 use crate::limits::MAX_HEAD;
+use crate::net::auth::Verdict;
 use crate::net::connection;
 use crate::net::frame_guard::FrameGuard;
 use crate::net::shared::Shared;
+use crate::policy::{Policy, PolicySet};
 use crate::protocol::Dialect;
 
 /// Answers every connection with 503 until `load` completes, then returns its output; the
-/// listener is then handed to [`serve_set`](crate::net::listener::serve_set). So a supervisor
+/// listener is then handed to [`serve_set`](crate::net::server::serve_set). So a supervisor
 /// probing `/healthz` while a large model loads sees "not ready yet", not a refused connection.
 pub async fn while_loading<T>(
     listener: &TcpListener,
@@ -285,6 +287,211 @@ async fn secure(
     }
 }
 
+/// What a request head gets: a response, or the WebSocket upgrade on a dialect and policy.
+enum Answer {
+    /// `/healthz` (text) or `/health` (JSON).
+    Health {
+        json: bool,
+        healthy: bool,
+    },
+    Metrics,
+    /// A missing or wrong API key.
+    Unauthorized(Verdict),
+    /// A request that is not a WebSocket upgrade: 426 to a GET, 405 otherwise.
+    NotWebSocket {
+        get: bool,
+    },
+    /// An upgrade request without what a handshake needs.
+    BadUpgrade(String),
+    WrongVersion,
+    /// Shutting down, or the engine is unhealthy.
+    Unavailable,
+    NoSuchPolicy {
+        name: String,
+        serves: String,
+    },
+    Upgrade {
+        key: String,
+        dialect: Dialect,
+        policy: Arc<Policy>,
+    },
+}
+
+/// What an answer depends on beyond the head.
+struct Now<'a> {
+    healthy: bool,
+    shutting_down: bool,
+    access: &'a crate::net::Access,
+    set: &'a PolicySet,
+}
+
+/// The answer to `head`: health and metrics before any key check but the metrics' own,
+/// then the key, then the handshake, then the route. `/policies/<name>` (openpi) or
+/// `/policies/<name>/v1/realtime/robot/openpi` (vllm-omni) chooses a policy; other paths get
+/// the default one.
+fn answer(head: &Head, now: &Now<'_>) -> Answer {
+    let plain_get = head.method == "GET" && !head.upgrade;
+    if plain_get && (head.path == "/healthz" || head.path == "/health") {
+        return Answer::Health {
+            json: head.path == "/health",
+            healthy: now.healthy,
+        };
+    }
+    let is_metrics = plain_get && head.path == "/metrics";
+    let keys = &now.access.keys;
+    if keys.enabled() && (head.upgrade || (is_metrics && now.access.protect_metrics)) {
+        let verdict = keys.check_all(&head.authorizations);
+        if verdict != Verdict::Accepted {
+            return Answer::Unauthorized(verdict);
+        }
+    }
+    if is_metrics {
+        return Answer::Metrics;
+    }
+    if !head.upgrade {
+        return Answer::NotWebSocket {
+            get: head.method == "GET",
+        };
+    }
+    let key = match upgrade_request(head) {
+        Ok(key) => key.to_string(),
+        Err(why) => return Answer::BadUpgrade(why),
+    };
+    if head.version.as_deref() != Some("13") {
+        return Answer::WrongVersion;
+    }
+    if now.shutting_down || !now.healthy {
+        return Answer::Unavailable;
+    }
+    let (named, rest) = match head.path.strip_prefix("/policies/") {
+        Some(r) => {
+            let end = r.find('/').unwrap_or(r.len());
+            (Some(&r[..end]), &r[end..])
+        }
+        None => (None, head.path.as_str()),
+    };
+    let policy = match named {
+        None => now.set.default_policy(),
+        Some(name) => match now.set.get(name) {
+            Some(p) => p,
+            None => {
+                return Answer::NoSuchPolicy {
+                    name: name.to_string(),
+                    serves: now.set.names(),
+                };
+            }
+        },
+    };
+    Answer::Upgrade {
+        key,
+        dialect: Dialect::for_path(rest),
+        policy: policy.clone(),
+    }
+}
+
+impl Answer {
+    /// Logs and counts a refusal (peer-provoked: rate-limited, the client's text clipped).
+    fn note(&self, peer: SocketAddr, head: &Head, shared: &Shared) {
+        match self {
+            Answer::Unauthorized(verdict) => {
+                shared.stats.metrics.auth_failures.inc();
+                crate::warn_limited!(
+                    "{peer}: refused {}: {}",
+                    crate::protocol::clip(&head.path),
+                    verdict.describe()
+                );
+            }
+            Answer::BadUpgrade(why) => crate::log_limited!(
+                log::Level::Info,
+                "{peer}: refused the WebSocket handshake: {}",
+                crate::protocol::clip(why)
+            ),
+            Answer::NoSuchPolicy { name, .. } => crate::log_limited!(
+                log::Level::Info,
+                "{peer}: refused: no policy named \"{}\"",
+                crate::protocol::clip(name)
+            ),
+            _ => {}
+        }
+    }
+
+    /// The HTTP response of every answer but the upgrade: status, content type, body and
+    /// extra headers.
+    fn response(&self, shared: &Shared) -> (&'static str, &'static str, String, &'static str) {
+        const TEXT: &str = "text/plain; charset=utf-8";
+        const JSON: &str = "application/json";
+        const OK: &str = "200 OK";
+        const UNAVAILABLE: &str = "503 Service Unavailable";
+        let text = |s: &str| s.to_string();
+        match self {
+            Answer::Health {
+                json: false,
+                healthy: true,
+            } => (OK, TEXT, text("OK\n"), ""),
+            Answer::Health {
+                json: false,
+                healthy: false,
+            } => (UNAVAILABLE, TEXT, text("engine unavailable\n"), ""),
+            Answer::Health {
+                json: true,
+                healthy: true,
+            } => (OK, JSON, text("{\"status\":\"healthy\"}"), ""),
+            Answer::Health {
+                json: true,
+                healthy: false,
+            } => (UNAVAILABLE, JSON, text("{\"status\":\"unhealthy\"}"), ""),
+            Answer::Metrics => (
+                OK,
+                "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                crate::net::scrape::render(&shared.registry),
+                "",
+            ),
+            Answer::Unauthorized(verdict) => (
+                "401 Unauthorized",
+                TEXT,
+                format!(
+                    "policyd: {}; pass the key with WebsocketClientPolicy(api_key=...)\n",
+                    verdict.describe()
+                ),
+                "WWW-Authenticate: Api-Key\r\n",
+            ),
+            Answer::NotWebSocket { get: true } => (
+                "426 Upgrade Required",
+                TEXT,
+                text(
+                    "Failed to open a WebSocket connection: this is a policyd WebSocket endpoint.\n",
+                ),
+                "Upgrade: websocket\r\n",
+            ),
+            Answer::NotWebSocket { get: false } => (
+                "405 Method Not Allowed",
+                TEXT,
+                text("only GET\n"),
+                "Allow: GET\r\n",
+            ),
+            Answer::BadUpgrade(why) => ("400 Bad Request", TEXT, format!("{why}\n"), ""),
+            Answer::WrongVersion => (
+                "426 Upgrade Required",
+                TEXT,
+                text("unsupported WebSocket version; use 13\n"),
+                "Sec-WebSocket-Version: 13\r\n",
+            ),
+            // (`handle` upgrades rather than answers an upgrade.)
+            Answer::Unavailable | Answer::Upgrade { .. } => {
+                (UNAVAILABLE, TEXT, text("server unavailable\n"), "")
+            }
+            Answer::NoSuchPolicy { name, serves } => (
+                "404 Not Found",
+                TEXT,
+                format!("policyd serves no policy named \"{name}\"; it serves: {serves}\n"),
+                "",
+            ),
+        }
+    }
+}
+
+/// One accepted connection: TLS, the request head within the handshake timeout, then its
+/// [`answer`]: a response, or the WebSocket connection.
 pub(crate) async fn handle(
     stream: TcpStream,
     peer: SocketAddr,
@@ -312,183 +519,53 @@ pub(crate) async fn handle(
             return;
         }
     };
-    let healthy = shared.policies.load().healthy();
-    if head.method == "GET" && head.path == "/healthz" && !head.upgrade {
-        if healthy {
-            respond(
-                &mut stream,
-                "200 OK",
-                "text/plain; charset=utf-8",
-                "OK\n",
-                "",
-            )
-            .await;
-        } else {
-            respond(
-                &mut stream,
-                "503 Service Unavailable",
-                "text/plain; charset=utf-8",
-                "engine unavailable\n",
-                "",
-            )
-            .await;
-        }
-        return;
-    }
-    if head.method == "GET" && head.path == "/health" && !head.upgrade {
-        if healthy {
-            respond(
-                &mut stream,
-                "200 OK",
-                "application/json",
-                "{\"status\":\"healthy\"}",
-                "",
-            )
-            .await;
-        } else {
-            respond(
-                &mut stream,
-                "503 Service Unavailable",
-                "application/json",
-                "{\"status\":\"unhealthy\"}",
-                "",
-            )
-            .await;
-        }
-        return;
-    }
-    let auth = &shared.access;
-    let is_metrics = head.method == "GET" && head.path == "/metrics" && !head.upgrade;
-    if auth.keys.enabled() && (head.upgrade || (is_metrics && auth.protect_metrics)) {
-        let verdict = auth.keys.check_all(&head.authorizations);
-        if verdict != crate::net::auth::Verdict::Accepted {
-            shared.stats.metrics.auth_failures.inc();
-            crate::warn_limited!(
-                "{peer}: refused {}: {}",
-                crate::protocol::clip(&head.path),
-                verdict.describe()
-            );
-            respond(
-                &mut stream,
-                "401 Unauthorized",
-                "text/plain; charset=utf-8",
-                &format!(
-                    "policyd: {}; pass the key with WebsocketClientPolicy(api_key=...)\n",
-                    verdict.describe()
-                ),
-                "WWW-Authenticate: Api-Key\r\n",
-            )
-            .await;
-            return;
-        }
-    }
-    if is_metrics {
-        let body = crate::net::scrape::render(&shared.registry);
-        respond(
-            &mut stream,
-            "200 OK",
-            "application/openmetrics-text; version=1.0.0; charset=utf-8",
-            &body,
-            "",
-        )
-        .await;
-        return;
-    }
-    if !head.upgrade {
-        if head.method == "GET" {
-            respond(
-                &mut stream,
-                "426 Upgrade Required",
-                "text/plain; charset=utf-8",
-                "Failed to open a WebSocket connection: this is a policyd WebSocket endpoint.\n",
-                "Upgrade: websocket\r\n",
-            )
-            .await;
-        } else {
-            respond(
-                &mut stream,
-                "405 Method Not Allowed",
-                "text/plain; charset=utf-8",
-                "only GET\n",
-                "Allow: GET\r\n",
-            )
-            .await;
-        }
-        return;
-    }
-    let key = match upgrade_request(&head) {
-        Ok(key) => key.to_string(),
-        Err(why) => {
-            crate::log_limited!(
-                log::Level::Info,
-                "{peer}: refused the WebSocket handshake: {}",
-                crate::protocol::clip(&why)
-            );
-            bad_request(&mut stream, &why).await;
-            return;
-        }
-    };
-    if head.version.as_deref() != Some("13") {
-        respond(
-            &mut stream,
-            "426 Upgrade Required",
-            "text/plain; charset=utf-8",
-            "unsupported WebSocket version; use 13\n",
-            "Sec-WebSocket-Version: 13\r\n",
-        )
-        .await;
-        return;
-    }
-    if *shared.shutdown.borrow() || !healthy {
-        respond(
-            &mut stream,
-            "503 Service Unavailable",
-            "text/plain; charset=utf-8",
-            "server unavailable\n",
-            "",
-        )
-        .await;
-        return;
-    }
-    // `/policies/<name>` (openpi) or `/policies/<name>/v1/realtime/robot/openpi`
-    // (vllm-omni) chooses a policy; other paths get the default one.
-    let route = {
+    let answer = {
         let set = shared.policies.load();
-        let (named, rest) = match head.path.strip_prefix("/policies/") {
-            Some(r) => {
-                let end = r.find('/').unwrap_or(r.len());
-                (Some(&r[..end]), &r[end..])
-            }
-            None => (None, head.path.as_str()),
+        let now = Now {
+            healthy: set.healthy(),
+            shutting_down: *shared.shutdown.borrow(),
+            access: &shared.access,
+            set: &set,
         };
-        let dialect = Dialect::for_path(rest);
-        match named {
-            None => (dialect, set.default_policy().clone()),
-            Some(name) => match set.get(name) {
-                Some(p) => (dialect, p.clone()),
-                None => {
-                    crate::log_limited!(
-                        log::Level::Info,
-                        "{peer}: refused: no policy named \"{}\"",
-                        crate::protocol::clip(name)
-                    );
-                    respond(
-                        &mut stream,
-                        "404 Not Found",
-                        "text/plain; charset=utf-8",
-                        &format!(
-                            "policyd serves no policy named \"{name}\"; it serves: {}\n",
-                            set.names()
-                        ),
-                        "",
-                    )
-                    .await;
-                    return;
-                }
-            },
-        }
+        answer(&head, &now)
     };
-    let Some((permit, peer_permit)) = admit(&mut stream, peer, &shared).await else {
+    match answer {
+        Answer::Upgrade {
+            key,
+            dialect,
+            policy,
+        } => {
+            upgrade(
+                stream,
+                peer,
+                &shared,
+                &head,
+                &key,
+                (dialect, policy),
+                handshake,
+            )
+            .await
+        }
+        refused => {
+            refused.note(peer, &head, &shared);
+            let (status, ctype, body, extra) = refused.response(&shared);
+            respond(&mut stream, status, ctype, &body, extra).await;
+        }
+    }
+}
+
+/// The WebSocket upgrade: the connection's permits (or its 503), the 101, the frame guard
+/// under tungstenite, and the connection's loop until it closes.
+async fn upgrade(
+    mut stream: Box<dyn Transport>,
+    peer: SocketAddr,
+    shared: &Arc<Shared>,
+    head: &Head,
+    key: &str,
+    (dialect, policy): (Dialect, Arc<Policy>),
+    handshake: tokio::sync::OwnedSemaphorePermit,
+) {
+    let Some((permit, peer_permit)) = admit(&mut stream, peer, shared).await else {
         return;
     };
     let accept = derive_accept_key(key.as_bytes());
@@ -499,7 +576,6 @@ pub(crate) async fn handle(
         return;
     }
     drop(handshake);
-    let (dialect, policy) = route;
     // Peer-provoked (any client can open and close connections in a loop): rate-limited, and
     // the path is the client's text.
     crate::log_limited!(
@@ -531,7 +607,7 @@ pub(crate) async fn handle(
         .ws_config
         .max_write_buffer_size(write_buffer_bound(&shared.policies.load()));
     let ws = WebSocketStream::from_raw_socket(stream, Role::Server, Some(ws_config)).await;
-    let why = connection::serve(ws, &shared, dialect, policy).await;
+    let why = connection::serve(ws, shared, dialect, policy).await;
     crate::log_limited!(
         log::Level::Info,
         "{peer}: closed ({})",

@@ -1,5 +1,6 @@
-//! How do clients reach a policy? The server's accept loop and drain ([`listener`]), its HTTP
-//! layer (health, metrics, upgrade, routing by path: [`http`]), API keys ([`auth`]), TLS
+//! How do clients reach a policy? The server: its shared state, tasks, accept loop and drain
+//! ([`server`]); its HTTP layer (one pure answer per request head: health, metrics, keys,
+//! upgrade, routing by path: [`http`]), API keys ([`auth`]), TLS
 //! ([`tls`]), the frame-size guard under tungstenite ([`frame_guard`]), each peer address's
 //! share of the connection caps ([`peers`]), one WebSocket connection's loop ([`connection`]),
 //! the request core both front ends drive ([`requests`]), and LeRobot's gRPC service
@@ -12,10 +13,10 @@ pub mod frame_guard;
 pub mod grpc_conn;
 pub mod http;
 pub mod lerobot;
-pub mod listener;
 pub mod peers;
 pub mod requests;
 pub mod scrape;
+pub mod server;
 pub mod shared;
 pub mod tls;
 

@@ -1,6 +1,6 @@
 //! What every client of the server shares: the config it started with, the policies served
 //! now, the counters, the clock that releases paced replies, and the client ids. Built once by
-//! the [listener](crate::net::listener), read by both front ends.
+//! the [server](crate::net::server), read by both front ends.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -90,11 +90,11 @@ pub async fn start_io(cfg: Config, io: IoSpec, behaviour: Behaviour) -> Running 
         policyd::policy::build::load_engine(&cfg, cfg.default_policy(), engine).expect("loads");
     let stats = loaded.stats.clone();
     let pool = loaded.worker.pool.clone();
-    let listener = policyd::net::listener::bind(&cfg).await.expect("bind");
+    let listener = policyd::net::server::bind(&cfg).await.expect("bind");
     let addr = listener.local_addr().expect("bound address");
     let (tx, rx) = oneshot::channel::<()>();
     tokio::spawn(async move {
-        let _ = policyd::net::listener::serve(cfg, loaded, listener, async {
+        let _ = policyd::net::server::serve(cfg, loaded, listener, async {
             let _ = rx.await;
         })
         .await;

@@ -1096,7 +1096,7 @@ async fn serve_reloadable(grpc: SocketAddr) -> Reloadable {
         tokio::task::block_in_place(|| policyd::policy::build::build(&cfg, None, open.as_ref()))
             .expect("builds")
             .set;
-    let listener = policyd::net::listener::bind(&cfg).await.expect("bind");
+    let listener = policyd::net::server::bind(&cfg).await.expect("bind");
     let addr = listener.local_addr().expect("bound address");
     let text = Arc::new(Mutex::new(text));
     let source = text.clone();
@@ -1107,7 +1107,7 @@ async fn serve_reloadable(grpc: SocketAddr) -> Reloadable {
     };
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let access = policyd::net::Access::load(&cfg).expect("access");
-    tokio::spawn(policyd::net::listener::serve_set(
+    tokio::spawn(policyd::net::server::serve_set(
         cfg,
         access,
         Arc::new(arc_swap::ArcSwap::from_pointee(set)),

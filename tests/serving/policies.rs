@@ -101,7 +101,7 @@ async fn start(text: &str) -> Server {
     let set = tokio::task::block_in_place(|| policy::build::build(&cfg, None, open.as_ref()))
         .expect("builds")
         .set;
-    let listener = policyd::net::listener::bind(&cfg).await.expect("bind");
+    let listener = policyd::net::server::bind(&cfg).await.expect("bind");
     let addr = listener.local_addr().expect("addr");
     let text = Arc::new(Mutex::new(text.to_string()));
     let source = text.clone();
@@ -112,7 +112,7 @@ async fn start(text: &str) -> Server {
     };
     let (stop, stopped) = oneshot::channel::<()>();
     let access = policyd::net::Access::load(&cfg).expect("access");
-    tokio::spawn(policyd::net::listener::serve_set(
+    tokio::spawn(policyd::net::server::serve_set(
         cfg,
         access,
         Arc::new(ArcSwap::from_pointee(set)),

@@ -44,11 +44,11 @@ async fn start(tune: impl FnOnce(&mut Config)) -> Running {
     let loaded =
         tokio::task::block_in_place(|| policyd::policy::build::load(&cfg, cfg.default_policy()))
             .expect("engine loads");
-    let listener = policyd::net::listener::bind(&cfg).await.expect("bind");
+    let listener = policyd::net::server::bind(&cfg).await.expect("bind");
     let addr = listener.local_addr().expect("local addr");
     let (tx, rx) = oneshot::channel::<()>();
     let done = tokio::spawn(async move {
-        policyd::net::listener::serve(cfg, loaded, listener, async {
+        policyd::net::server::serve(cfg, loaded, listener, async {
             let _ = rx.await;
         })
         .await
