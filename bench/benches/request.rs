@@ -24,10 +24,10 @@ fn bench(c: &mut Criterion) {
         let mut cfg = Config::load(Path::new(&file)).unwrap();
         cfg.server.port = 0;
         let loaded = policyd::policy::build::load(&cfg, cfg.default_policy()).unwrap();
-        let listener = rt.block_on(policyd::net::listener::bind(&cfg)).unwrap();
+        let listener = rt.block_on(policyd::net::server::bind(&cfg)).unwrap();
         let addr = listener.local_addr().unwrap();
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        rt.spawn(policyd::net::listener::serve(
+        rt.spawn(policyd::net::server::serve(
             cfg,
             loaded,
             listener,

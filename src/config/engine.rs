@@ -270,22 +270,7 @@ pub(super) fn engine(
             ("tensorrt", Backend::Tensorrt),
         ],
     )?;
-    if backend != Backend::Ort {
-        for (key, set) in [
-            ("engine.ort_library", e.ort_library.is_some()),
-            ("engine.providers", e.providers.is_some()),
-        ] {
-            if set {
-                return Err(cx.invalid(
-                    key,
-                    format!(
-                        "applies to the ort backend only; engine.backend is \"{}\"",
-                        e.backend
-                    ),
-                ));
-            }
-        }
-    }
+    backend_keys(cx, e, backend)?;
     let providers = match &e.providers {
         None => vec![Provider::Cpu],
         Some(list) => providers(cx, list)?,
@@ -299,66 +284,7 @@ pub(super) fn engine(
             "applies to the ort backend with a GPU provider only; add \"cuda\" or \"tensorrt\" to engine.providers",
         ));
     }
-    let ort_library = match &e.ort_library {
-        None => None,
-        Some(p) if p.as_os_str().is_empty() => {
-            return Err(cx.invalid(
-                "engine.ort_library",
-                "is empty; give the path of libonnxruntime.so or of the folder holding it, or leave the key out",
-            ));
-        }
-        Some(p) => {
-            let p = path(base, p);
-            if !p.exists() {
-                return Err(cx.invalid(
-                    "engine.ort_library",
-                    format!(
-                        "{} does not exist; give the path of libonnxruntime.so or of the folder holding it (`pip install onnxruntime` puts it in site-packages/onnxruntime/capi/)",
-                        p.display()
-                    ),
-                ));
-            }
-            Some(p)
-        }
-    };
-    if backend != Backend::Tensorrt {
-        for (key, set) in [
-            (
-                "engine.device",
-                e.device.is_some() && backend != Backend::Ort,
-            ),
-            ("engine.dla_core", e.dla_core.is_some()),
-            ("engine.cuda_graph", e.cuda_graph.is_some()),
-            ("engine.zero_copy", e.zero_copy.is_some()),
-            ("engine.tensorrt_library", e.tensorrt_library.is_some()),
-        ] {
-            if set {
-                return Err(cx.invalid(
-                    key,
-                    format!(
-                        "applies to the tensorrt backend only; engine.backend is \"{}\"",
-                        e.backend
-                    ),
-                ));
-            }
-        }
-    }
-    if let Some(d) = e.device
-        && d > 63
-    {
-        return Err(cx.invalid(
-            "engine.device",
-            format!("must be a CUDA device ordinal (0-63), got {d}"),
-        ));
-    }
-    if let Some(d) = e.dla_core
-        && d > 7
-    {
-        return Err(cx.invalid(
-            "engine.dla_core",
-            format!("must be a DLA core number (0 or 1 on Jetson AGX Orin), got {d}"),
-        ));
-    }
+    let ort_library = ort_library(cx, e, base)?;
     let zero_copy = cx.one_of(
         "engine.zero_copy",
         e.zero_copy.as_deref(),
@@ -417,6 +343,97 @@ pub(super) fn engine(
         },
         ModelSource::File(path(base, model)),
     ))
+}
+
+/// Keys of one backend set under another: the ort backend's (`ort_library`, `providers`),
+/// the tensorrt backend's (`device` also ort's, `dla_core`, `cuda_graph`, `zero_copy`,
+/// `tensorrt_library`), and the device and DLA core numbers' ranges.
+fn backend_keys(cx: &Keys, e: &RawEngine, backend: Backend) -> Result<(), ConfigError> {
+    if backend != Backend::Ort {
+        for (key, set) in [
+            ("engine.ort_library", e.ort_library.is_some()),
+            ("engine.providers", e.providers.is_some()),
+        ] {
+            if set {
+                return Err(cx.invalid(
+                    key,
+                    format!(
+                        "applies to the ort backend only; engine.backend is \"{}\"",
+                        e.backend
+                    ),
+                ));
+            }
+        }
+    }
+    if backend != Backend::Tensorrt {
+        for (key, set) in [
+            (
+                "engine.device",
+                e.device.is_some() && backend != Backend::Ort,
+            ),
+            ("engine.dla_core", e.dla_core.is_some()),
+            ("engine.cuda_graph", e.cuda_graph.is_some()),
+            ("engine.zero_copy", e.zero_copy.is_some()),
+            ("engine.tensorrt_library", e.tensorrt_library.is_some()),
+        ] {
+            if set {
+                return Err(cx.invalid(
+                    key,
+                    format!(
+                        "applies to the tensorrt backend only; engine.backend is \"{}\"",
+                        e.backend
+                    ),
+                ));
+            }
+        }
+    }
+    if let Some(d) = e.device
+        && d > 63
+    {
+        return Err(cx.invalid(
+            "engine.device",
+            format!("must be a CUDA device ordinal (0-63), got {d}"),
+        ));
+    }
+    if let Some(d) = e.dla_core
+        && d > 7
+    {
+        return Err(cx.invalid(
+            "engine.dla_core",
+            format!("must be a DLA core number (0 or 1 on Jetson AGX Orin), got {d}"),
+        ));
+    }
+    Ok(())
+}
+
+/// `engine.ort_library`: a path that exists (relative to the config file), or none.
+fn ort_library(
+    cx: &Keys,
+    e: &RawEngine,
+    base: Option<&Path>,
+) -> Result<Option<PathBuf>, ConfigError> {
+    Ok(match &e.ort_library {
+        None => None,
+        Some(p) if p.as_os_str().is_empty() => {
+            return Err(cx.invalid(
+                "engine.ort_library",
+                "is empty; give the path of libonnxruntime.so or of the folder holding it, or leave the key out",
+            ));
+        }
+        Some(p) => {
+            let p = path(base, p);
+            if !p.exists() {
+                return Err(cx.invalid(
+                    "engine.ort_library",
+                    format!(
+                        "{} does not exist; give the path of libonnxruntime.so or of the folder holding it (`pip install onnxruntime` puts it in site-packages/onnxruntime/capi/)",
+                        p.display()
+                    ),
+                ));
+            }
+            Some(p)
+        }
+    })
 }
 
 /// `engine.providers`: known names, no repeats, at least one.

@@ -102,35 +102,7 @@ pub(super) fn lerobot(
     policies: &[PolicySpec],
     default: usize,
 ) -> Result<LerobotConfig, ConfigError> {
-    let listen = l.listen.as_deref().ok_or_else(|| {
-        invalid(
-            "lerobot.listen",
-            "missing: the service needs its own address, e.g. \"0.0.0.0:8080\" (LeRobot's \
-             clients default to port 8080)",
-        )
-    })?;
-    let listen = listen.parse().map_err(|_| {
-        invalid(
-            "lerobot.listen",
-            format!("\"{listen}\" is not an address with a port, e.g. \"0.0.0.0:8080\""),
-        )
-    })?;
-    let allow = l
-        .allow
-        .iter()
-        .map(|a| {
-            a.parse::<ipnet::IpNet>()
-                .or_else(|_| a.parse::<std::net::IpAddr>().map(ipnet::IpNet::from))
-                .map_err(|_| {
-                    invalid(
-                        "lerobot.allow",
-                        format!(
-                            "\"{a}\" is not an address or a CIDR network such as 192.168.1.0/24"
-                        ),
-                    )
-                })
-        })
-        .collect::<Result<Vec<_>, _>>()?;
+    let (listen, allow) = addresses(l)?;
     let long_poll_ms = l.long_poll_ms.unwrap_or(2000);
     if !(1..=60_000).contains(&long_poll_ms) {
         return Err(invalid(
@@ -159,17 +131,7 @@ pub(super) fn lerobot(
             ("refuse", LerobotResize::Refuse),
         ],
     )?;
-    let max_connections = l.max_connections.unwrap_or(16);
-    cx.between("lerobot.max_connections", max_connections, 1, 1024)?;
-    let max_connections_per_peer = l
-        .max_connections_per_peer
-        .unwrap_or(max_connections.div_ceil(2));
-    cx.between(
-        "lerobot.max_connections_per_peer",
-        max_connections_per_peer,
-        1,
-        max_connections,
-    )?;
+    let (max_connections, max_connections_per_peer) = connection_caps(&cx, l)?;
     let seconds = |key: &str, v: Option<f64>, default: f64, max: f64| {
         let v = v.unwrap_or(default);
         if v.is_finite() && v > 0.0 && v <= max {
@@ -203,12 +165,98 @@ pub(super) fn lerobot(
     )?;
     let owner_grace = seconds("lerobot.owner_grace_s", l.owner_grace_s, 60.0, 86400.0)?;
     let long_poll = std::time::Duration::from_millis(long_poll_ms);
+    check_deadlines(
+        &cx,
+        long_poll,
+        idle_timeout,
+        chunk_timeout,
+        observation_timeout,
+    )?;
+    let serve = serve_names(l, policies, default)?;
+    Ok(LerobotConfig {
+        listen,
+        allow,
+        long_poll,
+        max_payload_bytes,
+        resize,
+        max_connections,
+        max_connections_per_peer,
+        handshake_timeout,
+        idle_timeout,
+        chunk_timeout,
+        observation_timeout,
+        takeover_after,
+        owner_grace,
+        serve,
+    })
+}
+
+/// `lerobot.max_connections` and `max_connections_per_peer` (default: half the cap).
+fn connection_caps(cx: &Keys, l: &RawLerobot) -> Result<(usize, usize), ConfigError> {
+    let max_connections = l.max_connections.unwrap_or(16);
+    cx.between("lerobot.max_connections", max_connections, 1, 1024)?;
+    let max_connections_per_peer = l
+        .max_connections_per_peer
+        .unwrap_or(max_connections.div_ceil(2));
+    cx.between(
+        "lerobot.max_connections_per_peer",
+        max_connections_per_peer,
+        1,
+        max_connections,
+    )?;
+    Ok((max_connections, max_connections_per_peer))
+}
+
+/// `lerobot.listen` and `lerobot.allow`.
+fn addresses(l: &RawLerobot) -> Result<(std::net::SocketAddr, Vec<ipnet::IpNet>), ConfigError> {
+    let listen = l.listen.as_deref().ok_or_else(|| {
+        invalid(
+            "lerobot.listen",
+            "missing: the service needs its own address, e.g. \"0.0.0.0:8080\" (LeRobot's \
+             clients default to port 8080)",
+        )
+    })?;
+    let listen = listen.parse().map_err(|_| {
+        invalid(
+            "lerobot.listen",
+            format!("\"{listen}\" is not an address with a port, e.g. \"0.0.0.0:8080\""),
+        )
+    })?;
+    let allow = l
+        .allow
+        .iter()
+        .map(|a| {
+            a.parse::<ipnet::IpNet>()
+                .or_else(|_| a.parse::<std::net::IpAddr>().map(ipnet::IpNet::from))
+                .map_err(|_| {
+                    invalid(
+                        "lerobot.allow",
+                        format!(
+                            "\"{a}\" is not an address or a CIDR network such as 192.168.1.0/24"
+                        ),
+                    )
+                })
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok((listen, allow))
+}
+
+/// The deadlines against each other: a long poll ends before the idle timeout, a chunk's
+/// deadline within an observation's.
+fn check_deadlines(
+    cx: &Keys,
+    long_poll: std::time::Duration,
+    idle_timeout: std::time::Duration,
+    chunk_timeout: std::time::Duration,
+    observation_timeout: std::time::Duration,
+) -> Result<(), ConfigError> {
     if idle_timeout <= long_poll {
         return Err(cx.invalid(
             "lerobot.idle_timeout_s",
             format!(
-                "must be longer than lerobot.long_poll_ms ({long_poll_ms} ms), or a client \
-                 waiting for actions is cut off"
+                "must be longer than lerobot.long_poll_ms ({} ms), or a client \
+                 waiting for actions is cut off",
+                long_poll.as_millis()
             ),
         ));
     }
@@ -218,6 +266,16 @@ pub(super) fn lerobot(
             "must be at least lerobot.chunk_timeout_s (one chunk is part of an observation)",
         ));
     }
+    Ok(())
+}
+
+/// `[[lerobot.serve]]`: the names a `robot_client` may ask for, each on a served policy (the
+/// default one unless named).
+fn serve_names(
+    l: &RawLerobot,
+    policies: &[PolicySpec],
+    default: usize,
+) -> Result<Vec<LerobotServe>, ConfigError> {
     let mut serve = Vec::new();
     for (i, s) in l.serve.iter().enumerate() {
         let key = format!("lerobot.serve[{i}]");
@@ -247,20 +305,5 @@ pub(super) fn lerobot(
             policy_type: s.policy_type.clone(),
         });
     }
-    Ok(LerobotConfig {
-        listen,
-        allow,
-        long_poll,
-        max_payload_bytes,
-        resize,
-        max_connections,
-        max_connections_per_peer,
-        handshake_timeout,
-        idle_timeout,
-        chunk_timeout,
-        observation_timeout,
-        takeover_after,
-        owner_grace,
-        serve,
-    })
+    Ok(serve)
 }

@@ -98,7 +98,7 @@ pub(super) fn pipeline(
     sampler: Option<&RawSampler>,
     base: Option<&Path>,
 ) -> Result<Option<PipelineConfig>, ConfigError> {
-    use crate::sampler::{Betas, Diffusion, Kind, Prediction};
+    use crate::sampler::Kind;
     let (d, s) = match (denoise, sampler) {
         (None, None) => return Ok(None),
         (Some(d), Some(s)) => (d, s),
@@ -142,6 +142,48 @@ pub(super) fn pipeline(
             return Err(cx.invalid(key, "name the step graph's tensor"));
         }
     }
+    let diffusion = diffusion(cx, s, kind, max_steps)?;
+    let model_update = model_update(cx, s, kind)?;
+    use crate::sampler::FlowTime;
+    let flow_time = cx.one_of(
+        "sampler.flow_time",
+        s.flow_time.as_deref(),
+        Some(FlowTime::Openpi),
+        &[
+            ("openpi", FlowTime::Openpi),
+            ("lerobot", FlowTime::Lerobot),
+            ("groot", FlowTime::Groot),
+        ],
+    )?;
+    if s.flow_time.is_some() && kind != Kind::Flow {
+        return Err(cx.invalid("sampler.flow_time", "applies to kind = \"flow\" only"));
+    }
+    Ok(Some(PipelineConfig {
+        denoise: ModelSource::File(path(base, &d.model)),
+        wire: d.wire.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+        kind,
+        diffusion,
+        steps: s.steps,
+        max_steps,
+        x: s.x.clone(),
+        time: s.time.clone(),
+        output: s.output.clone(),
+        model_update,
+        inject_noise: s.inject_noise,
+        flow_time,
+        rtc: None,
+    }))
+}
+
+/// A DDPM or DDIM sampler's scheduler keys (diffusers' names and defaults); `None` for flow,
+/// which takes none of them.
+fn diffusion(
+    cx: &Keys,
+    s: &RawSampler,
+    kind: crate::sampler::Kind,
+    max_steps: usize,
+) -> Result<Option<crate::sampler::Diffusion>, ConfigError> {
+    use crate::sampler::{Betas, Diffusion, Kind, Prediction};
     let diffusion_keys = s.num_train_timesteps.is_some()
         || s.beta_schedule.is_some()
         || s.beta_start.is_some()
@@ -150,7 +192,7 @@ pub(super) fn pipeline(
         || s.clip_sample.is_some()
         || s.clip_sample_range.is_some()
         || s.eta.is_some();
-    let diffusion = if kind == Kind::Flow {
+    Ok(if kind == Kind::Flow {
         if diffusion_keys {
             return Err(cx.invalid(
                 "sampler.kind",
@@ -219,8 +261,18 @@ pub(super) fn pipeline(
             clip: s.clip_sample.unwrap_or(true).then_some(range as f32),
             eta: eta as f32,
         })
-    };
-    let model_update = match (s.update.as_deref().unwrap_or("sampler"), &s.dt) {
+    })
+}
+
+/// `sampler.update = "model"`: the step-graph input taking `dt` (a flow step graph returning
+/// the next sample); `None` when the sampler applies the update.
+fn model_update(
+    cx: &Keys,
+    s: &RawSampler,
+    kind: crate::sampler::Kind,
+) -> Result<Option<String>, ConfigError> {
+    use crate::sampler::Kind;
+    Ok(match (s.update.as_deref().unwrap_or("sampler"), &s.dt) {
         ("sampler", None) => None,
         ("sampler", Some(_)) => {
             return Err(cx.invalid("sampler.dt", "is for update = \"model\""));
@@ -244,34 +296,5 @@ pub(super) fn pipeline(
                 format!("must be \"sampler\" or \"model\", got \"{u}\""),
             ));
         }
-    };
-    use crate::sampler::FlowTime;
-    let flow_time = cx.one_of(
-        "sampler.flow_time",
-        s.flow_time.as_deref(),
-        Some(FlowTime::Openpi),
-        &[
-            ("openpi", FlowTime::Openpi),
-            ("lerobot", FlowTime::Lerobot),
-            ("groot", FlowTime::Groot),
-        ],
-    )?;
-    if s.flow_time.is_some() && kind != Kind::Flow {
-        return Err(cx.invalid("sampler.flow_time", "applies to kind = \"flow\" only"));
-    }
-    Ok(Some(PipelineConfig {
-        denoise: ModelSource::File(path(base, &d.model)),
-        wire: d.wire.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
-        kind,
-        diffusion,
-        steps: s.steps,
-        max_steps,
-        x: s.x.clone(),
-        time: s.time.clone(),
-        output: s.output.clone(),
-        model_update,
-        inject_noise: s.inject_noise,
-        flow_time,
-        rtc: None,
-    }))
+    })
 }

@@ -237,6 +237,13 @@ pub(super) fn planner(p: &RawPlanner, base: Option<&Path>) -> Result<PlannerConf
             format!("must be between 0 and 2, got {}", p.temperature),
         ));
     }
+    check_process(&cx, p)?;
+    Ok(resolved)
+}
+
+/// The planner's deadlines, and the model server it may start (`serve_command`, whose
+/// output `ready_marker` waits for).
+fn check_process(cx: &Keys, p: &RawPlanner) -> Result<(), ConfigError> {
     for (key, v, min, max) in [
         (
             "planner.request_timeout_s",
@@ -270,7 +277,7 @@ pub(super) fn planner(p: &RawPlanner, base: Option<&Path>) -> Result<PlannerConf
     if p.ready_marker.as_deref().is_some_and(|m| m.is_empty()) {
         return Err(cx.invalid("planner.ready_marker", "must not be empty"));
     }
-    Ok(resolved)
+    Ok(())
 }
 
 /// A planner endpoint: a plain-http base URL (the planner appends `/v1/...`).

@@ -398,24 +398,7 @@ impl OrtEngine {
     /// binds it to buffers of its own for outputs.
     pub fn load(model: &ModelSource, opts: &Options) -> Result<Self, EngineError> {
         let rt = runtime(opts.library)?;
-        for p in opts.providers {
-            if !rt.providers.iter().any(|a| a == p.ort_name()) {
-                return Err(unavailable(format!(
-                    "engine.providers names \"{}\", but onnxruntime {} at {} has only {}; {}",
-                    p.name(),
-                    rt.version,
-                    rt.path.display(),
-                    rt.providers.join(", "),
-                    match p {
-                        Provider::Cuda =>
-                            "install onnxruntime-gpu (with CUDA 12 and cuDNN 9) and point engine.ort_library at its library",
-                        Provider::Tensorrt =>
-                            "use an onnxruntime built with TensorRT (onnxruntime-gpu with TensorRT's libraries, or JetPack's)",
-                        Provider::Cpu => "",
-                    }
-                )));
-            }
-        }
+        check_providers(rt, opts.providers)?;
         let heap_before = c_heap();
         let mut session = builder(rt, opts)
             .and_then(|b| commit(b, model))
@@ -500,6 +483,29 @@ impl OrtEngine {
         );
         Ok(engine)
     }
+}
+
+/// Each configured provider is one this onnxruntime has, or the error says what to install.
+fn check_providers(rt: &Runtime, providers: &[Provider]) -> Result<(), EngineError> {
+    for p in providers {
+        if !rt.providers.iter().any(|a| a == p.ort_name()) {
+            return Err(unavailable(format!(
+                "engine.providers names \"{}\", but onnxruntime {} at {} has only {}; {}",
+                p.name(),
+                rt.version,
+                rt.path.display(),
+                rt.providers.join(", "),
+                match p {
+                    Provider::Cuda =>
+                        "install onnxruntime-gpu (with CUDA 12 and cuDNN 9) and point engine.ort_library at its library",
+                    Provider::Tensorrt =>
+                        "use an onnxruntime built with TensorRT (onnxruntime-gpu with TensorRT's libraries, or JetPack's)",
+                    Provider::Cpu => "",
+                }
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// The session's options: threads (intra-op; inter-op stays 1, runs are sequential), all of

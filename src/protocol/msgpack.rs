@@ -102,6 +102,22 @@ impl<'a> Cursor<'a> {
         Ok(b.iter().fold(0usize, |acc, &x| (acc << 8) | usize::from(x)))
     }
 
+    /// A number of type `ty` (its big-endian bytes follow the marker).
+    fn number(&mut self, ty: ElemType, float: bool) -> Result<Head<'a>, MsgpackError> {
+        let data = self.take(ty.size())?;
+        Ok(if float {
+            Head::Float { ty, data }
+        } else {
+            Head::Int { ty, data }
+        })
+    }
+
+    /// A str or bin body: its length in `width` big-endian bytes, then the bytes.
+    fn sized(&mut self, width: usize) -> Result<&'a [u8], MsgpackError> {
+        let n = self.len_be(width)?;
+        self.take(n)
+    }
+
     pub(crate) fn head(&mut self) -> Result<Head<'a>, MsgpackError> {
         let at = self.pos;
         let byte = *self.take(1)?.first().ok_or(MsgpackError::Empty)?;
@@ -118,71 +134,23 @@ impl<'a> Cursor<'a> {
             Marker::Null => Head::Nil,
             Marker::True => Head::Bool(true),
             Marker::False => Head::Bool(false),
-            Marker::U8 => Head::Int {
-                ty: ElemType::U8,
-                data: self.take(1)?,
-            },
-            Marker::U16 => Head::Int {
-                ty: ElemType::U16,
-                data: self.take(2)?,
-            },
-            Marker::U32 => Head::Int {
-                ty: ElemType::U32,
-                data: self.take(4)?,
-            },
-            Marker::U64 => Head::Int {
-                ty: ElemType::U64,
-                data: self.take(8)?,
-            },
-            Marker::I8 => Head::Int {
-                ty: ElemType::I8,
-                data: self.take(1)?,
-            },
-            Marker::I16 => Head::Int {
-                ty: ElemType::I16,
-                data: self.take(2)?,
-            },
-            Marker::I32 => Head::Int {
-                ty: ElemType::I32,
-                data: self.take(4)?,
-            },
-            Marker::I64 => Head::Int {
-                ty: ElemType::I64,
-                data: self.take(8)?,
-            },
-            Marker::F32 => Head::Float {
-                ty: ElemType::F32,
-                data: self.take(4)?,
-            },
-            Marker::F64 => Head::Float {
-                ty: ElemType::F64,
-                data: self.take(8)?,
-            },
+            Marker::U8 => self.number(ElemType::U8, false)?,
+            Marker::U16 => self.number(ElemType::U16, false)?,
+            Marker::U32 => self.number(ElemType::U32, false)?,
+            Marker::U64 => self.number(ElemType::U64, false)?,
+            Marker::I8 => self.number(ElemType::I8, false)?,
+            Marker::I16 => self.number(ElemType::I16, false)?,
+            Marker::I32 => self.number(ElemType::I32, false)?,
+            Marker::I64 => self.number(ElemType::I64, false)?,
+            Marker::F32 => self.number(ElemType::F32, true)?,
+            Marker::F64 => self.number(ElemType::F64, true)?,
             Marker::FixStr(n) => Head::Str(self.take(usize::from(n))?),
-            Marker::Str8 => {
-                let n = self.len_be(1)?;
-                Head::Str(self.take(n)?)
-            }
-            Marker::Str16 => {
-                let n = self.len_be(2)?;
-                Head::Str(self.take(n)?)
-            }
-            Marker::Str32 => {
-                let n = self.len_be(4)?;
-                Head::Str(self.take(n)?)
-            }
-            Marker::Bin8 => {
-                let n = self.len_be(1)?;
-                Head::Bin(self.take(n)?)
-            }
-            Marker::Bin16 => {
-                let n = self.len_be(2)?;
-                Head::Bin(self.take(n)?)
-            }
-            Marker::Bin32 => {
-                let n = self.len_be(4)?;
-                Head::Bin(self.take(n)?)
-            }
+            Marker::Str8 => Head::Str(self.sized(1)?),
+            Marker::Str16 => Head::Str(self.sized(2)?),
+            Marker::Str32 => Head::Str(self.sized(4)?),
+            Marker::Bin8 => Head::Bin(self.sized(1)?),
+            Marker::Bin16 => Head::Bin(self.sized(2)?),
+            Marker::Bin32 => Head::Bin(self.sized(4)?),
             Marker::FixArray(n) => Head::Array(u32::from(n)),
             Marker::Array16 => Head::Array(self.len_be(2)? as u32),
             Marker::Array32 => Head::Array(self.len_be(4)? as u32),

@@ -85,72 +85,9 @@ pub(in crate::config) fn outputs(
         };
         let (mean, std, eps) = norm.resolve(cx, i, "outputs", &[])?;
         let (mean, std, eps) = then_scale(cx, i, o, mean, std, eps)?;
-        let rows = match o.rows.as_deref() {
-            None => None,
-            Some(&[start, end]) if start < end => Some((start, end)),
-            Some(&[start, end]) => {
-                return Err(cx.invalid(
-                    k("rows"),
-                    format!("[{start}, {end}] keeps no row; give [start, end] with start < end"),
-                ));
-            }
-            Some(other) => {
-                return Err(cx.invalid(
-                    k("rows"),
-                    format!("has {} values; give [start, end]", other.len()),
-                ));
-            }
-        };
-        // Every reply is float32 on the vllm-omni route (and with dtype = "float32"): a
-        // coefficient past its range would put infinity on the wire for any output.
-        // (`std` enters as `std + eps`.)
-        let f32_max = f64::from(f32::MAX);
-        let key_of = |k: &'static str| {
-            if o.min.is_empty() {
-                k
-            } else if k == "mean" {
-                "min"
-            } else {
-                "max"
-            }
-        };
-        for (key, values, pad) in [("mean", &mean, 0.0), ("std", &std, eps)] {
-            let key = key_of(key);
-            if let Some(v) = values.iter().find(|v| (*v + pad).abs() > f32_max) {
-                return Err(cx.invalid(
-                    k(key),
-                    format!(
-                        "{v} cannot be represented in float32, the dtype replies are sent in on \
-                         the vllm-omni route; un-normalised actions must stay within \
-                         ±{f32_max:e}"
-                    ),
-                ));
-            }
-        }
-        let relative = match (&o.relative_to, &o.relative_mask) {
-            (None, None) => None,
-            (None, Some(_)) => {
-                return Err(cx.invalid(
-                    k("relative_mask"),
-                    "needs relative_to: the input whose values the masked columns are relative to",
-                ));
-            }
-            (Some(key), _) if key.is_empty() => {
-                return Err(cx.invalid(k("relative_to"), "must name an input binding's key"));
-            }
-            (Some(key), mask) => {
-                if mask.as_ref().is_some_and(|m| m.is_empty()) {
-                    return Err(cx.invalid(
-                        k("relative_mask"),
-                        "must not be empty (leave it out to offset every column)",
-                    ));
-                }
-                Some(crate::config::RelativeConfig {
-                    key: key.clone(),
-                    mask: mask.clone(),
-                })
-            }
-        };
+        let rows = rows(cx, i, o)?;
+        check_f32_range(cx, i, o, &mean, &std, eps)?;
+        let relative = relative(cx, i, o)?;
         out.push(OutputConfig {
             tensor: o.tensor.clone(),
             key: o.key.clone(),
@@ -166,6 +103,96 @@ pub(in crate::config) fn outputs(
     }
     Ok(out)
 }
+/// `outputs[i].rows = [start, end]`, keeping at least one row.
+fn rows(cx: &Keys, i: usize, o: &RawOutput) -> Result<Option<(usize, usize)>, ConfigError> {
+    let k = |f: &str| format!("outputs[{i}].{f}");
+    Ok(match o.rows.as_deref() {
+        None => None,
+        Some(&[start, end]) if start < end => Some((start, end)),
+        Some(&[start, end]) => {
+            return Err(cx.invalid(
+                k("rows"),
+                format!("[{start}, {end}] keeps no row; give [start, end] with start < end"),
+            ));
+        }
+        Some(other) => {
+            return Err(cx.invalid(
+                k("rows"),
+                format!("has {} values; give [start, end]", other.len()),
+            ));
+        }
+    })
+}
+
+/// The un-normalisation's coefficients within float32's range.
+fn check_f32_range(
+    cx: &Keys,
+    i: usize,
+    o: &RawOutput,
+    mean: &[f64],
+    std: &[f64],
+    eps: f64,
+) -> Result<(), ConfigError> {
+    let k = |f: &str| format!("outputs[{i}].{f}");
+    // Every reply is float32 on the vllm-omni route (and with dtype = "float32"): a
+    // coefficient past its range would put infinity on the wire for any output.
+    // (`std` enters as `std + eps`.)
+    let f32_max = f64::from(f32::MAX);
+    let key_of = |k: &'static str| {
+        if o.min.is_empty() {
+            k
+        } else if k == "mean" {
+            "min"
+        } else {
+            "max"
+        }
+    };
+    for (key, values, pad) in [("mean", &mean, 0.0), ("std", &std, eps)] {
+        let key = key_of(key);
+        if let Some(v) = values.iter().find(|v| (*v + pad).abs() > f32_max) {
+            return Err(cx.invalid(
+                k(key),
+                format!(
+                    "{v} cannot be represented in float32, the dtype replies are sent in on \
+                     the vllm-omni route; un-normalised actions must stay within \
+                     ±{f32_max:e}"
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// `outputs[i].relative_to` and `relative_mask`, as written (checked against the input once
+/// the bindings are compiled).
+fn relative(cx: &Keys, i: usize, o: &RawOutput) -> Result<Option<RelativeConfig>, ConfigError> {
+    let k = |f: &str| format!("outputs[{i}].{f}");
+    Ok(match (&o.relative_to, &o.relative_mask) {
+        (None, None) => None,
+        (None, Some(_)) => {
+            return Err(cx.invalid(
+                k("relative_mask"),
+                "needs relative_to: the input whose values the masked columns are relative to",
+            ));
+        }
+        (Some(key), _) if key.is_empty() => {
+            return Err(cx.invalid(k("relative_to"), "must name an input binding's key"));
+        }
+        (Some(key), mask) => {
+            if mask.as_ref().is_some_and(|m| m.is_empty()) {
+                return Err(cx.invalid(
+                    k("relative_mask"),
+                    "must not be empty (leave it out to offset every column)",
+                ));
+            }
+            Some(crate::config::RelativeConfig {
+                key: key.clone(),
+                mask: mask.clone(),
+            })
+        }
+    })
+}
+
 /// `[[outputs]] scale`/`offset` folded into the un-normalisation: the map
 /// `(x·(std + eps) + mean)·scale + offset` is `x·std' + mean'` with `std' = (std + eps)·scale`
 /// (which may be negative: a sign flip) and `mean' = mean·scale + offset`. Each of the four is empty, one value, or one per

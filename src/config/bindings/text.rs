@@ -115,54 +115,7 @@ fn tokenizer(
         Some(false),
         &[("truncate", false), ("refuse", true)],
     )?;
-    let state_keys = t
-        .state_key
-        .as_ref()
-        .map(OneOrMany::values)
-        .unwrap_or_default();
-    match (format, state_keys.is_empty()) {
-        (crate::tokenizer::Format::Pi05, true) => {
-            return Err(cx.invalid(
-                k("state_key"),
-                "format \"pi05\" puts the discretised state in the prompt: name the state's input \
-                 key (or keys, concatenated in order)",
-            ));
-        }
-        (
-            crate::tokenizer::Format::Pi0
-            | crate::tokenizer::Format::Plain
-            | crate::tokenizer::Format::Lerobot
-            | crate::tokenizer::Format::Groot
-            | crate::tokenizer::Format::GrootRaw,
-            false,
-        ) => {
-            return Err(cx.invalid(
-                k("state_key"),
-                "only format \"pi05\" puts the state in the prompt",
-            ));
-        }
-        _ => {}
-    }
-    if state_keys.len() > crate::limits::MAX_STATE_KEYS {
-        return Err(cx.invalid(
-            k("state_key"),
-            format!(
-                "names {} inputs; at most {} state parts go into one prompt",
-                state_keys.len(),
-                crate::limits::MAX_STATE_KEYS
-            ),
-        ));
-    }
-    if let Some((j, dup)) = state_keys
-        .iter()
-        .enumerate()
-        .find(|(j, key)| state_keys[..*j].contains(key))
-    {
-        return Err(cx.invalid(
-            k("state_key"),
-            format!("names \"{dup}\" twice (entry {j}); each state input once"),
-        ));
-    }
+    let state_keys = state_keys(cx, i, t, format)?;
     if let Some(n) = t.max_prompt_bytes {
         cx.between(
             &k("max_prompt_bytes"),
@@ -213,6 +166,67 @@ fn tokenizer(
         prefix_ids,
         suffix_ids,
     })
+}
+
+/// `tokenizer.state_key`: for format `pi05` only (and required there), at most
+/// `MAX_STATE_KEYS` keys, each once. Whether they name numeric inputs is checked across the
+/// bindings ([`check_prompt`]).
+fn state_keys(
+    cx: &Keys,
+    i: usize,
+    t: &RawTokenizer,
+    format: crate::tokenizer::Format,
+) -> Result<Vec<String>, ConfigError> {
+    let k = |f: &str| format!("inputs[{i}].tokenizer.{f}");
+    let state_keys: Vec<String> = t
+        .state_key
+        .as_ref()
+        .map(OneOrMany::values)
+        .unwrap_or_default();
+    match (format, state_keys.is_empty()) {
+        (crate::tokenizer::Format::Pi05, true) => {
+            return Err(cx.invalid(
+                k("state_key"),
+                "format \"pi05\" puts the discretised state in the prompt: name the state's input \
+                 key (or keys, concatenated in order)",
+            ));
+        }
+        (
+            crate::tokenizer::Format::Pi0
+            | crate::tokenizer::Format::Plain
+            | crate::tokenizer::Format::Lerobot
+            | crate::tokenizer::Format::Groot
+            | crate::tokenizer::Format::GrootRaw,
+            false,
+        ) => {
+            return Err(cx.invalid(
+                k("state_key"),
+                "only format \"pi05\" puts the state in the prompt",
+            ));
+        }
+        _ => {}
+    }
+    if state_keys.len() > crate::limits::MAX_STATE_KEYS {
+        return Err(cx.invalid(
+            k("state_key"),
+            format!(
+                "names {} inputs; at most {} state parts go into one prompt",
+                state_keys.len(),
+                crate::limits::MAX_STATE_KEYS
+            ),
+        ));
+    }
+    if let Some((j, dup)) = state_keys
+        .iter()
+        .enumerate()
+        .find(|(j, key)| state_keys[..*j].contains(key))
+    {
+        return Err(cx.invalid(
+            k("state_key"),
+            format!("names \"{dup}\" twice (entry {j}); each state input once"),
+        ));
+    }
+    Ok(state_keys)
 }
 
 /// Across the bindings: one tokenized prompt per policy, and its `state_key`s name numeric
