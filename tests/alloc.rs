@@ -19,7 +19,6 @@ use policyd::demo;
 use policyd::dtype::ElemType;
 use policyd::engine::{IoSpec, TensorSpec};
 use policyd::protocol::lerobot;
-use policyd::protocol::lerobot::pickle::{PickleLimits, PickleReader};
 
 mod common;
 use policyd::protocol::{Dialect, Encoder, SessionId, Timing};
@@ -804,10 +803,8 @@ tensor = "action"
         ))
         .unwrap()
     };
-    let mut payloads = lerobot::Payloads::default();
-    let mut reader = PickleReader::new(PickleLimits::default());
     let config = fixture("config");
-    let setup = lerobot::pickled::policy_setup(&reader.read(&config).unwrap()).unwrap();
+    let (setup, mut format) = lerobot::ClientFormat::read_setup(&config).unwrap();
     let mut adapter = policyd::bind::lerobot::Adapter::new(
         policyd::config::LerobotResize::Bilinear,
         32 << 20,
@@ -824,14 +821,7 @@ tensor = "action"
     let payload = fixture("observation_p4");
     let mut go = || {
         let meta = adapter
-            .decode(
-                &mut payloads,
-                setup.codec,
-                &payload,
-                &plan,
-                &mut bufs,
-                &mut seen,
-            )
+            .decode(&mut format, &payload, &plan, &mut bufs, &mut seen)
             .unwrap();
         assert_eq!(meta.timestep, Some(7));
     };

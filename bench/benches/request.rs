@@ -27,14 +27,9 @@ fn bench(c: &mut Criterion) {
         let listener = rt.block_on(policyd::net::server::bind(&cfg)).unwrap();
         let addr = listener.local_addr().unwrap();
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        rt.spawn(policyd::net::server::serve(
-            cfg,
-            loaded,
-            listener,
-            async {
-                let _ = stopped.await;
-            },
-        ));
+        rt.spawn(policyd::net::server::serve(cfg, loaded, listener, async {
+            let _ = stopped.await;
+        }));
         let mut ws = load::connect(&format!("ws://{addr}"), None).unwrap();
         let frame = bytes::Bytes::from(Profile::built_in(profile).unwrap().encode(1).0);
         let (reply, bytes) = load::request(&mut ws, frame.clone()).unwrap();

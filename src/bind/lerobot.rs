@@ -11,7 +11,7 @@ use crate::dtype::{ByteOrder, ElemType, WireDType};
 use crate::engine::InputBuffer;
 use crate::limits::{MAX_LEROBOT_CAMERAS, MAX_LEROBOT_VALUES};
 use crate::protocol::lerobot::{
-    self, Codec, IMAGE_PREFIX, ObsValue, Payloads, PolicySetup, STATE_KEY, TASK_KEY,
+    self, ClientFormat, IMAGE_PREFIX, ObsValue, PolicySetup, STATE_KEY, TASK_KEY,
 };
 use crate::protocol::{ArrayView, Endpoint, RequestMeta, Shape, Value, WireError, clip};
 
@@ -277,19 +277,18 @@ impl Adapter {
         })
     }
 
-    /// Reads one `TimedObservation`, in the format the client set up with (`codec`, its
-    /// setup's), into a slot's inputs; the request's meta for the core.
+    /// Reads one `TimedObservation`, in the format the client set up with, into a slot's
+    /// inputs; the request's meta for the core.
     pub fn decode(
         &mut self,
-        payloads: &mut Payloads,
-        codec: Codec,
+        format: &mut ClientFormat,
         payload: &[u8],
         plan: &Plan,
         inputs: &mut [Box<dyn InputBuffer>],
         seen: &mut [bool],
     ) -> Result<RequestMeta, WireError> {
-        payloads
-            .observation(codec, payload, |at, entries| {
+        format
+            .observation(payload, |at, entries| {
                 self.bind(at, entries, plan, inputs, seen)
             })
             .map_err(wire)?
@@ -298,7 +297,7 @@ impl Adapter {
     /// Binds one observation's entries (either format) into a slot's inputs.
     fn bind<'o>(
         &mut self,
-        (timestep, timestamp, must_go): (i64, f64, bool),
+        at: lerobot::Timed,
         entries: &mut dyn Iterator<Item = Result<(&'o str, ObsValue<'o>), lerobot::LerobotError>>,
         plan: &Plan,
         inputs: &mut [Box<dyn InputBuffer>],
@@ -399,9 +398,9 @@ impl Adapter {
         plan.decode_values(values.into_iter().map(Ok), inputs, seen, None)?;
         Ok(RequestMeta {
             endpoint: Endpoint::Observe,
-            timestep: Some(timestep),
-            timestamp: Some(timestamp),
-            must_go: Some(must_go),
+            timestep: Some(at.timestep),
+            timestamp: Some(at.timestamp),
+            must_go: Some(at.must_go),
             ..RequestMeta::default()
         })
     }

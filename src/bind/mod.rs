@@ -71,10 +71,10 @@ pub struct OutputBinding {
     pub index: usize,
     /// Shape of the reply array.
     pub shape: Vec<usize>,
-    /// Engine output → reply dtype (openpi routes).
-    pub openpi: Transform,
-    /// Engine output → float32 (the vllm-omni route always sends float32).
-    pub vllm: Transform,
+    /// Engine output → the configured reply dtype (`outputs[i].dtype`).
+    pub configured: Transform,
+    /// Engine output → float32 (what vllm-omni's route and LeRobot's service always send).
+    pub float32: Transform,
     /// Bytes of the engine output before the first kept row (`rows`).
     pub offset: usize,
     /// Relative actions: the masked columns get the input's values as sent.
@@ -83,6 +83,16 @@ pub struct OutputBinding {
     /// before un-normalising are the un-normalised values clamped to the mapped bounds (the
     /// map is monotone per column), so the clamp runs on the reply.
     pub clamp: Option<Vec<(f64, f64)>>,
+}
+
+impl OutputBinding {
+    /// The transform for a reply sent in `precision`.
+    pub fn transform(&self, precision: crate::protocol::dialect::Precision) -> &Transform {
+        match precision {
+            crate::protocol::dialect::Precision::Configured => &self.configured,
+            crate::protocol::dialect::Precision::Float32 => &self.float32,
+        }
+    }
 }
 
 /// The compiled plan.

@@ -89,6 +89,12 @@ impl Plan {
     /// the reply dtype, in `scratch`), so an overflow there (a large output times a large
     /// `std`, or a float64 value past float32's range on the vllm-omni route) is caught too.
     /// `raw`: the relative actions' input as sent (see [`Relative`]; empty without).
+    ///
+    /// Each output is converted here and again when the reply is written: twice is cheaper
+    /// than keeping them. The check must finish before the reply's first byte (a non-finite
+    /// output is answered with an error, not half a reply), the scratch holds one output
+    /// (the largest, sized at start-up) rather than all of them, and a conversion is one
+    /// pass over a chunk of a few thousand values, microseconds beside the engine's run.
     pub fn non_finite_reply(
         &self,
         outputs: &[Vec<u8>],
@@ -97,10 +103,7 @@ impl Plan {
         precision: Precision,
     ) -> Option<&str> {
         self.outputs.iter().find_map(|o| {
-            let tr = match precision {
-                Precision::Configured => &o.openpi,
-                Precision::Float32 => &o.vllm,
-            };
+            let tr = o.transform(precision);
             let sent = scratch.get_mut(..tr.dst_bytes())?;
             let finite = o.convert(&outputs[o.index], tr, raw, sent)
                 && all_finite(tr.dst_type, sent, ByteOrder::Little);
@@ -199,7 +202,7 @@ impl Reply<'_, '_> {
     /// (LeRobot's timed actions) sends. Converted in the slot's scratch buffer.
     pub fn rows_f32(&mut self, i: usize, stop: usize) -> Option<(&[u8], usize)> {
         let o = self.plan.outputs.get(i)?;
-        let tr = &o.vllm;
+        let tr = &o.float32;
         if tr.dst_type != crate::dtype::ElemType::F32 {
             return None;
         }
@@ -241,10 +244,7 @@ impl Outputs for Reply<'_, '_> {
 
     fn write(&mut self, i: usize, precision: Precision, e: &mut Encoder<'_>) {
         let o = &self.plan.outputs[i];
-        let tr = match precision {
-            Precision::Configured => &o.openpi,
-            Precision::Float32 => &o.vllm,
-        };
+        let tr = o.transform(precision);
         self.plan.write_output(e, o, tr, self.parts);
     }
 

@@ -287,6 +287,7 @@ fn shared(
         planner,
         max_sessions: s.max_sessions,
         generation: generation.subscribe(),
+        policies: policies.clone(),
     };
     Ok(Shared {
         requests,

@@ -165,9 +165,9 @@ fn outputs_unnormalise_as_lerobot_and_keep_their_rows() {
         let raw: Vec<u8> = (0..12)
             .flat_map(|k| (0.1 * k as f32).to_le_bytes())
             .collect();
-        let src = &raw[o.offset..o.offset + o.openpi.src_len * 4];
-        let mut dst = vec![0u8; o.openpi.dst_bytes()];
-        assert!(o.openpi.apply(src, ByteOrder::Little, &mut dst));
+        let src = &raw[o.offset..o.offset + o.configured.src_len * 4];
+        let mut dst = vec![0u8; o.configured.dst_bytes()];
+        assert!(o.configured.apply(src, ByteOrder::Little, &mut dst));
         (o.shape.clone(), f32s(&dst))
     };
     // MEAN_STD out: x·std + mean, no epsilon.

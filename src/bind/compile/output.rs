@@ -90,8 +90,14 @@ pub(super) fn compile(
     Ok(OutputBinding {
         key: o.key.clone(),
         index,
-        openpi: Transform::first_columns(spec.dtype, o.dtype, &src_shape, cols, affine.clone()),
-        vllm: Transform::first_columns(spec.dtype, ElemType::F32, &src_shape, cols, affine.clone()),
+        configured: Transform::first_columns(spec.dtype, o.dtype, &src_shape, cols, affine.clone()),
+        float32: Transform::first_columns(
+            spec.dtype,
+            ElemType::F32,
+            &src_shape,
+            cols,
+            affine.clone(),
+        ),
         shape: if shape.is_empty() { vec![1] } else { shape },
         offset,
         relative,

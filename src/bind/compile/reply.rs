@@ -22,7 +22,7 @@ impl Sizes {
             .iter()
             .find(|o| o.shape.len() >= 2)
             .map_or(1, |o| o.shape[0]);
-        let converted = |o: &OutputBinding| o.openpi.dst_bytes().max(o.vllm.dst_bytes());
+        let converted = |o: &OutputBinding| o.configured.dst_bytes().max(o.float32.dst_bytes());
         // Map header, timing, `delay_steps`, and an `observe` push's extra keys with its two
         // [H] arrays of timesteps and timestamps.
         let push_extras = 64 + 2 * Encoder::ndarray_size(&[horizon], 8 * horizon);

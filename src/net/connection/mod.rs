@@ -27,7 +27,7 @@ use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
 use tokio_tungstenite::tungstenite::{Bytes, Message};
 
 use crate::net::frame_guard::{NotReading, oversize_marker};
-use crate::net::requests::{Core, Event, Released, Started, sleep_until_opt};
+use crate::net::requests::{Core, Event, Released, Reload, Started, sleep_until_opt};
 use crate::net::shared::{Shared, next_client_id};
 use crate::policy::Policy;
 use crate::protocol::dialect::{Frame, OPENPI_ERROR_REASON};
@@ -88,6 +88,15 @@ enum Change {
     Removed,
     /// The client named another policy (`policy` field); this frame goes to it.
     Named(Arc<Policy>, Bytes, Instant),
+}
+
+impl From<Reload> for Change {
+    fn from(r: Reload) -> Change {
+        match r {
+            Reload::Replaced(p) => Change::Replaced(p),
+            Reload::Removed => Change::Removed,
+        }
+    }
 }
 
 /// What a helper of the loop returns: `Err` when the connection ended.
@@ -276,9 +285,9 @@ where
         match event {
             Event::Release { lease, paced } => self.release(lease, paced).await,
             Event::Failed(f) => self.fail(f).await,
-            Event::Reloaded => {
+            Event::Reloaded(r) => {
                 if self.change.is_none() {
-                    self.change = self.reloaded();
+                    self.change = Some(r.into());
                 }
                 Ok(())
             }
@@ -377,13 +386,7 @@ where
 
     /// What a reload did to this connection's policy, if anything.
     fn reloaded(&self) -> Option<Change> {
-        let set = self.shared.policies.load();
-        let current = self.core.policy();
-        match set.get(&current.name) {
-            Some(p) if Arc::ptr_eq(p, current) => None,
-            Some(p) => Some(Change::Replaced(p.clone())),
-            None => Some(Change::Removed),
-        }
+        self.core.reload().map(Change::from)
     }
 
     /// Decodes a frame into `lease`'s slot through the request core and answers what it

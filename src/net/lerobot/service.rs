@@ -17,7 +17,7 @@ use crate::config::LerobotConfig;
 use crate::net::grpc_conn::ConnInfo;
 use crate::net::shared::Shared;
 use crate::protocol::clip;
-use crate::protocol::lerobot::Payloads;
+use crate::protocol::lerobot::ClientFormat;
 
 /// Observations reassembled at once (one client sends one at a time; more is abuse).
 const REASSEMBLIES: usize = 2;
@@ -172,7 +172,7 @@ impl AsyncInference for Service {
         let from = caller(&request)?;
         let _call = from.activity.call();
         let data = request.into_inner().data;
-        let setup = Payloads::default().setup(&data).map_err(|e| {
+        let (setup, format) = ClientFormat::read_setup(&data).map_err(|e| {
             self.refuse(Reason::Unreadable, Status::invalid_argument(e.to_string()))
         })?;
         let set = self.shared.policies.load();
@@ -186,7 +186,7 @@ impl AsyncInference for Service {
             clip(&setup.policy_type),
             clip(&setup.pretrained_name_or_path),
             setup.actions_per_chunk,
-            setup.codec.name(),
+            format.name(),
             policy.name
         );
         self.ask(|reply| Command::Setup {
@@ -194,6 +194,7 @@ impl AsyncInference for Service {
             policy,
             adapter: Box::new(adapter),
             setup: Box::new(setup),
+            format: Box::new(format),
             reply,
         })
         .await?;

@@ -14,11 +14,11 @@ use super::owner::{self, Change, Owner};
 use crate::bind::lerobot::Adapter;
 use crate::config::LerobotConfig;
 use crate::net::grpc_conn::ConnInfo;
-use crate::net::requests::{Core, Event, Started};
+use crate::net::requests::{Core, Event, Reload, Started};
 use crate::net::shared::Shared;
 use crate::policy::{Policy, PolicySet};
 use crate::protocol::dialect::{Precision, ResetScope};
-use crate::protocol::lerobot::{self, Payloads, PolicySetup};
+use crate::protocol::lerobot::{ClientFormat, PolicySetup};
 use crate::protocol::{Failure, Route, WireError, clip};
 use crate::runtime::worker::Lease;
 
@@ -47,6 +47,7 @@ pub(super) enum Command {
         policy: Arc<Policy>,
         adapter: Box<Adapter>,
         setup: Box<PolicySetup>,
+        format: Box<ClientFormat>,
         reply: oneshot::Sender<Result<(), Status>>,
     },
     /// `SendObservations`, reassembled; the reply carries the buffer back for reuse.
@@ -112,11 +113,13 @@ fn adapter(cfg: &LerobotConfig, policy: &Policy, setup: &PolicySetup) -> Result<
     )
 }
 
-/// The session's state while a policy is set up.
+/// The session's state while a policy is set up: the client's setup and payload format
+/// outlive the adapter that binds them to the policy (a reload rebuilds the adapter only).
 struct Active {
     core: Core,
     adapter: Box<Adapter>,
     setup: Box<PolicySetup>,
+    format: Box<ClientFormat>,
 }
 
 impl Active {
@@ -124,7 +127,7 @@ impl Active {
         shared: &Shared,
         policy: Arc<Policy>,
         adapter: Box<Adapter>,
-        setup: Box<PolicySetup>,
+        (setup, format): (Box<PolicySetup>, Box<ClientFormat>),
     ) -> Self {
         let core = Core::new(
             &shared.requests,
@@ -137,15 +140,15 @@ impl Active {
             core,
             adapter,
             setup,
+            format,
         }
     }
 }
 
-/// The service's one session, owned by the session task: the policy set up (if any), the
-/// payload reader, and the desk where chunks wait for polls.
+/// The service's one session, owned by the session task: the policy set up (if any) and the
+/// desk where chunks wait for polls.
 struct Session {
     shared: Arc<Shared>,
-    payloads: Payloads,
     active: Option<Active>,
     desk: Desk,
     /// A reload came: the session moves to the new policy once nothing is in flight.
@@ -166,7 +169,6 @@ pub(super) async fn run(shared: Arc<Shared>, mut rx: mpsc::Receiver<Command>) {
     );
     let mut s = Session {
         shared,
-        payloads: Payloads::default(),
         active: None,
         desk: Desk {
             ready: None,
@@ -206,13 +208,13 @@ impl Session {
             return;
         };
         self.replaced = false;
-        let set = self.shared.policies.load();
-        // A reload that kept this policy's engine (same fingerprint) changes nothing here.
-        let current = set.get(&a.core.policy().name);
-        if current.is_some_and(|p| Arc::ptr_eq(p, a.core.policy())) {
-            return;
-        }
-        let next = current.cloned().and_then(|p| {
+        // Asked again now that the session is idle: a later reload may have undone the first.
+        let current = match a.core.reload() {
+            None => return,
+            Some(Reload::Replaced(p)) => Some(p),
+            Some(Reload::Removed) => None,
+        };
+        let next = current.and_then(|p| {
             let l = self.shared.cfg.lerobot.as_ref()?;
             adapter(l, &p, &a.setup)
                 .map_err(|e| log::warn!("lerobot: after the reload: {e}"))
@@ -222,7 +224,7 @@ impl Session {
         let Some(old) = self.active.take() else {
             return;
         };
-        let setup = old.setup;
+        let client = (old.setup, old.format);
         old.core.close();
         match next {
             Some((p, adapter)) => {
@@ -230,7 +232,7 @@ impl Session {
                     "lerobot: policy \"{}\" reloaded; the session starts afresh",
                     p.name
                 );
-                self.active = Some(Active::new(&self.shared, p, Box::new(adapter), setup));
+                self.active = Some(Active::new(&self.shared, p, Box::new(adapter), client));
             }
             None => log::warn!(
                 "lerobot: the session's policy is gone after a reload; the client must set up \
@@ -249,7 +251,7 @@ impl Session {
                 }
                 crate::warn_limited!("lerobot: {}", crate::log_limit::Escaped(f.message()));
             }
-            Event::Reloaded => self.replaced = true,
+            Event::Reloaded(_) => self.replaced = true,
         }
     }
 
@@ -273,6 +275,7 @@ impl Session {
                 policy,
                 adapter,
                 setup,
+                format,
                 reply,
             } => {
                 let claimed = claim(desk, &from, true);
@@ -288,12 +291,14 @@ impl Session {
                         a.core.reset_all();
                         a.adapter = adapter;
                         a.setup = setup;
+                        a.format = format;
                     }
                     _ => {
                         if let Some(old) = self.active.take() {
                             old.core.close();
                         }
-                        self.active = Some(Active::new(&self.shared, policy, adapter, setup));
+                        self.active =
+                            Some(Active::new(&self.shared, policy, adapter, (setup, format)));
                     }
                 }
             }
@@ -351,12 +356,12 @@ impl Session {
         let Some(lease) = policy.worker.pool.try_acquire() else {
             return Ok(());
         };
-        let (adapter, payloads, codec) = (&mut a.adapter, &mut self.payloads, a.setup.codec);
+        let (adapter, format) = (&mut a.adapter, &mut a.format);
         let started = a.core.start(
             received,
             lease,
             ResetScope::Connection,
-            |plan, inputs, seen, _| adapter.decode(payloads, codec, payload, plan, inputs, seen),
+            |plan, inputs, seen, _| adapter.decode(format, payload, plan, inputs, seen),
         );
         let (reason, failure) = match started {
             Started::Undecodable(e @ WireError::Lerobot(_)) => {
@@ -381,10 +386,10 @@ impl Session {
         let Some(a) = &mut self.active else {
             return;
         };
-        let (output, apc, codec) = (
+        let (output, apc, format) = (
             a.adapter.action_output(),
             a.adapter.actions_per_chunk(),
-            a.setup.codec,
+            &a.format,
         );
         let mut ok = true;
         let lease = a.core.release(lease, paced, |r| {
@@ -393,7 +398,7 @@ impl Session {
             let at = r.ticket.at();
             match r.reply.rows_f32(output, apc.max(first + 1)) {
                 Some((rows, row)) if row > 0 => {
-                    lerobot::encode_actions(codec, rows.chunks_exact(row), at, first, dt, r.buf)
+                    format.encode_actions(rows.chunks_exact(row), at, first, dt, r.buf)
                 }
                 _ => ok = false,
             }

@@ -21,7 +21,7 @@ use tokio::sync::{Notify, watch};
 use crate::bind::Reply;
 use crate::metrics::Stats;
 use crate::planner::Link;
-use crate::policy::Policy;
+use crate::policy::{Policy, PolicySet};
 use crate::protocol::dialect::Precision;
 use crate::protocol::{self, Failure, PolicyName, Route, WireError};
 use crate::runtime::pacing::{Pacer, ReleaseQueue};
@@ -58,8 +58,18 @@ pub enum Event {
     Release { lease: Lease, paced: bool },
     /// A request failed (the engine's error, or the engine stalled): the front end reports it.
     Failed(Failure),
-    /// The served policies changed (a reload): what that means is the front end's call.
-    Reloaded,
+    /// A reload replaced or removed the policy this core serves (decided here, once, for
+    /// both front ends: [`Core::reload`]); the front end moves or closes once it is idle.
+    Reloaded(Reload),
+}
+
+/// What a reload did to the policy a core serves.
+#[derive(Clone)]
+pub enum Reload {
+    /// A new engine or config under the same name: the client moves to it, with fresh sessions.
+    Replaced(Arc<Policy>),
+    /// No policy by that name is served any more.
+    Removed,
 }
 
 /// What [`Core::finished`] made of a slot back from the engine.
@@ -104,6 +114,8 @@ pub struct Context {
     pub max_sessions: usize,
     /// The served set's generation: a reload bumps it ([`Event::Reloaded`]).
     pub generation: watch::Receiver<u64>,
+    /// The policies served now, which a reload swaps.
+    pub policies: Arc<arc_swap::ArcSwap<PolicySet>>,
 }
 
 /// One client's requests to one policy: its sessions, its slots in flight and held for release.
@@ -140,6 +152,8 @@ pub struct Core {
     /// The engine worker's stall flag (`engine.timeout_ms`).
     stalled: watch::Receiver<bool>,
     generation: watch::Receiver<u64>,
+    /// The served set, read when the generation moves ([`Core::reload`]).
+    policies: Arc<arc_swap::ArcSwap<PolicySet>>,
     /// The generation's or the stall flag's sender is gone (the server is stopping): those
     /// watches are off, so that a closed channel cannot spin the loop.
     server_gone: bool,
@@ -185,6 +199,7 @@ impl Core {
                 g.mark_unchanged();
                 g
             },
+            policies: cx.policies.clone(),
             server_gone: false,
             policy,
         }
@@ -192,6 +207,18 @@ impl Core {
 
     pub fn policy(&self) -> &Arc<Policy> {
         &self.policy
+    }
+
+    /// What the served set now does to this core's policy, by the one rule both front ends
+    /// follow: the same engine under its name is no change, another is a replacement, none is
+    /// a removal.
+    pub fn reload(&self) -> Option<Reload> {
+        let set = self.policies.load();
+        match set.get(&self.policy.name) {
+            Some(p) if Arc::ptr_eq(p, &self.policy) => None,
+            Some(p) => Some(Reload::Replaced(p.clone())),
+            None => Some(Reload::Removed),
+        }
     }
 
     /// An `infer` is ahead: the next request must wait for its reply.
@@ -273,7 +300,12 @@ impl Core {
                 }
                 changed = self.generation.changed(), if !self.server_gone => {
                     if changed.is_ok() {
-                        return Event::Reloaded;
+                        // A reload that kept this policy (same engine) is nothing to this
+                        // client.
+                        if let Some(r) = self.reload() {
+                            return Event::Reloaded(r);
+                        }
+                        continue;
                     }
                     // The server is gone: no reload will come.
                     self.server_gone = true;

@@ -36,14 +36,18 @@ fn served_with(pacing: &str, generation: watch::Receiver<u64>) -> (Context, Arc<
     let engine = Box::new(SyntheticEngine::new(io, Behaviour::default()));
     let spec = cfg.default_policy().clone();
     let loaded = crate::policy::build::load_engine(&cfg, &spec, engine).expect("loads");
+    let stats = loaded.stats.clone();
+    let set = crate::policy::PolicySet::single(Policy::new(&cfg, spec, loaded));
+    let policy = set.default_policy().clone();
     let cx = Context {
-        stats: loaded.stats.clone(),
+        stats,
         pacer: Arc::new(Pacer::start(Duration::ZERO).expect("pacer")),
         planner: None,
         max_sessions: 4,
         generation,
+        policies: Arc::new(arc_swap::ArcSwap::from_pointee(set)),
     };
-    (cx, Arc::new(Policy::new(&cfg, spec, loaded)))
+    (cx, policy)
 }
 
 /// Starts a request whose state is `[x, 0]`, as a front end's decoder would write it.
@@ -138,9 +142,29 @@ async fn a_reload_is_an_event_and_the_server_going_is_not() {
     let (tx, rx) = watch::channel(0);
     let (cx, policy) = served_with("", rx);
     let mut core = Core::new(&cx, policy, 1, Route::Openpi, Precision::Float32);
+    // A reload that kept the policy's engine is nothing to this client.
     tx.send_replace(1);
+    let kept = tokio::time::timeout(Duration::from_millis(50), core.next()).await;
+    assert!(kept.is_err(), "no event for an unchanged policy");
+    // One that replaced it is, naming the new one; the core asked again says the same.
+    let (_, other) = served_with("", watch::channel(0).1);
+    let set = |policies| crate::policy::PolicySet {
+        policies,
+        default: 0,
+        generation: 2,
+        budget: 0,
+    };
+    cx.policies.store(Arc::new(set(vec![other.clone()])));
+    tx.send_replace(2);
     let event = tokio::time::timeout(Duration::from_secs(5), core.next()).await;
-    assert!(matches!(event, Ok(Event::Reloaded)));
+    assert!(
+        matches!(&event, Ok(Event::Reloaded(Reload::Replaced(p))) if Arc::ptr_eq(p, &other)),
+        "replaced"
+    );
+    assert!(matches!(core.reload(), Some(Reload::Replaced(_))));
+    // Gone from the set: removed.
+    cx.policies.store(Arc::new(set(Vec::new())));
+    assert!(matches!(core.reload(), Some(Reload::Removed)));
     // The generation's sender gone: next() waits (for requests), it does not spin.
     drop(tx);
     let waited = tokio::time::timeout(Duration::from_millis(50), core.next()).await;

@@ -107,6 +107,15 @@ pub fn observation(payload: &[u8]) -> Result<Observation<'_>, LerobotError> {
 }
 
 impl Observation<'_> {
+    /// Its time and flags.
+    pub fn timed(&self) -> super::Timed {
+        super::Timed {
+            timestep: self.timestep,
+            timestamp: self.timestamp,
+            must_go: self.must_go,
+        }
+    }
+
     /// The observation's entries: `scalar_data`'s numbers and strings, then the tensors.
     pub fn entries(&self) -> impl Iterator<Item = Result<(&str, ObsValue<'_>), LerobotError>> {
         let scalars = self
@@ -244,7 +253,6 @@ pub fn policy_setup(payload: &[u8]) -> Result<PolicySetup, LerobotError> {
             .unwrap_or("cpu")
             .to_string(),
         rename_map,
-        codec: super::Codec::Json,
     };
     super::check_setup(&setup)?;
     Ok(setup)

@@ -86,10 +86,6 @@ pub struct PolicySetup {
     pub actions_per_chunk: i64,
     pub device: String,
     pub rename_map: Vec<(String, String)>,
-    /// The format the client set up in: its observations must come in it, and its actions
-    /// go back in it. Part of the client's setup, so that whatever outlives the setup (a
-    /// reload's new binding of the same client) keeps it.
-    pub codec: Codec,
 }
 
 /// Most `lerobot_features` one setup may declare (LeRobot's robots have a state, an action and
@@ -195,7 +191,7 @@ pub fn check_setup(setup: &PolicySetup) -> Result<(), LerobotError> {
 
 /// The two payload formats a LeRobot client may send.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Codec {
+enum Codec {
     /// Pickles (lerobot 0.6.1's client).
     Pickle,
     /// JSON + safetensors (lerobot PR #3048, [`json`]).
@@ -203,7 +199,7 @@ pub enum Codec {
 }
 
 impl Codec {
-    pub fn name(self) -> &'static str {
+    fn name(self) -> &'static str {
         match self {
             Codec::Pickle => "pickle",
             Codec::Json => "JSON + safetensors (lerobot PR #3048)",
@@ -213,7 +209,7 @@ impl Codec {
 
 /// Tells the formats apart by the first byte: a pickle starts with `PROTO` (0x80, protocol 2 and
 /// up); PR #3048's payloads with their JSON length, big-endian (0x00 below 16 MiB).
-pub fn codec(payload: &[u8]) -> Result<Codec, LerobotError> {
+fn codec(payload: &[u8]) -> Result<Codec, LerobotError> {
     match payload.first() {
         None => Err(LerobotError::Empty),
         Some(0x80) => Ok(Codec::Pickle),
@@ -230,83 +226,86 @@ pub fn sniff(payload: &[u8]) -> Result<(), LerobotError> {
     }
 }
 
-/// Reads a client's payloads in either format; holds the pickle reader's arenas, reused from
-/// one payload to the next.
-pub struct Payloads {
+/// A client's payload format, fixed by its setup: its observations must come in it and its
+/// actions go back in it, and it outlives whatever the setup is bound to (a reload's new
+/// binding of the same client keeps it). Holds the pickle reader's arenas, reused from one
+/// payload to the next.
+pub struct ClientFormat {
+    codec: Codec,
     pickle: PickleReader,
 }
 
-impl Default for Payloads {
-    fn default() -> Self {
-        Payloads {
-            pickle: PickleReader::new(PickleLimits::default()),
-        }
-    }
+/// An observation's time and flags.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Timed {
+    pub timestep: i64,
+    pub timestamp: f64,
+    pub must_go: bool,
 }
 
-/// An observation's time and flags: `(timestep, timestamp, must_go)`.
-pub type Timed = (i64, f64, bool);
-
-impl Payloads {
-    /// Reads a `RemotePolicyConfig` in whichever format it came (the setup says which).
-    pub fn setup(&mut self, data: &[u8]) -> Result<PolicySetup, LerobotError> {
-        match codec(data)? {
-            Codec::Pickle => pickled::policy_setup(&self.pickle.read(data)?),
-            Codec::Json => json::policy_setup(data),
-        }
+impl ClientFormat {
+    /// Reads a `RemotePolicyConfig` in whichever format it came: what the client asks for, and
+    /// its format from now on.
+    pub fn read_setup(data: &[u8]) -> Result<(PolicySetup, ClientFormat), LerobotError> {
+        let mut format = ClientFormat {
+            codec: codec(data)?,
+            pickle: PickleReader::new(PickleLimits::default()),
+        };
+        let setup = match format.codec {
+            Codec::Pickle => pickled::policy_setup(&format.pickle.read(data)?)?,
+            Codec::Json => json::policy_setup(data)?,
+        };
+        Ok((setup, format))
     }
 
-    /// Reads a `TimedObservation` sent as `expected` (the client's setup format) and hands its
-    /// time and its entries to `bind`, which keeps nothing of them past the call.
+    pub fn name(&self) -> &'static str {
+        self.codec.name()
+    }
+
+    /// Reads a `TimedObservation` in the client's format and hands its time and its entries
+    /// to `bind`, which keeps nothing of them past the call.
     pub fn observation<R>(
         &mut self,
-        expected: Codec,
         payload: &[u8],
         bind: impl for<'o> FnOnce(
             Timed,
             &mut dyn Iterator<Item = Result<(&'o str, ObsValue<'o>), LerobotError>>,
         ) -> R,
     ) -> Result<R, LerobotError> {
-        let codec = codec(payload)?;
-        if codec != expected {
+        let sent = codec(payload)?;
+        if sent != self.codec {
             return Err(invalid(format!(
                 "the client set up with {} payloads and sent an observation as {}",
-                expected.name(),
-                codec.name()
+                self.codec.name(),
+                sent.name()
             )));
         }
-        Ok(match codec {
+        Ok(match sent {
             Codec::Pickle => {
                 let tree = self.pickle.read(payload)?;
                 let obs = pickled::observation(&tree)?;
-                bind(
-                    (obs.timestep, obs.timestamp, obs.must_go),
-                    &mut obs.entries(),
-                )
+                bind(obs.timed(), &mut obs.entries())
             }
             Codec::Json => {
                 let obs = json::observation(payload)?;
-                bind(
-                    (obs.timestep, obs.timestamp, obs.must_go),
-                    &mut obs.entries(),
-                )
+                bind(obs.timed(), &mut obs.entries())
             }
         })
     }
-}
 
-/// Writes the `list[TimedAction]` reply in the client's format: action `i` is `rows[i]`
-/// (float32, little-endian) at `timestep + first + i`, `timestamp + (first + i)·dt`.
-pub fn encode_actions<'a>(
-    codec: Codec,
-    rows: impl ExactSizeIterator<Item = &'a [u8]> + Clone,
-    at: super::TimedStep,
-    first: usize,
-    dt: f64,
-    buf: &mut Vec<u8>,
-) {
-    match codec {
-        Codec::Pickle => pickled::encode_actions(rows, at, first, dt, buf),
-        Codec::Json => json::encode_actions(rows, at, first, dt, buf),
+    /// Writes the `list[TimedAction]` reply in the client's format: action `i` is `rows[i]`
+    /// (float32, little-endian) at `timestep + first + i`, `timestamp + (first + i)·dt`.
+    pub fn encode_actions<'a>(
+        &self,
+        rows: impl ExactSizeIterator<Item = &'a [u8]> + Clone,
+        at: super::TimedStep,
+        first: usize,
+        dt: f64,
+        buf: &mut Vec<u8>,
+    ) {
+        match self.codec {
+            Codec::Pickle => pickled::encode_actions(rows, at, first, dt, buf),
+            Codec::Json => json::encode_actions(rows, at, first, dt, buf),
+        }
     }
 }

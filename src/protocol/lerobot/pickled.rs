@@ -265,6 +265,15 @@ pub fn observation<'t, 'r, 'p>(
 }
 
 impl<'p> Observation<'_, '_, 'p> {
+    /// Its time and flags.
+    pub fn timed(&self) -> super::Timed {
+        super::Timed {
+            timestep: self.timestep,
+            timestamp: self.timestamp,
+            must_go: self.must_go,
+        }
+    }
+
     /// The observation dict's entries: key and value, or an error naming the key.
     pub fn entries(
         &self,
@@ -359,7 +368,6 @@ pub fn policy_setup(tree: &Tree<'_, '_>) -> Result<PolicySetup, LerobotError> {
         actions_per_chunk,
         device,
         rename_map,
-        codec: super::Codec::Pickle,
     };
     check_setup(&setup)?;
     Ok(setup)
