@@ -11,6 +11,9 @@ comes), so both servers resize the frame and run the same network. Per chunk:
 
     .venv-export/bin/python benches/lerobot_async.py --policyd target/release/policyd --n 30
 
+`--policyd` may be given more than once (`--policyd before=/tmp/policyd-old --policyd
+after=target/release/policyd`): each binary is measured in turn, in the same run.
+
 Prints a Markdown table (docs/benchmarks.md, "LeRobot's async inference").
 """
 
@@ -153,7 +156,11 @@ def measure(address: str, pid: int, ckpt: Path, n: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--policyd", default=str(ROOT / "target/release/policyd"))
+    ap.add_argument(
+        "--policyd",
+        action="append",
+        help="a policyd binary, or NAME=PATH; repeat to compare builds in one run",
+    )
     ap.add_argument("--n", type=int, default=30)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as d:
@@ -168,18 +175,22 @@ def main() -> None:
         config["lerobot"]["listen"] = f"127.0.0.1:{grpc_port}"
         (tmp / "policyd.toml").write_text(tomli_w.dumps(config))
         rows = {}
-        with server(
-            [
-                str(Path(args.policyd).resolve()),
-                "--config",
-                str(tmp / "policyd.toml"),
-                "--port",
-                str(free_port()),
-            ],
-            grpc_port,
-            tmp,
-        ) as p:
-            rows["policyd"] = measure(f"127.0.0.1:{grpc_port}", p.pid, ckpt, args.n)
+        binaries = args.policyd or [str(ROOT / "target/release/policyd")]
+        for entry in binaries:
+            name, _, path = entry.rpartition("=")
+            with server(
+                [
+                    str(Path(path).resolve()),
+                    "--config",
+                    str(tmp / "policyd.toml"),
+                    "--port",
+                    str(free_port()),
+                ],
+                grpc_port,
+                tmp,
+            ) as p:
+                label = f"policyd ({name})" if name else "policyd"
+                rows[label] = measure(f"127.0.0.1:{grpc_port}", p.pid, ckpt, args.n)
         port = free_port()
         upstream = [
             sys.executable,

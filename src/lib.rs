@@ -17,16 +17,21 @@
 //! runtime                  slots and the engine worker, scheduler, pacing, sessions
 //! metrics                  request-path counters
 //! policy                   the served policies: build (open, compile, warm), budget, reload
-//! net                      HTTP, auth, TLS, the frame guard, the request core, both front ends
+//! net                      the server; HTTP, auth, TLS, the frame guard; the request core;
+//!                          both front ends (WebSocket, LeRobot's gRPC service)
 //! app                      listen → build (503 meanwhile) → notify → serve → drain
 //! testing                  (feature `testing`) the synthetic engine, fuzz entry points
 //! ```
 //!
-//! One observation flows one way: [`net::connection`] (routes the frame to its policy) →
-//! [`protocol::request`] (reads it, in [`bind`]'s decode, whose visitor writes each value into
-//! a slot's engine inputs) → [`runtime`] (scheduler, worker) → [`engine`] → [`bind`] (cut and
-//! convert the outputs) → [`protocol::encode`] and [`protocol::dialect`] (the reply's bytes and
-//! framing) → [`net::connection`] (released on time by [`runtime::pacing`]).
+//! One observation flows one way. A front end reads it: [`net::connection`] (a WebSocket
+//! frame, routed to its policy by [`net::http`]'s path and its `policy` field) or
+//! [`net::lerobot`] (a gRPC observation, in the client's [`protocol::lerobot::ClientFormat`]).
+//! The request core, [`net::requests`], decodes it into a slot's engine inputs
+//! ([`protocol::request`]'s reader with [`bind`]'s visitor, or [`bind::lerobot`]'s adapter),
+//! keeps the client's sessions and hands the slot to [`runtime`] (scheduler, worker) →
+//! [`engine`] → [`bind`] (cut and convert the outputs); [`runtime::pacing`] releases it on
+//! time and the front end frames the reply ([`protocol::encode`] and [`protocol::dialect`], or
+//! the client's format).
 
 pub mod app;
 pub mod bind;

@@ -1,7 +1,12 @@
-//! What do the bytes on the socket mean? The OpenPI wire format in both dialects: msgpack with
-//! numpy array markers, decoded in one pass into the bindings' buffers ([`request`]), replies
-//! encoded byte for byte as openpi's `msgpack_numpy.packb` writes them ([`encode`]), and the
-//! per-dialect framing of replies, errors and resets ([`dialect`]).
+//! What do the bytes on the socket mean? The OpenPI wire format in both dialects: msgpack
+//! (a bounded cursor, `msgpack.rs`) with numpy array markers, decoded in one pass into the
+//! bindings' buffers ([`request`]), replies encoded byte for byte as openpi's
+//! `msgpack_numpy.packb` writes them ([`encode`]), and the per-dialect framing of replies,
+//! errors and resets ([`dialect`]). LeRobot's async-inference payloads, in either of a
+//! client's formats, are [`lerobot`]'s: the strict pickle reader, the JSON + safetensors
+//! reader, the typed setup and observations, the `TimedAction` replies. Here too: which front
+//! end a request came by ([`Route`]), an observation's step and time ([`TimedStep`]) and a
+//! pipeline's stages as a reply reports them ([`StageTimes`]).
 //!
 //! This layer knows no config, engine or runtime: it takes the caps it needs ([`Limits`]) and a
 //! [`Visitor`] for the values a binding names.

@@ -7,10 +7,10 @@
 //! dialects are understood (openpi's `__ndarray__`/`__npgeneric__` and lebedov's `nd`, keys as
 //! msgpack str or bin); structured, object (pickle) and complex arrays are refused before their
 //! data is looked at. Depth, map sizes and ranks are capped, so a hostile frame costs at most a
-//! linear scan of its bytes.
-//!
-//! Encoding writes replies into a reused buffer exactly as openpi's `msgpack_numpy.packb` does
-//! (bin marker keys in openpi order, `dtype.str`, float64 timing fields), byte for byte.
+//! linear scan of its bytes. [`peek_policy`] reads only a frame's `policy` (a server of
+//! several policies routes by it before the named one decodes the frame); the reserved keys
+//! ([`RESERVED_KEYS`]: `endpoint`, `policy`, `session_id`, `timestep`, …) become the
+//! request's [`RequestMeta`]. Replies are [`super::encode`]'s.
 
 use super::msgpack::{Cursor, Head, MsgpackError};
 use crate::dtype::{ByteOrder, DTypeError, ElemType, WireDType, parse_numpy_dtype};
