@@ -130,7 +130,7 @@ impl Server {
         };
         let reloading = reloader.map(|(r, open)| {
             let served = Arc::new(crate::policy::reload::Served {
-                policies: shared.policies.clone(),
+                policies: shared.policies().clone(),
                 generation: shared.generation.clone(),
                 started: shared.cfg.clone(),
                 planner: shared.requests.planner.clone(),
@@ -177,7 +177,7 @@ impl Server {
                         }
                     };
                     let Ok(permit) = self.handshakes.clone().try_acquire_owned() else {
-                        self.shared.stats.metrics.connection_refused("handshakes");
+                        self.shared.stats().metrics.connection_refused("handshakes");
                         crate::warn_limited!(
                             "{peer}: too many handshakes in progress; dropping the connection"
                         );
@@ -220,7 +220,7 @@ impl Server {
             // Stopping waits for the model server's grace period: off the async threads.
             let _ = tokio::task::spawn_blocking(move || drop(p)).await;
         }
-        let r = self.shared.stats.release.summary();
+        let r = self.shared.stats().release.summary();
         if r.paced > 0 {
             log::info!(
                 "paced replies: {}, deadline misses: {}, release error p50 {} µs, p99 {} µs, \
@@ -292,8 +292,6 @@ fn shared(
     Ok(Shared {
         requests,
         registry,
-        stats,
-        policies,
         generation,
         ws_config,
         connections,

@@ -16,16 +16,15 @@ use crate::policy::PolicySet;
 
 /// Everything a connection needs, shared by all of them.
 pub struct Shared {
-    /// What the request core uses of the server (counters, pacing clock, planner, caps).
+    /// What the request core uses of the server (counters, pacing clock, planner, caps, the
+    /// served policies): held here once, read through [`Shared::stats`] and
+    /// [`Shared::policies`] by the rest of the server.
     pub requests: Context,
-    pub stats: Arc<Stats>,
     /// The config the server started with (its `[server]`, `[auth]` and `[tls]` hold until a
     /// restart; each policy's own config is in its [`crate::policy::Policy`]).
     pub cfg: Config,
     /// The secrets opened from it at start-up (API keys, TLS acceptor, planner key).
     pub access: crate::net::Access,
-    /// The policies served now; a reload swaps the whole set.
-    pub policies: Arc<ArcSwap<PolicySet>>,
     /// The set's generation, for connections to notice a reload.
     pub generation: watch::Sender<u64>,
     pub ws_config: WebSocketConfig,
@@ -36,6 +35,18 @@ pub struct Shared {
     pub shutdown: watch::Receiver<bool>,
     /// What `/metrics` encodes.
     pub registry: prometheus_client::registry::Registry,
+}
+
+impl Shared {
+    /// The server's counters.
+    pub fn stats(&self) -> &Arc<Stats> {
+        &self.requests.stats
+    }
+
+    /// The policies served now; a reload swaps the whole set.
+    pub fn policies(&self) -> &Arc<ArcSwap<PolicySet>> {
+        &self.requests.policies
+    }
 }
 
 /// Client ids, for the scheduler's session keys (WebSocket connections and LeRobot clients).

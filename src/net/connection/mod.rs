@@ -395,7 +395,7 @@ where
         let policy = self.core.policy().clone();
         // Routed before it is decoded: with several policies, a frame naming another is that
         // policy's to decode (it may not even fit this one's bindings).
-        if self.shared.policies.load().policies.len() > 1
+        if self.shared.policies().load().policies.len() > 1
             && let Some(name) = protocol::peek_policy(frame, &policy.plan.limits)
             && name.as_str() != policy.name
         {
@@ -440,7 +440,7 @@ where
     /// Moves the connection to the policy `name` once its requests in flight are answered,
     /// `frame` first; an error if no policy has that name.
     async fn switch_to(&mut self, name: &str, frame: &Bytes, received: Instant) -> Step {
-        let set = self.shared.policies.load();
+        let set = self.shared.policies().load();
         let Some(to) = set.get(name) else {
             let e = format!(
                 "no policy named \"{name}\"; this server serves: {}",

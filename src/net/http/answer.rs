@@ -117,7 +117,7 @@ impl Answer {
     pub(super) fn note(&self, peer: SocketAddr, head: &Head, shared: &Shared) {
         match self {
             Answer::Unauthorized(verdict) => {
-                shared.stats.metrics.auth_failures.inc();
+                shared.stats().metrics.auth_failures.inc();
                 crate::warn_limited!(
                     "{peer}: refused {}: {}",
                     crate::protocol::clip(&head.path),

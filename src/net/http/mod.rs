@@ -158,7 +158,7 @@ pub(crate) async fn handle(
         }
     };
     let answer = {
-        let set = shared.policies.load();
+        let set = shared.policies().load();
         let now = Now {
             healthy: set.healthy(),
             shutting_down: *shared.shutdown.borrow(),
@@ -243,7 +243,7 @@ async fn upgrade(
     // grow it (a ping flood queues one pong, not one per ping).
     let ws_config = shared
         .ws_config
-        .max_write_buffer_size(write_buffer_bound(&shared.policies.load()));
+        .max_write_buffer_size(write_buffer_bound(&shared.policies().load()));
     let ws = WebSocketStream::from_raw_socket(stream, Role::Server, Some(ws_config)).await;
     let why = connection::serve(ws, shared, dialect, policy).await;
     crate::log_limited!(
@@ -296,7 +296,7 @@ async fn admit<S: Transport>(
             }
         },
     };
-    shared.stats.metrics.connection_refused(reason);
+    shared.stats().metrics.connection_refused(reason);
     respond(
         stream,
         "503 Service Unavailable",

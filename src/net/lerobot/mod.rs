@@ -134,7 +134,7 @@ async fn accept(
             }
             accepted = listener.accept() => match accepted {
                 Ok((stream, peer)) => {
-                    let metrics = &shared.stats.metrics;
+                    let metrics = &shared.stats().metrics;
                     if !allowed(&cfg, peer) {
                         crate::warn_limited!(
                             "lerobot: {peer} is not in lerobot.allow; connection refused"
@@ -232,7 +232,7 @@ impl Reason {
 /// [`MAX_STATUS_MESSAGE`], which is returned for the client's status.
 fn record_refusal(shared: &Shared, reason: Reason, message: String) -> String {
     let reason = reason.label();
-    shared.stats.metrics.lerobot_refused(reason);
+    shared.stats().metrics.lerobot_refused(reason);
     let message = cap_message(message, MAX_STATUS_MESSAGE);
     crate::log_limited!(log::Level::Info, "lerobot: refused ({reason}): {message}");
     message

@@ -154,7 +154,7 @@ fn caller<T>(request: &Request<T>) -> Result<ConnInfo, Status> {
 #[tonic::async_trait]
 impl AsyncInference for Service {
     async fn ready(&self, request: Request<Empty>) -> Result<Response<Empty>, Status> {
-        self.shared.stats.metrics.lerobot_rpc("Ready");
+        self.shared.stats().metrics.lerobot_rpc("Ready");
         let from = caller(&request)?;
         let _call = from.activity.call();
         self.ask(|reply| Command::Ready { from, reply }).await?;
@@ -166,7 +166,7 @@ impl AsyncInference for Service {
         request: Request<transport::PolicySetup>,
     ) -> Result<Response<Empty>, Status> {
         self.shared
-            .stats
+            .stats()
             .metrics
             .lerobot_rpc("SendPolicyInstructions");
         let from = caller(&request)?;
@@ -175,7 +175,7 @@ impl AsyncInference for Service {
         let (setup, format) = ClientFormat::read_setup(&data).map_err(|e| {
             self.refuse(Reason::Unreadable, Status::invalid_argument(e.to_string()))
         })?;
-        let set = self.shared.policies.load();
+        let set = self.shared.policies().load();
         let (policy, adapter) = for_setup(&self.cfg, &set, &setup)
             .map_err(|e| self.refuse(Reason::Setup, Status::failed_precondition(e)))?;
         crate::log_limited!(
@@ -205,7 +205,7 @@ impl AsyncInference for Service {
         &self,
         request: Request<Streaming<Observation>>,
     ) -> Result<Response<Empty>, Status> {
-        self.shared.stats.metrics.lerobot_rpc("SendObservations");
+        self.shared.stats().metrics.lerobot_rpc("SendObservations");
         let from = caller(&request)?;
         let _call = from.activity.call();
         let received = Instant::now();
@@ -303,7 +303,7 @@ impl AsyncInference for Service {
     }
 
     async fn get_actions(&self, request: Request<Empty>) -> Result<Response<Actions>, Status> {
-        self.shared.stats.metrics.lerobot_rpc("GetActions");
+        self.shared.stats().metrics.lerobot_rpc("GetActions");
         let from = caller(&request)?;
         let _call = from.activity.call();
         let (reply, rx) = oneshot::channel();
@@ -315,7 +315,7 @@ impl AsyncInference for Service {
             Ok(Ok(Ok(data))) => Ok(Response::new(Actions { data })),
             Ok(Ok(Err(status))) => Err(self.refuse(Reason::Owner, status)),
             _ => {
-                self.shared.stats.metrics.lerobot_long_poll_timeouts.inc();
+                self.shared.stats().metrics.lerobot_long_poll_timeouts.inc();
                 Ok(Response::new(Actions { data: Vec::new() }))
             }
         }
