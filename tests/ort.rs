@@ -189,6 +189,23 @@ fn library_and_provider_mistakes_are_start_up_errors_that_say_what_to_do() {
     );
     let e = stderr(&check_config(&cpu));
     assert!(e.contains("applies to the ort backend only"), "{e}");
+    // spinning too, naming its key; a bool, named when it is not one.
+    let cpu = common::demo_config_text("tiny").replacen(
+        "backend = \"cpu\"",
+        "backend = \"cpu\"\nspinning = false",
+        1,
+    );
+    let e = stderr(&check_config(&cpu));
+    assert!(
+        e.contains("engine.spinning") && e.contains("applies to the ort backend only"),
+        "{e}"
+    );
+    let e = stderr(&check_config(&ort_config(
+        "tiny",
+        &old,
+        "\nspinning = \"no\"",
+    )));
+    assert!(e.contains("spinning"), "{e}");
 }
 
 #[test]

@@ -27,6 +27,9 @@ pub(super) struct RawEngine {
     /// `ort`: execution providers in order of preference (`cpu`, `cuda`, `tensorrt`).
     #[serde(default)]
     pub(super) providers: Option<Vec<String>>,
+    /// `ort`: whether the pool's threads spin between ops (`true`) or sleep (`false`).
+    #[serde(default)]
+    pub(super) spinning: Option<bool>,
     /// `tensorrt`: run on this DLA core (Jetson AGX/NX) instead of the GPU.
     #[serde(default)]
     pub(super) dla_core: Option<u32>,
@@ -67,6 +70,7 @@ impl Default for RawEngine {
             tensorrt_library: None,
             ort_library: None,
             providers: None,
+            spinning: None,
             slots: default_slots(),
             warmup_runs: default_warmup(),
             timeout_ms: default_engine_timeout(),
@@ -122,6 +126,11 @@ pub struct EngineConfig {
     pub ort_library: Option<PathBuf>,
     /// `ort`: execution providers in order of preference; CPU is always the last resort.
     pub providers: Vec<Provider>,
+    /// `ort`: the intra-op pool's threads spin between ops (onnxruntime's default) instead of
+    /// sleeping: a run of many small ops does not wait for its threads to wake each time
+    /// (SmolVLA at real size, 2 threads: 13 % faster, docs/benchmarks.md), at the cost of
+    /// CPU the threads burn while they wait.
+    pub spinning: bool,
 }
 
 /// `engine.providers`: an onnxruntime execution provider policyd knows how to enable.
@@ -340,6 +349,7 @@ pub(super) fn engine(
             threads: e.threads,
             ort_library,
             providers,
+            spinning: e.spinning.unwrap_or(true),
         },
         ModelSource::File(path(base, model)),
     ))
@@ -353,6 +363,7 @@ fn backend_keys(cx: &Keys, e: &RawEngine, backend: Backend) -> Result<(), Config
         for (key, set) in [
             ("engine.ort_library", e.ort_library.is_some()),
             ("engine.providers", e.providers.is_some()),
+            ("engine.spinning", e.spinning.is_some()),
         ] {
             if set {
                 return Err(cx.invalid(

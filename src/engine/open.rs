@@ -129,6 +129,7 @@ fn open_model(spec: &PolicySpec, model: &ModelSource) -> Result<Box<dyn Engine>,
                 providers: &e.providers,
                 device: e.device,
                 shapes: &hints,
+                spinning: e.spinning,
             };
             Ok(Box::new(crate::engine::ort::OrtEngine::load(model, &opts)?))
         }

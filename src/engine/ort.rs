@@ -45,6 +45,8 @@ pub struct Options<'a> {
     pub device: u32,
     /// Fixed shapes (`engine_shape`) for inputs the model leaves symbolic.
     pub shapes: &'a [(String, Vec<usize>)],
+    /// `engine.spinning`.
+    pub spinning: bool,
 }
 
 /// The process's one onnxruntime: the library is loaded once, and its environment (logging,
@@ -522,8 +524,8 @@ fn builder(rt: &Runtime, opts: &Options) -> Result<SessionBuilder, String> {
         .map_err(e)?
         .with_parallel_execution(false)
         .map_err(e)?;
-    if opts.threads > 1 {
-        // Pool threads that spin between ops hold a core the serving threads need.
+    if opts.threads > 1 && !opts.spinning {
+        // Sleeping between ops leaves the cores to the serving threads and other processes.
         b = b.with_intra_op_spinning(false).map_err(e)?;
     }
     let device = opts.device as i32;
