@@ -6,9 +6,9 @@ weights, two 480×640 cameras, chunk 50, 10 flow steps). Then, one process at a 
 
 - onnxruntime (this venv's wheel, the library policyd's `ort` backend loads): the prefix graph
   and the step graph run as policyd runs them (the step graph fed the prefix's outputs), with
-  onnxruntime's own profiler; node time summed by op type and by the module the node came from
-  (the exported node names keep the torch module path: vision tower, connector, text layers,
-  action expert).
+  onnxruntime's own profiler; node time summed by op type (the optimised graph's node names
+  no longer say which module a node came from, so its stages are the two graphs). At 2
+  threads also with the pool spinning between ops (`engine.spinning`).
 - tract: policyd's `cpu` backend serving the bundle; each reply's `policy_timing` gives the
   prefix and the 10 steps apart.
 - torch: LeRobot's `predict_action_chunk` on the same observations, the stages timed with
@@ -44,24 +44,10 @@ real = importlib.import_module("smolvla_real")
 STAGES = ("vision", "connector", "text layers", "expert", "other")
 
 
-def stage_of(node: str) -> str:
-    """The stage an exported node belongs to, from the torch module path in its name."""
-    n = node.lower()
-    if "vision_model" in n or "patch_embedding" in n:
-        return "vision"
-    if "connector" in n:
-        return "connector"
-    if "lm_expert" in n:
-        return "expert"
-    if "text_model" in n or "/layers." in n:
-        return "text layers"
-    return "other"
-
-
 def ort_profile(
     bundle: Path, feeds: dict[str, Any], threads: int, runs: int, spin: bool
 ) -> dict[str, Any]:
-    """The prefix and one step graph, profiled: ms per run by graph, op type and stage.
+    """The prefix and one step graph, profiled: ms per chunk by graph and by op type.
     `spin`: the pool's threads spin between ops (onnxruntime's default; policyd turns it off
     above one thread, so that they do not hold a core the serving threads need)."""
     import numpy as np
@@ -110,7 +96,6 @@ def ort_profile(
             wall["prefix"] += (t1 - t0) * 1e3 / runs
             wall["steps"] += (t2 - t1) * 1e3 / runs
     by_op: dict[str, float] = collections.defaultdict(float)
-    by_stage: dict[str, float] = collections.defaultdict(float)
     for sess, graph in ((prefix, "prefix"), (step, "step")):
         events = json.loads(Path(sess.end_profiling()).read_text())
         # Every run's nodes, the warm-up's included: scaled to one chunk below.
@@ -121,8 +106,7 @@ def ort_profile(
                 continue
             ms = e["dur"] / 1e3 / calls * per_chunk
             by_op[e["args"]["op_name"]] += ms
-            by_stage[stage_of(e["name"])] += ms
-    return {"wall": dict(wall), "op": dict(by_op), "stage": dict(by_stage)}
+    return {"wall": dict(wall), "op": dict(by_op)}
 
 
 def tract_stages(
@@ -405,14 +389,12 @@ def print_tables(results: dict[str, dict[int, Any]]) -> None:
         f"\nort at 2 threads with its pool spinning between ops: prefix {spin['prefix']:.0f} ms, "
         f"10 steps {spin['steps']:.0f} ms"
     )
-    print("\n| stage, ms per chunk | ort 1 | ort 2 | torch 1 | torch 2 |")
-    print("|---|---|---|---|---|")
+    # onnxruntime's profile names the optimised graph's nodes, which no longer say which
+    # module they came from: its split is the two graphs' (above). torch's, by stage:
+    print("\n| torch, stage, ms per chunk | 1 thread | 2 threads |")
+    print("|---|---|---|")
     for s in STAGES:
-        cells = [
-            f"{results[e][t]['stage'].get(s, 0.0):.0f}"
-            for e in ("ort", "torch")
-            for t in (1, 2)
-        ]
+        cells = [f"{results['torch'][t]['stage'].get(s, 0.0):.0f}" for t in (1, 2)]
         print(f"| {s} | " + " | ".join(cells) + " |")
     print("\n| op class, ms per chunk | ort 1 | ort 2 | torch 1 | torch 2 |")
     print("|---|---|---|---|---|")
