@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 from numpy.typing import NDArray
@@ -67,11 +67,23 @@ class Feature:
     shape: tuple[int, ...]
 
 
+#: LeRobot's normalisation modes (`NormalizationMode`), as config.json's `norm_map` names them.
+NormMode = Literal["IDENTITY", "MEAN_STD", "MIN_MAX", "QUANTILES", "QUANTILE10"]
+
+#: The statistics each mode but IDENTITY reads.
+NORM_STATS: dict[NormMode, tuple[str, str]] = {
+    "MEAN_STD": ("mean", "std"),
+    "MIN_MAX": ("min", "max"),
+    "QUANTILES": ("q01", "q99"),
+    "QUANTILE10": ("q10", "q90"),
+}
+
+
 @dataclass
 class Norm:
     """How LeRobot (un)normalises one feature: the mode and the statistics it reads."""
 
-    mode: str  # MEAN_STD, MIN_MAX, QUANTILES, QUANTILE10, IDENTITY
+    mode: NormMode
     stats: dict[str, NDArray[Any]] = field(default_factory=dict)
     eps: float = 1e-8
 
@@ -237,19 +249,15 @@ def _norms(
     eps = float(config.get("eps", 1e-8))
     out = {}
     for f in features:
-        mode = str(norm_map.get(f.type, "IDENTITY"))
-        if mode == "IDENTITY" or f.key not in stats:
+        written = str(norm_map.get(f.type, "IDENTITY"))
+        if written == "IDENTITY" or f.key not in stats:
             # LeRobot passes a feature through when it has no statistics.
             out[f.key] = Norm("IDENTITY", {}, eps)
             continue
-        need = {
-            "MEAN_STD": ("mean", "std"),
-            "MIN_MAX": ("min", "max"),
-            "QUANTILES": ("q01", "q99"),
-            "QUANTILE10": ("q10", "q90"),
-        }.get(mode)
-        if need is None:
-            raise ExportError(f"{side}: feature {f.key} uses normalisation {mode}, unknown here")
+        mode = next((m for m in NORM_STATS if m == written), None)
+        if mode is None:
+            raise ExportError(f"{side}: feature {f.key} uses normalisation {written}, unknown here")
+        need = NORM_STATS[mode]
         missing = [n for n in need if n not in stats[f.key]]
         if missing:
             raise ExportError(
