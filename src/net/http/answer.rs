@@ -10,7 +10,14 @@ use crate::net::shared::Shared;
 use crate::policy::{Policy, PolicySet};
 use crate::protocol::Dialect;
 
-/// What a request head gets: a response, or the WebSocket upgrade on a dialect and policy.
+/// A request head that gets the WebSocket upgrade: its key, dialect and policy.
+pub(super) struct Upgrade {
+    pub(super) key: String,
+    pub(super) dialect: Dialect,
+    pub(super) policy: Arc<Policy>,
+}
+
+/// What a request head gets when it is not upgraded: one HTTP response.
 pub(super) enum Answer {
     /// `/healthz` (text) or `/health` (JSON).
     Health {
@@ -33,11 +40,6 @@ pub(super) enum Answer {
         name: String,
         serves: String,
     },
-    Upgrade {
-        key: String,
-        dialect: Dialect,
-        policy: Arc<Policy>,
-    },
 }
 
 /// What an answer depends on beyond the head.
@@ -52,39 +54,39 @@ pub(super) struct Now<'a> {
 /// then the key, then the handshake, then the route. `/policies/<name>` (openpi) or
 /// `/policies/<name>/v1/realtime/robot/openpi` (vllm-omni) chooses a policy; other paths get
 /// the default one.
-pub(super) fn answer(head: &Head, now: &Now<'_>) -> Answer {
+pub(super) fn answer(head: &Head, now: &Now<'_>) -> Result<Upgrade, Answer> {
     let plain_get = head.method == "GET" && !head.upgrade;
     if plain_get && (head.path == "/healthz" || head.path == "/health") {
-        return Answer::Health {
+        return Err(Answer::Health {
             json: head.path == "/health",
             healthy: now.healthy,
-        };
+        });
     }
     let is_metrics = plain_get && head.path == "/metrics";
     let keys = &now.access.keys;
     if keys.enabled() && (head.upgrade || (is_metrics && now.access.protect_metrics)) {
         let verdict = keys.check_all(&head.authorizations);
         if verdict != Verdict::Accepted {
-            return Answer::Unauthorized(verdict);
+            return Err(Answer::Unauthorized(verdict));
         }
     }
     if is_metrics {
-        return Answer::Metrics;
+        return Err(Answer::Metrics);
     }
     if !head.upgrade {
-        return Answer::NotWebSocket {
+        return Err(Answer::NotWebSocket {
             get: head.method == "GET",
-        };
+        });
     }
     let key = match upgrade_request(head) {
         Ok(key) => key.to_string(),
-        Err(why) => return Answer::BadUpgrade(why),
+        Err(why) => return Err(Answer::BadUpgrade(why)),
     };
     if head.version.as_deref() != Some("13") {
-        return Answer::WrongVersion;
+        return Err(Answer::WrongVersion);
     }
     if now.shutting_down || !now.healthy {
-        return Answer::Unavailable;
+        return Err(Answer::Unavailable);
     }
     let (named, rest) = match head.path.strip_prefix("/policies/") {
         Some(r) => {
@@ -98,18 +100,18 @@ pub(super) fn answer(head: &Head, now: &Now<'_>) -> Answer {
         Some(name) => match now.set.get(name) {
             Some(p) => p,
             None => {
-                return Answer::NoSuchPolicy {
+                return Err(Answer::NoSuchPolicy {
                     name: name.to_string(),
                     serves: now.set.names(),
-                };
+                });
             }
         },
     };
-    Answer::Upgrade {
+    Ok(Upgrade {
         key,
         dialect: Dialect::for_path(rest),
         policy: policy.clone(),
-    }
+    })
 }
 
 impl Answer {
@@ -138,7 +140,7 @@ impl Answer {
         }
     }
 
-    /// The HTTP response of every answer but the upgrade: status, content type, body and
+    /// The HTTP response: status, content type, body and
     /// extra headers.
     pub(super) fn response(
         &self,
@@ -202,10 +204,7 @@ impl Answer {
                 text("unsupported WebSocket version; use 13\n"),
                 "Sec-WebSocket-Version: 13\r\n",
             ),
-            // (`handle` upgrades rather than answers an upgrade.)
-            Answer::Unavailable | Answer::Upgrade { .. } => {
-                (UNAVAILABLE, TEXT, text("server unavailable\n"), "")
-            }
+            Answer::Unavailable => (UNAVAILABLE, TEXT, text("server unavailable\n"), ""),
             Answer::NoSuchPolicy { name, serves } => (
                 "404 Not Found",
                 TEXT,

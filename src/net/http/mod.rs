@@ -21,14 +21,12 @@ use tokio_tungstenite::WebSocketStream;
 use tokio_tungstenite::tungstenite::handshake::derive_accept_key;
 use tokio_tungstenite::tungstenite::protocol::Role;
 
-use answer::{Answer, Now, answer};
+use answer::{Now, Upgrade, answer};
 use head::{Head, read_head};
 
 use crate::net::connection;
 use crate::net::frame_guard::FrameGuard;
 use crate::net::shared::Shared;
-use crate::policy::Policy;
-use crate::protocol::Dialect;
 
 /// Answers every connection with 503 until `load` completes, then returns its output; the
 /// listener is then handed to [`serve_set`](crate::net::server::serve_set). So a supervisor
@@ -168,23 +166,8 @@ pub(crate) async fn handle(
         answer(&head, &now)
     };
     match answer {
-        Answer::Upgrade {
-            key,
-            dialect,
-            policy,
-        } => {
-            upgrade(
-                stream,
-                peer,
-                &shared,
-                &head,
-                &key,
-                (dialect, policy),
-                handshake,
-            )
-            .await
-        }
-        refused => {
+        Ok(u) => upgrade(stream, peer, &shared, &head, u, handshake).await,
+        Err(refused) => {
             refused.note(peer, &head, &shared);
             let (status, ctype, body, extra) = refused.response(&shared);
             respond(&mut stream, status, ctype, &body, extra).await;
@@ -199,8 +182,11 @@ async fn upgrade(
     peer: SocketAddr,
     shared: &Arc<Shared>,
     head: &Head,
-    key: &str,
-    (dialect, policy): (Dialect, Arc<Policy>),
+    Upgrade {
+        key,
+        dialect,
+        policy,
+    }: Upgrade,
     handshake: tokio::sync::OwnedSemaphorePermit,
 ) {
     let Some((permit, peer_permit)) = admit(&mut stream, peer, shared).await else {
