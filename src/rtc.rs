@@ -120,13 +120,13 @@ pub fn guide(
             continue;
         }
         let row = r * width..(r + 1) * width;
+        let term = StepTerm::Guide { g, time };
         for ((v, &x), &p) in v[row.clone()]
             .iter_mut()
             .zip(&x[row.clone()])
             .zip(&prev[row])
         {
-            let err = (p - (x - time * *v)) * w;
-            *v -= g * err;
+            *v = term.apply(*v, x, p, w);
         }
     }
 }
@@ -443,22 +443,13 @@ impl Loop {
     /// One step's velocity `v` at flow time `time` (LeRobot's: 1 is noise), in place: guided
     /// towards the leftover, or scaled by each row's strength (GR00T).
     pub fn velocity(&self, time: f32, x: &[f32], prev: &[f32], v: &mut [f32]) {
-        if !self.active {
-            return;
-        }
-        match self.settings.method {
-            Method::Guidance {
-                max_guidance_weight,
-                ..
-            } => {
-                let g = guidance_weight(time, max_guidance_weight);
-                guide(v, x, prev, &self.per_row, self.width, time, g);
-            }
-            Method::Inpaint { .. } => {
+        match self.step_term(time) {
+            StepTerm::Plain => {}
+            StepTerm::Guide { g, time } => guide(v, x, prev, &self.per_row, self.width, time, g),
+            term @ StepTerm::Scale => {
                 for (row, &s) in v.chunks_exact_mut(self.width).zip(&self.per_row) {
-                    if s != 1.0 {
-                        row.iter_mut().for_each(|v| *v *= s);
-                    }
+                    row.iter_mut()
+                        .for_each(|v| *v = term.apply(*v, 0.0, 0.0, s));
                 }
             }
         }
